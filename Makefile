@@ -1,0 +1,28 @@
+# The two entry points the README documents: `make serve` and `make test`.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+HOST ?= 127.0.0.1
+PORT ?= 8080
+
+.PHONY: install install-test serve test lint
+
+# torch first: an explicit pin keeps pip from replacing an installed build with another one.
+install:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q -e .
+
+install-test: install
+	$(PIP) install -q -e ".[test]"
+	@command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
+
+serve: install
+	$(PYTHON) -m realtime serve --host $(HOST) --port $(PORT)
+
+# pytest exits 5 when it collected nothing: treat that as a failure, never as a pass.
+test: install-test
+	$(PYTHON) -m ruff check engines realtime scripts tests
+	$(PYTHON) -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests ran" >&2; exit 1; fi; exit $$rc
+
+lint:
+	$(PYTHON) -m ruff check engines realtime scripts tests
+	$(PYTHON) -m mypy engines realtime

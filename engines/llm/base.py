@@ -1,0 +1,130 @@
+"""The interface every speech-token LLM engine implements (PyTorch, TensorRT-LLM).
+
+A caller submits an `LLMRequest` and iterates the returned `TokenStream`; each item is a list of
+new speech tokens (0..6560). The stream ends when the model stops (eos, max length) and raises
+`LLMError` if the engine failed the request. Closing or cancelling the stream frees the engine's
+slot for that request at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+
+class LLMError(RuntimeError):
+    """A request the engine could not serve; `code` is machine readable."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding rules. Defaults are CosyVoice2's (RAS, top-p 0.8, top-k 25)."""
+
+    temperature: float = 1.0
+    top_k: int = 25
+    top_p: float = 0.8
+    repetition_penalty: float = 1.0
+    use_ras: bool = True
+    ras_window: int = 10
+    ras_tau: float = 0.1
+    seed: int | None = None
+    min_token_ratio: float = 2.0  # min speech tokens per target text token
+    max_token_ratio: float = 20.0
+    # Benchmarks: ignore eos and emit exactly this many tokens (random weights never stop on their own).
+    fixed_length: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.ras_window < 1 or self.ras_tau <= 0:
+            raise ValueError(f"ras_window/ras_tau must be positive, got {self.ras_window}/{self.ras_tau}")
+        if not 0 <= self.min_token_ratio <= self.max_token_ratio:
+            raise ValueError(f"need 0 <= min_token_ratio <= max_token_ratio, got {self.min_token_ratio}, "
+                             f"{self.max_token_ratio}")
+        if self.fixed_length is not None and self.fixed_length < 1:
+            raise ValueError(f"fixed_length must be >= 1, got {self.fixed_length}")
+
+    def length_bounds(self, target_text_len: int) -> tuple[int, int]:
+        """(min, max) speech tokens for a target text of `target_text_len` tokens."""
+        if self.fixed_length is not None:
+            return self.fixed_length, self.fixed_length
+        return int(self.min_token_ratio * target_text_len), int(self.max_token_ratio * target_text_len)
+
+
+@dataclass(frozen=True)
+class LLMRequest:
+    """One synthesis segment: zero-shot prompt (text + speech tokens) and the target text."""
+
+    request_id: str
+    text_ids: Sequence[int]  # target text token ids
+    prompt_text_ids: Sequence[int] = ()
+    prompt_speech_tokens: Sequence[int] = ()
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    def __post_init__(self) -> None:
+        if not self.text_ids:
+            raise ValueError("text_ids must not be empty")
+
+
+@dataclass(frozen=True)
+class LLMStats:
+    """What a dashboard and the admission policy need to know about an engine."""
+
+    max_slots: int
+    active: int
+    waiting: int
+    kv_tokens_used: int = 0
+    kv_tokens_total: int = 0
+
+
+class TokenStream(AsyncIterator[list[int]], abc.ABC):
+    """Speech tokens of one request, delivered as they are decoded."""
+
+    request_id: str
+
+    @abc.abstractmethod
+    def cancel(self) -> None:
+        """Stop generating; the engine frees the slot at its next step. Idempotent."""
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+    def __aiter__(self) -> TokenStream:
+        return self
+
+
+class LLMEngine(abc.ABC):
+    """Accepts many requests; one loop owns the accelerator and batches them."""
+
+    name: str
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Load weights and warm up; the engine accepts requests afterwards."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Cancel every request and release the accelerator."""
+
+    @abc.abstractmethod
+    def submit(self, request: LLMRequest) -> TokenStream:
+        """Queue a request; raises `LLMError` (code `context_too_long`, `busy`, ...) at once if invalid."""
+
+    @abc.abstractmethod
+    def stats(self) -> LLMStats: ...
+
+    @property
+    @abc.abstractmethod
+    def max_context(self) -> int:
+        """Longest prompt + output sequence, in positions, a request may use."""

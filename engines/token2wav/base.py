@@ -1,0 +1,90 @@
+"""The interface every token2wav backend implements (DiT or UNet flow, PyTorch or TensorRT).
+
+Streaming contract (MODEL_FACTS §8): the caller keeps a token offset and hands each chunk the tokens
+`[offset, offset + hop + 3)` (hop new tokens plus 3 lookahead tokens, which are handed again as the
+first 3 tokens of the next chunk), or on the last chunk every remaining token `[offset, end)`.
+Each call returns the audio that is final: chunk boundaries are cross-faded inside the stream, so the
+concatenation of all returned pieces is the utterance.
+
+These calls are synchronous, run on an engine thread, and may be batched across streams with
+`run_chunks`. Streams own all per-request tensors; `close()` drops them at once.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engines.config import PRE_LOOKAHEAD, SAMPLE_RATE
+from engines.voice import VoicePrompt
+
+
+class SpeakerState(abc.ABC):
+    """Per-voice tensors computed once (e.g. the DiT's prompt caches) and shared by its streams."""
+
+    @property
+    @abc.abstractmethod
+    def nbytes(self) -> int: ...
+
+
+class Token2WavStream(abc.ABC):
+    """Per-request streaming state (flow and vocoder caches)."""
+
+    @property
+    @abc.abstractmethod
+    def nbytes(self) -> int:
+        """Device memory held by this stream's caches."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the caches now; the stream cannot be used afterwards. Idempotent."""
+
+
+@dataclass
+class ChunkJob:
+    """One chunk of one stream. `tokens`: int64 (N,), lookahead included unless `last`."""
+
+    stream: Token2WavStream
+    tokens: torch.Tensor
+    last: bool
+
+    def __post_init__(self) -> None:
+        if self.tokens.dim() != 1:
+            raise ValueError(f"chunk tokens must be 1-D, got shape {tuple(self.tokens.shape)}")
+        if not self.last and self.tokens.numel() <= PRE_LOOKAHEAD:
+            raise ValueError(f"a non-final chunk needs more than {PRE_LOOKAHEAD} tokens (lookahead), "
+                             f"got {self.tokens.numel()}")
+
+
+class Token2Wav(abc.ABC):
+    """Speech tokens → 24 kHz mono float waveform in [-1, 1]."""
+
+    name: str
+    sample_rate: int = SAMPLE_RATE
+
+    @abc.abstractmethod
+    def prepare_speaker(self, voice: VoicePrompt) -> SpeakerState:
+        """Everything about a voice the backend needs, computed once and reused by many streams."""
+
+    @abc.abstractmethod
+    def open_stream(self, speaker: SpeakerState) -> Token2WavStream:
+        """A new utterance in that voice."""
+
+    @abc.abstractmethod
+    def run_chunk(self, job: ChunkJob) -> torch.Tensor:
+        """Synthesise one chunk; returns float32 (samples,) on the CPU."""
+
+    def run_chunks(self, jobs: Sequence[ChunkJob]) -> list[torch.Tensor]:
+        """Synthesise chunks of several streams; backends override this to batch them."""
+        return [self.run_chunk(job) for job in jobs]
+
+    @abc.abstractmethod
+    def offline(self, speaker: SpeakerState, tokens: torch.Tensor) -> torch.Tensor:
+        """Whole utterance at once (no streaming); float32 (samples,) on the CPU."""
+
+    @property
+    @abc.abstractmethod
+    def device(self) -> torch.device: ...

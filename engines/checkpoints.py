@@ -1,0 +1,75 @@
+"""Strict checkpoint loading: a file whose names or shapes differ from the module fails loudly."""
+
+from __future__ import annotations
+
+import pickle
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+MAX_LISTED = 8
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, unreadable or does not match the expected layout."""
+
+
+def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """A flat name → tensor dict from a `torch.save` file (the released .pt layout)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True, mmap=True)
+    except (RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile, EOFError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path} is corrupt or not a PyTorch file: {exc}") from exc
+    if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"checkpoint {path} is not a flat dict of tensors")
+    return dict(state)
+
+
+def describe_mismatch(expected: Mapping[str, tuple[int, ...]], actual: Mapping[str, tuple[int, ...]]) -> str:
+    """A message naming the first missing, unexpected and mis-shaped entries ('' when equal)."""
+    missing = [k for k in expected if k not in actual]
+    unexpected = [k for k in actual if k not in expected]
+    shapes = [
+        f"{k}: expected {list(expected[k])}, found {list(actual[k])}"
+        for k in expected
+        if k in actual and tuple(expected[k]) != tuple(actual[k])
+    ]
+    parts = []
+    for title, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", shapes)):
+        if items:
+            more = f" (+{len(items) - MAX_LISTED} more)" if len(items) > MAX_LISTED else ""
+            parts.append(f"{len(items)} {title}: " + "; ".join(items[:MAX_LISTED]) + more)
+    return "\n  ".join(parts)
+
+
+def load_strict(module: nn.Module, state: Mapping[str, torch.Tensor], source: str) -> None:
+    """Copy `state` into `module`, requiring exactly the module's names and shapes."""
+    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    actual = {k: tuple(v.shape) for k, v in state.items()}
+    problem = describe_mismatch(expected, actual)
+    if problem:
+        raise CheckpointError(f"{source} does not match {type(module).__name__}:\n  {problem}")
+    module.load_state_dict(state, strict=True)
+
+
+def strip_prefix(state: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """Drop `prefix` from every key that has it (e.g. `generator.` in some HiFT files)."""
+    return {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in state.items()}
+
+
+def read_manifest_tsv(path: Path) -> list[tuple[str, tuple[int, ...]]]:
+    """Parse a `name<TAB>[shape]` manifest (../shared/reference/checkpoints/*.tsv)."""
+    entries = []
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        name, shape = line.split("\t")
+        dims = shape.strip().strip("[]")
+        entries.append((name, tuple(int(d) for d in dims.split(",") if d.strip())))
+    return entries

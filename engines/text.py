@@ -1,0 +1,268 @@
+"""Text front end: the CosyVoice2 Qwen2 tokenizer, a normalisation hook and sentence segmentation.
+
+The tokenizer is the one shipped in `CosyVoice-BlankEN/` (vocab.json, merges.txt, tokenizer_config.json)
+with CosyVoice2's extra special tokens added in a fixed order (MODEL_FACTS §2.4), so their ids follow
+the base vocabulary exactly as in the reference. Encoding adds no BOS/EOS.
+
+Long text is cut into synthesis segments of at most ~`max_tokens` tokens at sentence boundaries (then
+clause, word and character boundaries for a sentence that is too long by itself); each segment is one
+LLM request. `StreamingSentenceSplitter` does the same for text that arrives piece by piece.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# Added after the base vocabulary in this order; `<|im_start|>`/`<|im_end|>` already exist and keep their ids.
+SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|im_start|>", "<|im_end|>", "<|endofprompt|>", "[breath]", "<strong>", "</strong>", "[noise]",
+    "[laughter]", "[cough]", "[clucking]", "[accent]", "[quick_breath]", "<laughter>", "</laughter>",
+    "[hissing]", "[sigh]", "[vocalized-noise]", "[lipsmack]", "[mn]",
+)
+EOS_TOKEN = "<|endoftext|>"
+
+DEFAULT_MAX_TEXT_CHARS = 8000
+
+# A sentence ends after terminal punctuation (plus closing quotes/brackets). ASCII terminals need
+# following whitespace (so "3.14" or "e.g.x" do not split); CJK terminals and newlines do not.
+_CLOSERS = "\"')]}”’」』）》"
+_SENTENCE_END = re.compile(
+    rf"[.!?;]+[{re.escape(_CLOSERS)}]*(?=\s)|[。！？；]+[{re.escape(_CLOSERS)}]*|\n+"
+)
+_CLAUSE_END = re.compile(r"[,:，、：]+(?=\s)|[，、：]+")
+_WORD_END = re.compile(r"\s+")
+
+
+class TextError(ValueError):
+    """Text that cannot be synthesised; `code` is machine readable (`empty_text`, `text_too_long`)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+Normalizer = Callable[[str], str]
+
+
+def collapse_whitespace(text: str) -> str:
+    """The default normalisation: runs of spaces/tabs become one space, blank lines collapse, ends trimmed."""
+    lines = (" ".join(line.split()) for line in text.splitlines())
+    return "\n".join(line for line in lines if line)
+
+
+def _cut_after(text: str, pattern: re.Pattern[str]) -> list[str]:
+    """`text` cut right after every match of `pattern` (the pieces concatenate back to `text`)."""
+    pieces, start = [], 0
+    for match in pattern.finditer(text):
+        if match.end() > start:
+            pieces.append(text[start:match.end()])
+            start = match.end()
+    if start < len(text):
+        pieces.append(text[start:])
+    return pieces
+
+
+def split_sentences(text: str) -> list[str]:
+    """Sentences of `text` (stripped, non-empty), cut after terminal punctuation and newlines."""
+    return [s.strip() for s in _cut_after(text, _SENTENCE_END) if s.strip()]
+
+
+class TextFrontend:
+    """Tokenizer + normalisation + segmentation for one `CosyVoice-BlankEN` directory.
+
+    `normalize` is applied by `prepare`/`split_segments` only; `encode` tokenizes exactly what it is given.
+    """
+
+    def __init__(
+        self,
+        tokenizer_dir: Path,
+        normalize: Normalizer = collapse_whitespace,
+        max_text_chars: int = DEFAULT_MAX_TEXT_CHARS,
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        if max_text_chars <= 0:
+            raise ValueError(f"max_text_chars must be positive, got {max_text_chars}")
+        tokenizer_dir = Path(tokenizer_dir)
+        if not tokenizer_dir.is_dir():
+            raise FileNotFoundError(f"tokenizer directory {tokenizer_dir} does not exist")
+        self._tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        self._tokenizer.add_special_tokens(
+            {"eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN, "additional_special_tokens": [*SPECIAL_TOKENS]}
+        )
+        self._normalize = normalize
+        self.max_text_chars = max_text_chars
+        logger.info("text tokenizer %s: %d ids", tokenizer_dir, self.vocab_size)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added special tokens included (151663 for the released tokenizer)."""
+        return len(self._tokenizer)
+
+    def token_id(self, token: str) -> int:
+        """Id of one special token such as `<|endofprompt|>`."""
+        ids = self._tokenizer.encode(token, add_special_tokens=False)
+        if len(ids) != 1:
+            raise KeyError(f"{token!r} is not a single token")
+        return int(ids[0])
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` as given (no BOS/EOS, no normalisation)."""
+        return [int(i) for i in self._tokenizer.encode(text, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return str(self._tokenizer.decode(list(ids)))
+
+    def count(self, text: str) -> int:
+        return len(self.encode(text))
+
+    def prepare(self, text: str) -> str:
+        """Normalised text, or TextError if it is empty after normalisation or longer than the limit."""
+        if len(text) > self.max_text_chars:
+            raise TextError(
+                "text_too_long", f"text has {len(text)} characters; the limit is {self.max_text_chars}"
+            )
+        normalized = self._normalize(text)
+        if not normalized.strip():
+            raise TextError("empty_text", "text is empty or only whitespace")
+        return normalized
+
+    def split_segments(self, text: str, max_tokens: int = 80, merge_len: int = 20) -> list[str]:
+        """`text` normalised and cut into segments of about `max_tokens` tokens at natural boundaries.
+
+        Sentences are packed greedily up to `max_tokens`; a sentence longer than that is cut at
+        clauses, then words, then characters. A segment shorter than `merge_len` tokens is merged into
+        its neighbour, so a segment may exceed `max_tokens` by less than `merge_len`.
+        """
+        if max_tokens <= 0 or merge_len < 0:
+            raise ValueError(f"need max_tokens > 0 and merge_len >= 0, got {max_tokens}, {merge_len}")
+        normalized = self.prepare(text)
+        segments = self._pack(_cut_after(normalized, _SENTENCE_END), max_tokens, depth=0)
+        return self._merge_short(segments, merge_len)
+
+    def _pack(self, units: list[str], max_tokens: int, depth: int) -> list[str]:
+        """Greedily join adjacent `units` into stripped pieces of <= max_tokens tokens.
+
+        A unit too long by itself is cut one level finer (clauses, words, characters); a single
+        character is never cut.
+        """
+        packed: list[str] = []
+        current = ""
+        for unit in units:
+            if len(unit.strip()) > 1 and self.count(unit.strip()) > max_tokens:
+                if current.strip():
+                    packed.append(current.strip())
+                current = ""
+                packed.extend(self._pack(self._finer_units(unit, depth), max_tokens, depth + 1))
+                continue
+            candidate = current + unit
+            if self.count(candidate.strip()) <= max_tokens:
+                current = candidate
+            else:
+                if current.strip():
+                    packed.append(current.strip())
+                current = unit
+        if current.strip():
+            packed.append(current.strip())
+        return packed
+
+    @staticmethod
+    def _finer_units(text: str, depth: int) -> list[str]:
+        if depth == 0:
+            pieces = _cut_after(text, _CLAUSE_END)
+            if len(pieces) > 1:
+                return pieces
+        if depth <= 1:
+            pieces = _cut_after(text, _WORD_END)
+            if len(pieces) > 1:
+                return pieces
+        return list(text)
+
+    def _merge_short(self, segments: list[str], merge_len: int) -> list[str]:
+        merged: list[str] = []
+        carry = ""
+        for segment in segments:
+            segment = f"{carry}{_separator(carry, segment)}{segment}" if carry else segment
+            carry = ""
+            if self.count(segment) < merge_len:
+                carry = segment
+            else:
+                merged.append(segment)
+        if carry:
+            if merged:
+                merged[-1] = f"{merged[-1]}{_separator(merged[-1], carry)}{carry}"
+            else:
+                merged.append(carry)
+        return merged
+
+
+def _separator(left: str, right: str) -> str:
+    """A space between two pieces unless either side already has one or is CJK-adjacent."""
+    if not left or not right or left[-1].isspace() or right[0].isspace():
+        return ""
+    if _is_cjk(left[-1]) or _is_cjk(right[0]):
+        return ""
+    return " "
+
+
+def _is_cjk(char: str) -> bool:
+    code = ord(char)
+    return 0x3000 <= code <= 0x9FFF or 0xF900 <= code <= 0xFAFF or 0xFF00 <= code <= 0xFFEF
+
+
+class StreamingSentenceSplitter:
+    """Cuts text that arrives in pieces into sentences as soon as each one is complete.
+
+    `feed` returns the sentences completed by the new piece; `flush` returns what is left. A buffer that
+    grows past `max_chars` without a sentence end is cut at its last clause or word boundary, so a
+    stream without punctuation still produces bounded segments.
+    """
+
+    def __init__(self, max_chars: int = 300) -> None:
+        if max_chars <= 0:
+            raise ValueError(f"max_chars must be positive, got {max_chars}")
+        self.max_chars = max_chars
+        self._buffer = ""
+
+    @property
+    def pending(self) -> str:
+        """Text received but not yet returned."""
+        return self._buffer
+
+    def feed(self, piece: str) -> list[str]:
+        self._buffer += piece
+        sentences: list[str] = []
+        while True:
+            end = self._complete_sentence_end()
+            if end is None:
+                break
+            sentence, self._buffer = self._buffer[:end].strip(), self._buffer[end:]
+            if sentence:
+                sentences.append(sentence)
+        return sentences
+
+    def flush(self) -> list[str]:
+        rest, self._buffer = self._buffer.strip(), ""
+        return [rest] if rest else []
+
+    def _complete_sentence_end(self) -> int | None:
+        for match in _SENTENCE_END.finditer(self._buffer):
+            # A terminal run at the very end may still grow ("?!", a closing quote): wait for one more char.
+            if match.end() < len(self._buffer):
+                return match.end()
+        if len(self._buffer) > self.max_chars:
+            return self._overflow_cut()
+        return None
+
+    def _overflow_cut(self) -> int:
+        head = self._buffer[: self.max_chars]
+        for pattern in (_CLAUSE_END, _WORD_END):
+            ends = [m.end() for m in pattern.finditer(head)]
+            if ends and ends[-1] > 0:
+                return ends[-1]
+        return self.max_chars

@@ -1,0 +1,128 @@
+"""Flow-matching sampler: cosine time grid, Euler steps, classifier-free guidance (MODEL_FACTS §5.3).
+
+Each step evaluates the estimator once on a batch of 2B: the conditional half (x, mu, spks, cond) and the
+unconditional half (x, 0, 0, 0); the velocity is (1 + r)·v_cond − r·v_uncond with r = `cfg_rate`.
+
+The starting noise comes from one fixed Gaussian buffer per instance, drawn from a seeded generator, and
+frame f of an utterance (prompt included) always uses column f (mod the buffer length): offline and
+streaming runs start from the same noise, and runs are reproducible.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from engines.config import MEL_BINS
+
+
+@runtime_checkable
+class CachedEstimator(Protocol):
+    """An estimator that can run one chunk after explicit caches (the DiT; see dit.py for the layouts)."""
+
+    def forward_chunk(
+        self,
+        x: torch.Tensor,
+        mu: torch.Tensor,
+        t: torch.Tensor,
+        spks: torch.Tensor,
+        cond: torch.Tensor,
+        cnn_cache: torch.Tensor,
+        att_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+def cosine_time_grid(n_timesteps: int) -> torch.Tensor:
+    """t_k = 1 − cos(π/2 · k/n), k = 0..n (small steps first)."""
+    return 1.0 - torch.cos(torch.linspace(0.0, 1.0, n_timesteps + 1, dtype=torch.float64) * (math.pi / 2))
+
+
+class ConditionalCFM(nn.Module):
+    """Euler solver around `estimator` (the only parameters: the checkpoint's `decoder.estimator.*`).
+
+    `estimator(x, mask, mu, t, spks, cond) -> velocity` serves `solve`; `solve_chunk` needs a
+    `CachedEstimator`.
+    """
+
+    def __init__(
+        self, estimator: nn.Module, n_timesteps: int, cfg_rate: float, noise_frames: int, seed: int = 0
+    ) -> None:
+        super().__init__()
+        self.estimator = estimator
+        self.n_timesteps = n_timesteps
+        self.cfg_rate = cfg_rate
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        noise = torch.randn(1, MEL_BINS, noise_frames, generator=generator, device="cpu")
+        self.register_buffer("noise", noise, persistent=False)
+        self.register_buffer("t_grid", cosine_time_grid(n_timesteps).float(), persistent=False)
+
+    def noise_at(self, offset: int, length: int) -> torch.Tensor:
+        """Noise (1, 80, length) for utterance frames [offset, offset + length)."""
+        columns = (torch.arange(length, device=self.noise.device) + offset) % self.noise.shape[2]
+        return self.noise[:, :, columns]
+
+    def _guided(self, v: torch.Tensor) -> torch.Tensor:
+        v_cond, v_uncond = v.chunk(2, dim=0)
+        return (1.0 + self.cfg_rate) * v_cond - self.cfg_rate * v_uncond
+
+    def _doubled(
+        self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (
+            torch.cat([mu, torch.zeros_like(mu)]),
+            torch.cat([spks, torch.zeros_like(spks)]),
+            torch.cat([cond, torch.zeros_like(cond)]),
+        )
+
+    def solve(
+        self, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor, offset: int = 0
+    ) -> torch.Tensor:
+        """Mel (B, 80, T) for whole sequences whose frame 0 is utterance frame `offset`.
+
+        mu, cond (B, 80, T); spks (B, 80); mask: the estimator's mask, (B, 1, T) or (B, T, T).
+        """
+        x = self.noise_at(offset, mu.shape[2]).to(mu.dtype).expand(mu.shape[0], -1, -1)
+        mu2, spks2, cond2 = self._doubled(mu, spks, cond)
+        mask2 = torch.cat([mask, mask])
+        for step in range(self.n_timesteps):
+            t = self.t_grid[step].to(mu.dtype).expand(x.shape[0] * 2)
+            v = self.estimator(torch.cat([x, x]), mask2, mu2, t, spks2, cond2)
+            x = x + (self.t_grid[step + 1] - self.t_grid[step]).to(mu.dtype) * self._guided(v)
+        return x
+
+    def solve_chunk(
+        self,
+        mu: torch.Tensor,
+        spks: torch.Tensor,
+        cond: torch.Tensor,
+        offset: int,
+        cnn_cache: torch.Tensor,
+        prefix_kv: torch.Tensor | None,
+        own_kv: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Mel (B, 80, T) of one chunk starting at utterance frame `offset`, after cached frames.
+
+        The caches have one entry per Euler step and the guidance batch 2B (conditional rows first):
+        cnn_cache (steps, depth, 2B, 2·hidden, 2); step s attends to prefix_kv[s] ⧺ own_kv[s], each
+        (steps, depth, 2B, heads, T_*, 2·head_dim) (`prefix_kv` is e.g. a speaker's shared prompt).
+        Returns the mel, the new cnn cache and the chunk's keys|values (steps, depth, 2B, heads, T, 2·hd).
+        """
+        x = self.noise_at(offset, mu.shape[2]).to(mu.dtype).expand(mu.shape[0], -1, -1)
+        mu2, spks2, cond2 = self._doubled(mu, spks, cond)
+        estimator = self.estimator
+        if not isinstance(estimator, CachedEstimator):
+            raise TypeError(f"{type(estimator).__name__} has no cached chunk mode")
+        new_cnn, chunk_kv = [], []
+        for step in range(self.n_timesteps):
+            t = self.t_grid[step].to(mu.dtype).expand(x.shape[0] * 2)
+            past = own_kv[step] if prefix_kv is None else torch.cat([prefix_kv[step], own_kv[step]], dim=3)
+            v, cnn, kv = estimator.forward_chunk(
+                torch.cat([x, x]), mu2, t, spks2, cond2, cnn_cache[step], past
+            )
+            new_cnn.append(cnn)
+            chunk_kv.append(kv)
+            x = x + (self.t_grid[step + 1] - self.t_grid[step]).to(mu.dtype) * self._guided(v)
+        return x, torch.stack(new_cnn), torch.stack(chunk_kv)

@@ -1,0 +1,390 @@
+"""WebRTC transport: HTTP signalling, one peer connection per browser, speech as an Opus track.
+
+Signalling (same port as the rest of the API):
+
+- ``POST /v1/webrtc/offer`` with ``{"sdp", "type": "offer"}`` answers ``{"sdp", "type": "answer",
+  "session_id"}``. The offer must carry an audio m-line (the browser receives; ``recvonly`` is enough)
+  and a data channel. No trickle ICE: the answer holds all of the server's candidates, and the browser
+  should send its offer after its own gathering completes.
+- ``DELETE /v1/webrtc/{session_id}`` closes a session.
+
+Control runs on the data channel the browser opens (any label; ``"control"`` by convention), as JSON
+text messages:
+
+- ``{"type": "speak", "text", "voice"?, "id"?}`` starts an utterance. A new speak *barges in*: the
+  current utterance is cancelled, its queued audio dropped, and the new one starts after it has
+  released its engine slot. ``id`` (a string of the client's choosing; the server numbers them when
+  absent) is echoed in every event about that utterance.
+- ``{"type": "cancel"}`` stops the current utterance at once.
+
+Events back: ``{"type": "started", "id"}``; ``{"type": "first_audio", "id", "latency_ms"}`` when the
+first frame with speech is handed to the encoder (latency from the speak message's arrival);
+then exactly one of ``{"type": "done", "id", "cancelled"}`` (after the last sample has been sent, or at
+cancellation) or ``{"type": "error", "id", "code", "message"}``. Malformed control messages get an
+``error`` event without ``id``.
+
+A session ends when the peer goes away (the connection turns ``failed`` or ``closed``: a DTLS close, or
+ICE consent checks unanswered), when no connection comes up within ``connect_timeout_s`` of the answer,
+on DELETE, or at shutdown; ending cancels its utterance, which frees its engine slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from aiortc import RTCDataChannel, RTCPeerConnection, RTCSessionDescription
+from aiortc.sdp import SessionDescription
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from engines.config import SAMPLE_RATE
+from realtime.runtime import Runtime, ServiceError
+from realtime.session import SpeechRequest
+from realtime.transports.audio_track import OPUS_RATE, Playout, SpeechTrack, Upsampler
+from realtime.transports.ice import IcePolicy, advertise_only
+
+logger = logging.getLogger(__name__)
+
+MAX_OFFER_BYTES = 64 * 1024
+# How long a cancelled utterance may take to release its engine slot before the next one starts anyway.
+CANCEL_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class WebRTCConfig:
+    """Limits and network policy of the WebRTC transport."""
+
+    max_sessions: int = 16
+    connect_timeout_s: float = 20.0
+    # Speech buffered ahead of playout per session; the engine stream is throttled beyond it.
+    playout_buffer_s: float = 30.0
+    ice: IcePolicy = field(default_factory=IcePolicy)
+
+    def __post_init__(self) -> None:
+        if self.max_sessions < 1:
+            raise ValueError(f"webrtc max_sessions must be >= 1, got {self.max_sessions}")
+        for name in ("connect_timeout_s", "playout_buffer_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"webrtc {name} must be > 0, got {getattr(self, name)}")
+
+
+class SignallingError(Exception):
+    """A refused signalling request: a stable ``code``, a sentence for people, an HTTP status."""
+
+    def __init__(self, code: str, message: str, http_status: int) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.http_status = http_status
+
+
+class ControlError(Exception):
+    """A data-channel message that is not a valid command."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Speak:
+    text: str
+    voice: str
+    id: str | None
+
+
+@dataclass(frozen=True)
+class Cancel:
+    pass
+
+
+def parse_control(message: str | bytes) -> Speak | Cancel:
+    """Decode one data-channel message into a command; :class:`ControlError` says what is wrong."""
+    if isinstance(message, bytes):
+        raise ControlError("control messages are JSON text, not binary")
+    try:
+        body = json.loads(message)
+    except json.JSONDecodeError:
+        raise ControlError("control message is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise ControlError("control message must be a JSON object")
+    kind = body.get("type")
+    if kind == "cancel":
+        return Cancel()
+    if kind != "speak":
+        raise ControlError(f"unknown control message type {kind!r}; expected 'speak' or 'cancel'")
+    text, voice, utterance_id = body.get("text"), body.get("voice", "default"), body.get("id")
+    if not isinstance(text, str) or not text.strip():
+        raise ControlError("speak needs a non-empty 'text' string")
+    if not isinstance(voice, str):
+        raise ControlError("speak 'voice' must be a string")
+    if utterance_id is not None and not isinstance(utterance_id, str):
+        raise ControlError("speak 'id' must be a string")
+    return Speak(text=text, voice=voice, id=utterance_id)
+
+
+def check_offer(sdp: str) -> None:
+    """Refuse offers this transport cannot answer, before any peer connection is made."""
+    try:
+        description = SessionDescription.parse(sdp)
+    except (AssertionError, ValueError, IndexError, KeyError):
+        # aiortc's SDP parser reports malformed lines through asserts and lookups.
+        raise SignallingError("bad_offer", "The offer is not valid SDP.", 400) from None
+    kinds = [media.kind for media in description.media]
+    if not kinds:
+        raise SignallingError("bad_offer", "The offer is not valid SDP: it has no media sections.", 400)
+    if "audio" not in kinds:
+        raise SignallingError("bad_offer", "The offer needs an audio m-line to receive speech on.", 400)
+    if "application" not in kinds:
+        raise SignallingError("bad_offer", "The offer needs a data channel for control messages.", 400)
+    if any(media.ice.usernameFragment is None or media.ice.password is None for media in description.media):
+        raise SignallingError("bad_offer", "The offer has no ICE credentials (ice-ufrag/ice-pwd).", 400)
+
+
+class WebRTCSession:
+    """One browser peer: its peer connection, outgoing speech track, control channel, one utterance.
+
+    Owns every task it starts (the utterance, the connection watchdog, its own teardown) and cancels
+    them when it ends; ``on_closed`` is called once, when the session has ended.
+    """
+
+    def __init__(
+        self, session_id: str, runtime: Runtime, config: WebRTCConfig, on_closed: Callable[[str], None]
+    ) -> None:
+        self.id = session_id
+        self._runtime = runtime
+        self._config = config
+        self._on_closed = on_closed
+        self._pc = RTCPeerConnection(config.ice.rtc_configuration())
+        self._playout = Playout(capacity=int(config.playout_buffer_s * OPUS_RATE))
+        self._track = SpeechTrack(self._playout)
+        self._channel: RTCDataChannel | None = None
+        self._utterance: asyncio.Task[None] | None = None
+        self._utterance_count = 0
+        self._watchdog: asyncio.Task[None] | None = None
+        self._teardown: asyncio.Task[None] | None = None
+        self._pc.on("datachannel", self._on_datachannel)
+        self._pc.on("connectionstatechange", self._on_connection_state)
+
+    async def answer(self, offer: RTCSessionDescription) -> RTCSessionDescription:
+        """Apply the browser's offer and return the complete answer (all local candidates gathered)."""
+        try:
+            await self._pc.setRemoteDescription(offer)
+        except ValueError as exc:
+            raise SignallingError("bad_offer", f"The offer was refused: {exc}.", 400) from None
+        self._pc.addTrack(self._track)
+        with advertise_only(self._config.ice.host_addresses):
+            await self._pc.setLocalDescription(await self._pc.createAnswer())
+        self._watchdog = asyncio.create_task(self._close_unless_connected(self._config.connect_timeout_s))
+        return self._pc.localDescription
+
+    async def close(self) -> None:
+        """End the session and return once it has ended; safe to call again, from any task."""
+        await asyncio.shield(self._begin_close())
+
+    def _begin_close(self) -> asyncio.Task[None]:
+        if self._teardown is None:
+            self._teardown = asyncio.create_task(self._end())
+        return self._teardown
+
+    async def _end(self) -> None:
+        """Cancel the utterance and the watchdog, close the peer connection, tell the owner."""
+        # No events during teardown: aiortc fails sends on a dead transport in a task nobody awaits.
+        self._channel = None
+        tasks = [task for task in (self._utterance, self._watchdog) if task is not None]
+        for task in tasks:
+            task.cancel()
+        self._playout.clear()
+        if tasks:
+            await asyncio.wait(tasks, timeout=CANCEL_TIMEOUT_S)
+        try:
+            self._track.stop()
+            await self._pc.close()
+        finally:
+            logger.info("webrtc %s: closed", self.id)
+            self._on_closed(self.id)
+
+    def _on_connection_state(self) -> None:
+        # aiortc has no "disconnected" state: a vanished peer fails its ICE consent checks (RFC 7675),
+        # which closes the ICE transport and moves the connection to "closed".
+        state = self._pc.connectionState
+        logger.info("webrtc %s: connection %s", self.id, state)
+        if state == "connected" and self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        elif state in ("failed", "closed"):
+            self._begin_close()
+
+    async def _close_unless_connected(self, timeout_s: float) -> None:
+        await asyncio.sleep(timeout_s)
+        logger.info("webrtc %s: no connection within %.1f s", self.id, timeout_s)
+        await self.close()
+
+    def _on_datachannel(self, channel: RTCDataChannel) -> None:
+        if self._teardown is not None:
+            return
+        if self._channel is not None:
+            logger.info("webrtc %s: ignoring extra data channel", self.id)
+            return
+        self._channel = channel
+        channel.on("message", self._on_message)
+
+    def _on_message(self, message: str | bytes) -> None:
+        if self._teardown is not None:
+            return
+        try:
+            command = parse_control(message)
+        except ControlError as exc:
+            self._send({"type": "error", "code": "bad_message", "message": exc.message})
+            return
+        previous = self._cancel_utterance()
+        if isinstance(command, Speak):
+            self._utterance_count += 1
+            utterance_id = command.id if command.id is not None else str(self._utterance_count)
+            self._utterance = asyncio.create_task(self._speak(command, utterance_id, previous))
+
+    def _cancel_utterance(self) -> asyncio.Task[None] | None:
+        """Cancel the running utterance and drop its queued audio now; return it if it was running."""
+        task, self._utterance = self._utterance, None
+        if task is None or task.done():
+            return None
+        task.cancel()
+        self._playout.clear()
+        return task
+
+    async def _speak(self, command: Speak, utterance_id: str, previous: asyncio.Task[None] | None) -> None:
+        """Stream one utterance into the playout; report its progress on the data channel."""
+        received = asyncio.get_running_loop().time()
+        first_audio: asyncio.Future[None] | None = None
+        try:
+            if previous is not None:
+                await asyncio.wait([previous], timeout=CANCEL_TIMEOUT_S)
+            self._send({"type": "started", "id": utterance_id})
+            upsampler = Upsampler(SAMPLE_RATE)
+            stream = self._runtime.speak(SpeechRequest(text=command.text, voice=command.voice))
+            try:
+                async for chunk in stream:
+                    samples = upsampler.push(chunk.pcm)
+                    if first_audio is None and samples.size:
+                        first_audio = self._report_first_audio(utterance_id, received)
+                    await self._playout.write(samples)
+            finally:
+                # Frees the engine slot at once, also when this task is cancelled.
+                await stream.aclose()
+            await self._playout.write(upsampler.flush())
+            await self._playout.when_played(self._playout.written)
+        except ServiceError as exc:
+            self._send({"type": "error", "id": utterance_id, "code": exc.code, "message": exc.message})
+            return
+        except asyncio.CancelledError:
+            self._send({"type": "done", "id": utterance_id, "cancelled": True})
+            raise
+        finally:
+            if first_audio is not None:
+                first_audio.cancel()
+        self._send({"type": "done", "id": utterance_id, "cancelled": False})
+
+    def _report_first_audio(self, utterance_id: str, received: float) -> asyncio.Future[None]:
+        """Send ``first_audio`` when the playout reaches the next sample written (the utterance's first)."""
+        loop = asyncio.get_running_loop()
+
+        def report(played: asyncio.Future[None]) -> None:
+            if not played.cancelled():
+                latency_ms = round((loop.time() - received) * 1000.0, 1)
+                self._send({"type": "first_audio", "id": utterance_id, "latency_ms": latency_ms})
+
+        future = self._playout.when_played(self._playout.written + 1)
+        future.add_done_callback(report)
+        return future
+
+    def _send(self, event: dict[str, object]) -> None:
+        channel = self._channel
+        if channel is not None and channel.readyState == "open":
+            channel.send(json.dumps(event))
+
+
+class WebRTCGateway:
+    """The signalling routes and the bounded registry of live sessions."""
+
+    def __init__(self, runtime: Runtime, config: WebRTCConfig) -> None:
+        self._runtime = runtime
+        self._config = config
+        self._sessions: dict[str, WebRTCSession] = {}
+
+    @property
+    def session_count(self) -> int:
+        return len(self._sessions)
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/webrtc/offer", self._offer, methods=["POST"]),
+            Route("/v1/webrtc/{session_id}", self._delete, methods=["DELETE"]),
+        ]
+
+    async def aclose(self) -> None:
+        """Close every session (at shutdown)."""
+        await asyncio.gather(*(session.close() for session in list(self._sessions.values())))
+
+    async def _offer(self, request: Request) -> Response:
+        try:
+            offer = await _read_offer(request)
+            check_offer(offer.sdp)
+            if len(self._sessions) >= self._config.max_sessions:
+                raise SignallingError(
+                    "too_many_sessions",
+                    f"The server already has {self._config.max_sessions} WebRTC sessions; try again later.",
+                    503,
+                )
+            session = WebRTCSession(secrets.token_urlsafe(12), self._runtime, self._config, self._forget)
+            # Registered before the first await, so concurrent offers count against the limit.
+            self._sessions[session.id] = session
+            try:
+                answer = await session.answer(offer)
+            except BaseException:
+                await session.close()
+                raise
+        except SignallingError as exc:
+            return _error(exc)
+        logger.info("webrtc %s: answered", session.id)
+        return JSONResponse({"sdp": answer.sdp, "type": answer.type, "session_id": session.id})
+
+    async def _delete(self, request: Request) -> Response:
+        session = self._sessions.get(request.path_params["session_id"])
+        if session is None:
+            return _error(SignallingError("unknown_session", "No WebRTC session has this id.", 404))
+        await session.close()
+        return Response(status_code=204)
+
+    def _forget(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+
+
+async def _read_offer(request: Request) -> RTCSessionDescription:
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > MAX_OFFER_BYTES:
+            raise SignallingError("bad_offer", f"The offer is larger than {MAX_OFFER_BYTES} bytes.", 413)
+    try:
+        payload = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise SignallingError(
+            "bad_offer", 'The body must be JSON: {"sdp": ..., "type": "offer"}.', 400
+        ) from None
+    if (
+        not isinstance(payload, dict)
+        or payload.get("type") != "offer"
+        or not isinstance(payload.get("sdp"), str)
+    ):
+        raise SignallingError("bad_offer", 'The body must be {"sdp": <string>, "type": "offer"}.', 400)
+    return RTCSessionDescription(sdp=payload["sdp"], type="offer")
+
+
+def _error(exc: SignallingError) -> JSONResponse:
+    return JSONResponse({"error": {"code": exc.code, "message": exc.message}}, status_code=exc.http_status)

@@ -57,7 +57,7 @@ class ConditionalCFM(nn.Module):
         generator = torch.Generator(device="cpu").manual_seed(seed)
         noise = torch.randn(1, MEL_BINS, noise_frames, generator=generator, device="cpu")
         self.register_buffer("noise", noise, persistent=False)
-        self.register_buffer("t_grid", cosine_time_grid(n_timesteps).float(), persistent=False)
+        self.t_grid: tuple[float, ...] = tuple(cosine_time_grid(n_timesteps).tolist())
 
     def noise_at(self, offset: int, length: int) -> torch.Tensor:
         """Noise (1, 80, length) for utterance frames [offset, offset + length)."""
@@ -88,9 +88,9 @@ class ConditionalCFM(nn.Module):
         mu2, spks2, cond2 = self._doubled(mu, spks, cond)
         mask2 = torch.cat([mask, mask])
         for step in range(self.n_timesteps):
-            t = self.t_grid[step].to(mu.dtype).expand(x.shape[0] * 2)
+            t = torch.full((2 * x.shape[0],), self.t_grid[step], device=x.device)
             v = self.estimator(torch.cat([x, x]), mask2, mu2, t, spks2, cond2)
-            x = x + (self.t_grid[step + 1] - self.t_grid[step]).to(mu.dtype) * self._guided(v)
+            x = x + (self.t_grid[step + 1] - self.t_grid[step]) * self._guided(v)
         return x
 
     def solve_chunk(
@@ -117,12 +117,12 @@ class ConditionalCFM(nn.Module):
             raise TypeError(f"{type(estimator).__name__} has no cached chunk mode")
         new_cnn, chunk_kv = [], []
         for step in range(self.n_timesteps):
-            t = self.t_grid[step].to(mu.dtype).expand(x.shape[0] * 2)
+            t = torch.full((2 * x.shape[0],), self.t_grid[step], device=x.device)
             past = own_kv[step] if prefix_kv is None else torch.cat([prefix_kv[step], own_kv[step]], dim=3)
             v, cnn, kv = estimator.forward_chunk(
                 torch.cat([x, x]), mu2, t, spks2, cond2, cnn_cache[step], past
             )
             new_cnn.append(cnn)
             chunk_kv.append(kv)
-            x = x + (self.t_grid[step + 1] - self.t_grid[step]).to(mu.dtype) * self._guided(v)
+            x = x + (self.t_grid[step + 1] - self.t_grid[step]) * self._guided(v)
         return x, torch.stack(new_cnn), torch.stack(chunk_kv)

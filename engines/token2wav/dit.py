@@ -36,13 +36,14 @@ class TimestepEmbedder(nn.Module):
 
     def __init__(self, hidden: int, freq_dim: int) -> None:
         super().__init__()
-        half = freq_dim // 2
-        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32) / half)
-        self.register_buffer("freqs", freqs, persistent=False)
+        self.half = freq_dim // 2
         self.mlp = nn.Sequential(nn.Linear(freq_dim, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
-        angles = 1000.0 * t.float()[:, None] * self.freqs[None]
+        # Angles reach 1000 rad: computed in fp32 whatever the module dtype.
+        steps = torch.arange(self.half, device=t.device, dtype=torch.float32)
+        freqs = torch.exp(steps * (-math.log(10000.0) / self.half))
+        angles = 1000.0 * t.float()[:, None] * freqs[None]
         features = torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
         return self.mlp(features.to(self.mlp[0].weight.dtype))
 
@@ -190,8 +191,8 @@ class DiT(nn.Module):
     ) -> torch.Tensor:
         """Velocity (B, 80, T) of whole sequences.
 
-        x, mu, cond (B, 80, T); t (B,); spks (B, 80); mask bool (B, 1, T) valid frames (keys), or
-        (B, T, T) per query (e.g. block-causal, to reproduce streaming).
+        x, mu, cond (B, 80, T); t (B,) float32 whatever the module dtype; spks (B, 80);
+        mask bool (B, 1, T) valid frames (keys), or (B, T, T) per query (e.g. block-causal, as streaming).
         """
         h, c = self._inputs(x, mu, t, spks, cond)
         attn_mask = mask.bool()[:, None]
@@ -212,9 +213,9 @@ class DiT(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One Euler step of a chunk after cached frames (module docstring: cache layouts).
 
-        x, mu, cond (B, 80, T); t (B,); spks (B, 80). The chunk attends to every cached frame and to
-        itself. Returns velocity (B, 80, T), the new cnn cache and the chunk's keys|values
-        (depth, B, heads, T, 2·head_dim).
+        x, mu, cond (B, 80, T); t (B,) float32 whatever the module dtype; spks (B, 80). The chunk
+        attends to every cached frame and to itself. Returns velocity (B, 80, T), the new cnn cache and
+        the chunk's keys|values (depth, B, heads, T, 2·head_dim).
         """
         h, c = self._inputs(x, mu, t, spks, cond)
         new_cnn, new_kv = [], []

@@ -1,0 +1,236 @@
+"""Step-Audio2 token → mel flow: conformer encoder + DiT flow matching, offline and streaming (§5).
+
+Streaming keeps every cache instead of recomputing: per voice, `prepare_speaker` encodes the prompt once
+(prompt tokens followed by their own first 3 tokens as stand-in lookahead, as the reference does) and
+runs the 10 Euler steps over the prompt mel, keeping the encoder's and the estimator's caches. Streams
+reference that prompt state read-only and hold only their own frames' caches, which each chunk extends.
+
+Bounded memory (the reference's rules, with their intent made explicit):
+- estimator keys/values: the prompt's plus the `att_cache_recent_frames` (100) most recent generated
+  frames. The reference keeps the slices [:L_p] and [-100:] of a cache stored newest-first, which
+  actually retains the most recent L_p frames and the prompt's last 100; we keep the whole prompt and
+  the most recent 100 frames.
+- noise: frame f of the utterance always uses noise column f, also after trimming (the reference keeps
+  reusing the offset L_p + 100 once it trims).
+- encoder keys/values: the reference never trims them and fails past the relative-position table
+  (100 s at full size); we keep the prompt plus at most half the table's span of recent frames, so the
+  rest of the span stays free for the next chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engines.checkpoints import load_checkpoint, load_strict
+from engines.config import MEL_BINS, FlowConfig
+from engines.token2wav.cfm import ConditionalCFM
+from engines.token2wav.conformer import ConformerCache, UpsampleConformerEncoder, blocks_attention_mask
+from engines.token2wav.dit import DiT
+from engines.token2wav.flow_base import FlowModel, FlowSpeaker, FlowStream
+from engines.voice import VoicePrompt
+
+NOISE_FRAMES = 30000  # 600 s at 50 Hz, the reference's noise buffer
+GUIDANCE_BATCH = 2  # conditional + unconditional rows of every estimator call
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass(frozen=True, eq=False)
+class DiTSpeaker(FlowSpeaker):
+    """A voice's prompt state, shared read-only by its streams.
+
+    tokens (N_p,); spks (1, 80) projected speaker vector; prompt_mel (1, 80, L_p = 2·N_p);
+    encoder: the prompt's ConformerCache (batch 1); estimator_cnn (steps, depth, 2, 2·hidden, 2) and
+    estimator_kv (steps, depth, 2, heads, L_p, 2·head_dim): DiT caches per Euler step, guidance batch.
+    """
+
+    tokens: torch.Tensor
+    spks: torch.Tensor
+    prompt_mel: torch.Tensor
+    encoder: ConformerCache
+    estimator_cnn: torch.Tensor
+    estimator_kv: torch.Tensor
+
+    @property
+    def prompt_frames(self) -> int:
+        return self.prompt_mel.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        tensors = (self.tokens, self.spks, self.prompt_mel, self.estimator_cnn, self.estimator_kv)
+        return _nbytes(*tensors) + self.encoder.nbytes
+
+
+class DiTStream(FlowStream):
+    """One utterance: the speaker's shared prompt state plus this stream's own caches.
+
+    encoder: conv contexts and the keys/values of this stream's tokens (prompt excluded);
+    estimator_cnn: (steps, depth, 2, 2·hidden, 2); estimator_kv: (steps, depth, 2, heads, T, 2·hd) of
+    this stream's recent frames; frames: mel frames generated so far.
+    """
+
+    def __init__(self, speaker: DiTSpeaker) -> None:
+        self.speaker = speaker
+        self.encoder = ConformerCache(
+            lookahead=speaker.encoder.lookahead,
+            upsample=speaker.encoder.upsample,
+            token_kv=speaker.encoder.token_kv[:, :, :, :0],
+            frame_kv=speaker.encoder.frame_kv[:, :, :, :0],
+        )
+        self.estimator_cnn = speaker.estimator_cnn
+        self.estimator_kv = speaker.estimator_kv[:, :, :, :, :0]
+        self.frames = 0
+        self.closed = False
+
+    @property
+    def nbytes(self) -> int:
+        if self.closed:
+            return 0
+        return self.encoder.nbytes + _nbytes(self.estimator_cnn, self.estimator_kv)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        del self.speaker, self.encoder, self.estimator_cnn, self.estimator_kv
+
+
+class DiTFlow(FlowModel):
+    """`CausalMaskedDiffWithXvec` with the Step-Audio2 DiT; state dict = Step-Audio-2-mini `flow.pt`."""
+
+    def __init__(self, cfg: FlowConfig) -> None:
+        super().__init__()
+        if cfg.estimator_kind != "dit":
+            raise ValueError(f"DiTFlow needs estimator_kind 'dit', got {cfg.estimator_kind!r}")
+        self.cfg = cfg
+        self.input_embedding = nn.Embedding(cfg.vocab_size, cfg.input_size)
+        self.spk_embed_affine_layer = nn.Linear(cfg.spk_embed_dim, cfg.output_size)
+        self.encoder = UpsampleConformerEncoder(cfg.encoder)
+        self.encoder_proj = nn.Linear(cfg.encoder.d_model, cfg.output_size)
+        self.decoder = ConditionalCFM(DiT(cfg.dit), cfg.n_timesteps, cfg.cfg_rate, NOISE_FRAMES)
+
+    # -- shared pieces ----------------------------------------------------------------------------------
+
+    def _speaker_vector(self, embedding: torch.Tensor) -> torch.Tensor:
+        unit = F.normalize(embedding.to(self.device, torch.float32)[None], dim=1)
+        return self.spk_embed_affine_layer(unit.to(self.dtype))
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.input_embedding(tokens.to(self.device).clamp_min(0))[None]
+
+    def _mu(self, encoded: torch.Tensor) -> torch.Tensor:
+        return self.encoder_proj(encoded).transpose(1, 2)
+
+    def _empty_estimator_cache(self, frames_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        dit = self.cfg.dit
+        steps, b = self.cfg.n_timesteps, GUIDANCE_BATCH
+        cnn = torch.zeros(steps, dit.depth, b, 2 * dit.hidden_size, 2, device=self.device, dtype=frames_dtype)
+        kv = torch.zeros(steps, dit.depth, b, dit.num_heads, 0, 2 * dit.head_dim, device=self.device,
+                         dtype=frames_dtype)
+        return cnn, kv
+
+    # -- FlowModel --------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prepare_speaker(self, voice: VoicePrompt) -> DiTSpeaker:
+        lookahead = self.cfg.encoder.pre_lookahead
+        if voice.num_tokens < lookahead:
+            raise ValueError(f"a voice prompt needs at least {lookahead} tokens, got {voice.num_tokens}")
+        tokens = voice.speech_tokens.to(self.device)
+        spks = self._speaker_vector(voice.speaker_embedding)
+        prompt_mel = voice.prompt_mel.to(self.device, self.dtype).T[None]
+        empty = ConformerCache.empty(self.cfg.encoder, 1, self.device, self.dtype)
+        encoded, encoder = self.encoder.forward_chunk(
+            self._embed(torch.cat([tokens, tokens[:lookahead]])), empty, last=False
+        )
+        cnn, kv = self._empty_estimator_cache(self.dtype)
+        _, cnn, kv = self.decoder.solve_chunk(self._mu(encoded), spks, prompt_mel, 0, cnn, None, kv)
+        return DiTSpeaker(tokens, spks, prompt_mel, encoder, cnn, kv)
+
+    def open_stream(self, speaker: FlowSpeaker) -> DiTStream:
+        if not isinstance(speaker, DiTSpeaker):
+            raise TypeError(f"DiTFlow needs a DiTSpeaker, got {type(speaker).__name__}")
+        return DiTStream(speaker)
+
+    @torch.inference_mode()
+    def chunk(self, stream: FlowStream, tokens: torch.Tensor, last: bool) -> torch.Tensor:
+        if not isinstance(stream, DiTStream) or stream.closed:
+            raise ValueError("chunk() needs an open DiTStream")
+        lookahead = self.cfg.encoder.pre_lookahead
+        if not last and tokens.numel() <= lookahead:
+            raise ValueError(f"a non-final chunk needs more than {lookahead} tokens, got {tokens.numel()}")
+        if tokens.numel() == 0:
+            return torch.zeros(1, MEL_BINS, 0, device=self.device, dtype=self.dtype)
+        speaker = stream.speaker
+        encoded, update = self.encoder.forward_chunk(
+            self._embed(tokens), speaker.encoder.extend(stream.encoder), last
+        )
+        mu = self._mu(encoded)
+        mel, cnn, kv = self.decoder.solve_chunk(
+            mu,
+            speaker.spks,
+            torch.zeros_like(mu),  # the prompt conditions through the caches only
+            speaker.prompt_frames + stream.frames,
+            stream.estimator_cnn,
+            speaker.estimator_kv,
+            stream.estimator_kv,
+        )
+        stream.frames += mel.shape[2]
+        stream.estimator_cnn = cnn
+        recent = self.cfg.att_cache_recent_frames
+        stream.estimator_kv = torch.cat([stream.estimator_kv, kv], dim=4)[:, :, :, :, -recent:]
+        stream.encoder = stream.encoder.extend(update).keep_recent(self._encoder_recent_tokens)
+        return mel
+
+    @property
+    def _encoder_recent_tokens(self) -> int:
+        """Stream tokens whose encoder keys/values are kept: half the position table's span."""
+        enc = self.cfg.encoder
+        return enc.max_relative_len // (2 * enc.up_stride)
+
+    @torch.inference_mode()
+    def offline(
+        self, speaker: FlowSpeaker, tokens: torch.Tensor, chunk_layout: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """Mel (1, 80, 2N) of N tokens with full attention over prompt and tokens (MODEL_FACTS §5.4).
+
+        chunk_layout: token counts of streaming chunks (hops, then the rest); attention then becomes
+        block-causal over [prompt, chunk 1, chunk 2, …] — what streaming computes, except that streaming
+        shows the prompt's last tokens a stand-in lookahead (the prompt's first 3 tokens).
+        """
+        if not isinstance(speaker, DiTSpeaker):
+            raise TypeError(f"DiTFlow needs a DiTSpeaker, got {type(speaker).__name__}")
+        all_tokens = torch.cat([speaker.tokens, tokens.to(self.device)])
+        n = all_tokens.numel()
+        token_mask = None
+        if chunk_layout is not None:
+            if sum(chunk_layout) != tokens.numel():
+                raise ValueError(f"chunk_layout {list(chunk_layout)} does not add up to {tokens.numel()}")
+            token_mask = blocks_attention_mask([speaker.tokens.numel(), *chunk_layout], self.device)
+        encoded, _ = self.encoder(self._embed(all_tokens), torch.tensor([n], device=self.device), token_mask)
+        mu = self._mu(encoded)
+        cond = torch.zeros_like(mu)
+        cond[:, :, : speaker.prompt_frames] = speaker.prompt_mel
+        ratio = self.cfg.token_mel_ratio
+        if token_mask is None:
+            mask = torch.ones(1, 1, mu.shape[2], dtype=torch.bool, device=self.device)
+        else:
+            mask = token_mask.repeat_interleave(ratio, 0).repeat_interleave(ratio, 1)[None]
+        mel = self.decoder.solve(mu, mask, speaker.spks, cond)
+        return mel[:, :, speaker.prompt_frames :]
+
+
+def load_dit_flow(path: Path, cfg: FlowConfig, device: torch.device | str, dtype: torch.dtype) -> DiTFlow:
+    """A DiTFlow with the weights of a Step-Audio-2-mini `flow.pt`, strictly checked, in eval mode."""
+    with torch.device(device):
+        flow = DiTFlow(cfg)
+    load_strict(flow, load_checkpoint(Path(path)), str(path))
+    return flow.to(device=device, dtype=dtype).eval()

@@ -1,0 +1,342 @@
+"""HiFT vocoder: NSF harmonic source + ISTFTNet decoder (MODEL_FACTS §7), and its streaming state (§5.6).
+
+Mel (B, 80, T) at 50 Hz → 24 kHz speech (B, 480·T). Parameter names follow the released `hift.pt`,
+whose weight-normed convolutions are stored as `<conv>.parametrizations.weight.original0/1`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import weight_norm
+
+from engines.checkpoints import load_checkpoint, load_strict, strip_prefix
+from engines.config import HiFTConfig
+
+OLD_WEIGHT_NORM_NAMES = {
+    ".weight_g": ".parametrizations.weight.original0",
+    ".weight_v": ".parametrizations.weight.original1",
+}
+
+
+def _same_padding(kernel_size: int, dilation: int) -> int:
+    return (kernel_size - 1) * dilation // 2
+
+
+class Snake(nn.Module):
+    """x + sin²(α·x)/α with a learned α per channel (linear scale)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(channels))
+
+    def forward(self, x: Tensor) -> Tensor:
+        alpha = self.alpha[None, :, None]
+        # The epsilon keeps a zero α finite, as in the trained model.
+        return x + torch.sin(alpha * x).pow(2) / (alpha + 1e-9)
+
+
+class ResBlock(nn.Module):
+    """HiFi-GAN v1 residual block with Snake: per dilation d, x += conv₁(snake(conv_d(snake(x))))."""
+
+    def __init__(self, channels: int, kernel_size: int, dilations: tuple[int, ...]) -> None:
+        super().__init__()
+
+        def conv(dilation: int) -> nn.Conv1d:
+            return weight_norm(nn.Conv1d(channels, channels, kernel_size, dilation=dilation,
+                                         padding=_same_padding(kernel_size, dilation)))
+
+        self.convs1 = nn.ModuleList(conv(d) for d in dilations)
+        self.convs2 = nn.ModuleList(conv(1) for _ in dilations)
+        self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
+        self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for conv1, conv2, act1, act2 in zip(self.convs1, self.convs2, self.activations1, self.activations2,
+                                            strict=True):
+            x = x + conv2(act2(conv1(act1(x))))
+        return x
+
+
+class F0Predictor(nn.Module):
+    """Pitch in Hz per mel frame: 5 × (conv k3 → ELU), then |Linear → 1|. Receptive field ±5 frames."""
+
+    num_convs = 5
+
+    def __init__(self, in_channels: int, channels: int) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for i in range(self.num_convs):
+            layers += [weight_norm(nn.Conv1d(in_channels if i == 0 else channels, channels, 3, padding=1)),
+                       nn.ELU()]
+        self.condnet = nn.Sequential(*layers)
+        self.classifier = nn.Linear(channels, 1)
+
+    def forward(self, mel: Tensor) -> Tensor:
+        """(B, 80, T) → (B, T)."""
+        return self.classifier(self.condnet(mel).transpose(1, 2)).squeeze(-1).abs()
+
+
+class HarmonicSource(nn.Module):
+    """Merges the harmonic sines and noise into the one-channel excitation: tanh(Linear(harmonics → 1))."""
+
+    def __init__(self, num_harmonics: int) -> None:
+        super().__init__()
+        self.l_linear = nn.Linear(num_harmonics, 1)
+
+    def forward(self, excitation: Tensor) -> Tensor:
+        """(B, L, harmonics) → (B, 1, L)."""
+        return torch.tanh(self.l_linear(excitation)).transpose(1, 2)
+
+
+class Vocoded(NamedTuple):
+    """One vocoder call: speech (B, L), source (B, 1, L), and the harmonic phases (B, H) in cycles at the
+    last mel frame, which a streaming caller hands to the next call to keep the sines continuous."""
+
+    speech: Tensor
+    source: Tensor
+    end_phase: Tensor
+
+
+class HiFTGenerator(nn.Module):
+    """The HiFT generator: `forward(mel)` is the reference call; `vocode` adds phase carry for streaming."""
+
+    def __init__(self, cfg: HiFTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.num_harmonics = cfg.nb_harmonics + 1
+        self.spectrum_bins = cfg.istft_n_fft // 2 + 1
+        stft_channels = 2 * self.spectrum_bins
+        num_kernels = len(cfg.resblock_kernel_sizes)
+        stage_channels = [cfg.base_channels // 2 ** (i + 1) for i in range(len(cfg.upsample_rates))]
+
+        self.m_source = HarmonicSource(self.num_harmonics)
+        self.conv_pre = weight_norm(nn.Conv1d(cfg.in_channels, cfg.base_channels, 7, padding=3))
+        self.ups = nn.ModuleList(
+            weight_norm(nn.ConvTranspose1d(2 * ch, ch, k, stride=u, padding=(k - u) // 2))
+            for ch, u, k in zip(stage_channels, cfg.upsample_rates, cfg.upsample_kernel_sizes, strict=True)
+        )
+        # The source STFT runs at the final rate; stage i sees it downsampled by the product of the
+        # upsampling rates still to come (15, 3, 1 for 8·5·3).
+        self.source_downs = nn.ModuleList()
+        for i, ch in enumerate(stage_channels):
+            stride = math.prod(cfg.upsample_rates[i + 1:])
+            self.source_downs.append(
+                nn.Conv1d(stft_channels, ch, 1) if stride == 1
+                else nn.Conv1d(stft_channels, ch, 2 * stride, stride=stride, padding=stride // 2)
+            )
+        source_kernels = zip(cfg.source_resblock_kernel_sizes, cfg.source_resblock_dilations, strict=True)
+        self.source_resblocks = nn.ModuleList(
+            ResBlock(ch, k, d) for ch, (k, d) in zip(stage_channels, source_kernels, strict=True)
+        )
+        self.resblocks = nn.ModuleList(
+            ResBlock(ch, k, d)
+            for ch in stage_channels
+            for k, d in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilations, strict=True)
+        )
+        self.num_kernels = num_kernels
+        self.conv_post = weight_norm(nn.Conv1d(stage_channels[-1], stft_channels, 7, padding=3))
+        self.f0_predictor = F0Predictor(cfg.in_channels, cfg.f0_cond_channels)
+        self.register_buffer("stft_window", torch.hann_window(cfg.istft_n_fft), persistent=False)
+        self.register_buffer("harmonic_numbers", torch.arange(1, self.num_harmonics + 1, dtype=torch.float32),
+                             persistent=False)
+
+    @property
+    def hop_samples(self) -> int:
+        """Output samples per mel frame (480)."""
+        return self.cfg.hop_samples
+
+    def forward(self, mel: Tensor, cache_source: Tensor | None = None, *,
+                generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+        """mel (B, 80, T) → speech (B, 480T) in [-0.99, 0.99] and source (B, 1, 480T).
+
+        `cache_source` (B, 1, S) replaces the first S source samples (streaming continuity). The sine
+        phases start at zero at frame 0. `generator` (any device) draws the NSF noise; None uses the
+        global RNG of the mel's device.
+        """
+        out = self.vocode(mel, cache_source, generator=generator)
+        return out.speech, out.source
+
+    def vocode(self, mel: Tensor, cache_source: Tensor | None = None, cache_phase: Tensor | None = None, *,
+               generator: torch.Generator | None = None) -> Vocoded:
+        """Like `forward`, plus phase carry: with `cache_phase` (B, H) = the `end_phase` of the call that
+        produced `cache_source`, the sines continue from that phase at the end of the cached frames."""
+        f0 = self.f0_predictor(mel)
+        cached = 0 if cache_source is None else cache_source.shape[-1]
+        if cached % self.hop_samples or cached > mel.shape[-1] * self.hop_samples:
+            raise ValueError(f"cache_source of {cached} samples must cover whole frames of the "
+                             f"{mel.shape[-1]}-frame mel")
+        if cache_phase is not None and cached == 0:
+            raise ValueError("cache_phase needs the cache_source it continues")
+        phase = self._frame_phases(f0, cache_phase, cached // self.hop_samples)
+        source = self.m_source(self._excitation(f0, phase, cached, generator))
+        if cache_source is not None:
+            source = torch.cat([cache_source.to(source.dtype), source[:, :, cached:]], dim=2)
+        end_phase = torch.remainder(phase[:, -1] * self.hop_samples, 1.0)
+        return Vocoded(self.decode(mel, source), source, end_phase)
+
+    def _frame_phases(self, f0: Tensor, cache_phase: Tensor | None, cached_frames: int) -> Tensor:
+        """Cumulative per-sample phase increment (cycles/sample summed over frames), (B, T, H).
+
+        The sample-level phase is this times 480, interpolated between frames. With `cache_phase`, the
+        sum is offset so that the last cached frame lands on the phase the previous call ended with.
+        """
+        increments = torch.remainder(f0.unsqueeze(-1) * self.harmonic_numbers / self.cfg.sampling_rate, 1.0)
+        phase = torch.cumsum(increments, dim=1)
+        if cache_phase is not None:
+            phase = phase + (cache_phase / self.hop_samples - phase[:, cached_frames - 1]).unsqueeze(1)
+        return phase
+
+    def _excitation(self, f0: Tensor, phase: Tensor, cached: int,
+                    generator: torch.Generator | None) -> Tensor:
+        """Harmonic sines where voiced plus Gaussian noise, (B, L, H) at the sample rate.
+
+        Noise is drawn only for samples after the cache (the cache overwrites the rest), in sample-major
+        order, so consecutive streaming calls with one generator consume the same numbers as one
+        offline call. (The reference also adds a random initial phase to sample 0, which its frame-level
+        interpolation never reads, so it is left out.)
+        """
+        hop = self.hop_samples
+        sample_phase = F.interpolate((phase * hop).transpose(1, 2), scale_factor=hop, mode="linear")
+        sines = self.cfg.nsf_alpha * torch.sin(2 * math.pi * sample_phase).transpose(1, 2)
+        voiced = (f0 > self.cfg.nsf_voiced_threshold).to(sines.dtype)
+        voiced = voiced.repeat_interleave(hop, dim=1).unsqueeze(-1)
+        noise_scale = voiced * self.cfg.nsf_sigma + (1 - voiced) * (self.cfg.nsf_alpha / 3)
+        batch, samples, harmonics = sines.shape
+        noise_device = sines.device if generator is None else generator.device
+        noise = torch.randn((batch, samples - cached, harmonics), generator=generator, device=noise_device)
+        noise = F.pad(noise.to(sines.device, sines.dtype), (0, 0, cached, 0))
+        return sines * voiced + noise_scale * noise
+
+    def decode(self, mel: Tensor, source: Tensor) -> Tensor:
+        """ISTFTNet decoder: mel (B, 80, T) and source (B, 1, 480T) → speech (B, 480T)."""
+        cfg = self.cfg
+        n_fft, hop = cfg.istft_n_fft, cfg.istft_hop
+        spec = torch.stft(source.squeeze(1), n_fft, hop, n_fft, window=self.stft_window, center=True,
+                          return_complex=True)
+        source_stft = torch.cat([spec.real, spec.imag], dim=1)
+        x = self.conv_pre(mel)
+        last_stage = len(self.ups) - 1
+        for i, (up, down, source_block) in enumerate(zip(self.ups, self.source_downs, self.source_resblocks,
+                                                         strict=True)):
+            x = up(F.leaky_relu(x, cfg.lrelu_slope))
+            if i == last_stage:
+                # One extra frame on the left aligns the 120T upsampled frames with the 120T+1 STFT frames.
+                x = F.pad(x, (1, 0), mode="reflect")
+            x = x + source_block(down(source_stft))
+            blocks = self.resblocks[i * self.num_kernels:(i + 1) * self.num_kernels]
+            x = sum((block(x) for block in blocks), torch.zeros_like(x)) / self.num_kernels
+        x = self.conv_post(F.leaky_relu(x))  # default slope 0.01 here, as trained
+        magnitude = torch.exp(x[:, :self.spectrum_bins]).clamp(max=1e2)
+        phase = torch.sin(x[:, self.spectrum_bins:])
+        spectrum = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
+        speech = torch.istft(spectrum, n_fft, hop, n_fft, window=self.stft_window, center=True)
+        return speech.clamp(-cfg.audio_limit, cfg.audio_limit)
+
+
+def canonical_hift_state(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Released HiFT names: drops a `generator.` prefix and renames old `weight_g`/`weight_v` keys."""
+    renamed = {}
+    for name, tensor in strip_prefix(state, "generator.").items():
+        for old, new in OLD_WEIGHT_NORM_NAMES.items():
+            if name.endswith(old):
+                name = name[: -len(old)] + new
+        renamed[name] = tensor
+    return renamed
+
+
+def fold_weight_norm(module: nn.Module) -> None:
+    """Replace every weight-norm parametrization by its plain weight g·v/‖v‖ (no per-call norm)."""
+    for submodule in module.modules():
+        if parametrize.is_parametrized(submodule, "weight"):
+            parametrize.remove_parametrizations(submodule, "weight", leave_parametrized=True)
+
+
+def load_hift(path: Path, cfg: HiFTConfig, device: torch.device | str) -> HiFTGenerator:
+    """A HiFT generator in eval mode with the weights of `path`, loaded strictly, weight norm folded.
+
+    The folded module's state dict names plain `weight`s; build a fresh `HiFTGenerator` to save one.
+    """
+    model = HiFTGenerator(cfg)
+    load_strict(model, canonical_hift_state(load_checkpoint(path)), str(path))
+    fold_weight_norm(model)
+    return model.to(device).eval()
+
+
+class HiFTStream:
+    """Per-request vocoder state: chunks of mel in, final audio out (MODEL_FACTS §5.6).
+
+    Each call vocodes [the last 8 mel frames of the previous call, the new frames], restores the
+    previous call's last 3840 source samples (and its sine phases) over the re-synthesised frames,
+    cross-fades the first 3840 samples with the held-back speech tail under a Hamming window, and
+    holds back the last 3840 samples unless `last`. Concatenating the outputs gives the utterance.
+    """
+
+    def __init__(self, hift: HiFTGenerator, *, seed: int | None = None) -> None:
+        cfg = hift.cfg
+        if cfg.source_cache_samples != cfg.mel_cache_frames * hift.hop_samples:
+            raise ValueError(f"source_cache_samples {cfg.source_cache_samples} must equal mel_cache_frames "
+                             f"{cfg.mel_cache_frames} × {hift.hop_samples}")
+        self._hift: HiFTGenerator | None = hift
+        device = hift.stft_window.device
+        # CPU noise keeps a seeded stream reproducible on any device, and the draws concatenate exactly.
+        self._noise = torch.Generator()
+        if seed is None:
+            self._noise.seed()
+        else:
+            self._noise.manual_seed(seed)
+        overlap = cfg.source_cache_samples
+        window = torch.hamming_window(2 * overlap, periodic=False, device=device)
+        self._fade_in, self._fade_out = window.split(overlap)
+        self._mel: Tensor | None = None
+        self._source: Tensor | None = None
+        self._phase: Tensor | None = None
+        self._speech_tail: Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        cached = (self._mel, self._source, self._phase, self._speech_tail)
+        return sum(t.numel() * t.element_size() for t in cached if t is not None)
+
+    @torch.inference_mode()
+    def process(self, mel: Tensor, last: bool) -> Tensor:
+        """mel (1, 80, F) → float32 (samples,) on the CPU; 480·F samples in total over the stream."""
+        hift = self._hift
+        if hift is None:
+            raise RuntimeError("HiFTStream is closed")
+        cfg = hift.cfg
+        mel = mel.to(hift.stft_window.device, torch.float32)
+        if self._mel is not None:
+            mel = torch.cat([self._mel, mel], dim=2)
+        if mel.shape[2] == 0:
+            self.close()
+            return torch.zeros(0)
+        if not last and mel.shape[2] < cfg.mel_cache_frames:
+            raise ValueError(f"a non-final chunk needs at least {cfg.mel_cache_frames} mel frames "
+                             f"with the cache, got {mel.shape[2]}")
+        out = hift.vocode(mel, self._source, self._phase, generator=self._noise)
+        speech = out.speech[0]
+        overlap = cfg.source_cache_samples
+        if self._speech_tail is not None:
+            speech = torch.cat([speech[:overlap] * self._fade_in + self._speech_tail * self._fade_out,
+                                speech[overlap:]])
+        if last:
+            self.close()
+            return speech.float().cpu()
+        self._mel = mel[:, :, -cfg.mel_cache_frames:]
+        self._source = out.source[:, :, -overlap:]
+        self._phase = out.end_phase
+        self._speech_tail = speech[-overlap:]
+        return speech[:-overlap].float().cpu()
+
+    def close(self) -> None:
+        """Drop the caches; later `process` calls raise. Idempotent."""
+        self._hift = None
+        self._mel = self._source = self._phase = self._speech_tail = None

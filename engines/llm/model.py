@@ -1,0 +1,93 @@
+"""CosyVoice2's speech-token LM (`Qwen2LM`, MODEL_FACTS §3.1-3.2) and strict loading of `llm.pt`.
+
+A Qwen2 backbone reads one sequence of embeddings: sos, the prompt text followed by the target text
+(Qwen text embeddings), task_id, then the prompt speech tokens (speech embeddings). Each decoded speech
+token is fed back through `speech_embedding`; `llm_decoder` maps hidden states to logits over the 6564
+speech ids (codebook + eos + unused stop + fill).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from engines.checkpoints import load_checkpoint, load_strict
+from engines.config import LLMConfig
+from engines.llm.qwen2 import CacheBatch, KVCache, Qwen2ForCausalLM, Qwen2Model
+
+
+class Qwen2Encoder(nn.Module):
+    """Holds the causal LM as `model`, so the backbone's keys nest as `llm.model.model.*` (as in llm.pt)."""
+
+    def __init__(self, cfg: LLMConfig) -> None:
+        super().__init__()
+        self.model = Qwen2ForCausalLM(cfg.qwen)
+
+
+def prompt_length(num_text_ids: int, num_prompt_speech_tokens: int) -> int:
+    """Positions the prompt occupies: sos + all text ids + task_id + prompt speech tokens."""
+    return num_text_ids + num_prompt_speech_tokens + 2
+
+
+class CosyVoice2LM(nn.Module):
+    """The state dict matches `llm.pt` exactly (295 tensors at the full config)."""
+
+    def __init__(self, cfg: LLMConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        hidden = cfg.qwen.hidden_size
+        self.llm_embedding = nn.Embedding(2, hidden)
+        self.llm = Qwen2Encoder(cfg)
+        self.llm_decoder = nn.Linear(hidden, cfg.speech_vocab, bias=True)
+        self.speech_embedding = nn.Embedding(cfg.speech_vocab, hidden)
+
+    @property
+    def backbone(self) -> Qwen2Model:
+        return self.llm.model.model
+
+    def prompt_embeddings(self, text_ids: Tensor, prompt_speech_tokens: Tensor) -> Tensor:
+        """Embeddings [P, hidden] of one zero-shot prompt (§3.2).
+
+        `text_ids` is the prompt text followed by the target text (int64, 1-D); `prompt_speech_tokens`
+        may be empty. P = `prompt_length(len(text_ids), len(prompt_speech_tokens))`.
+        """
+        special = self.llm_embedding.weight
+        return torch.cat(
+            (
+                special[self.cfg.sos_index].unsqueeze(0),
+                self.backbone.embed_tokens(text_ids),
+                special[self.cfg.task_id_index].unsqueeze(0),
+                self.speech_embedding(prompt_speech_tokens),
+            )
+        )
+
+    def embed_speech(self, tokens: Tensor) -> Tensor:
+        return self.speech_embedding(tokens)
+
+    def forward(self, x: Tensor, batch: CacheBatch, cache: KVCache) -> Tensor:
+        """Speech logits [B, speech_vocab] at the last position of each row of `x` [B, T, hidden].
+
+        Every position's keys and values are written into `cache` (see `Qwen2Model.forward`).
+        """
+        return self.llm_decoder(self.backbone(x, batch, cache)[:, -1])
+
+    def tie_weights(self) -> None:
+        self.llm.model.tie_weights()
+
+
+def load_llm(path: Path, cfg: LLMConfig, device: torch.device | str, dtype: torch.dtype) -> CosyVoice2LM:
+    """Load `llm.pt` strictly into a `CosyVoice2LM` on `device` in `dtype`, in eval mode.
+
+    Raises `engines.checkpoints.CheckpointError` naming the first missing, unexpected or mis-shaped
+    tensors when the file does not match `cfg`.
+    """
+    state = load_checkpoint(path)
+    # Build without initialising: every value is overwritten by the checkpoint.
+    with torch.device("meta"):
+        model = CosyVoice2LM(cfg)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.tie_weights()
+    load_strict(model, state, str(path))
+    return model.eval().requires_grad_(False)

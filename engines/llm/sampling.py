@@ -1,0 +1,181 @@
+"""Batched speech-token sampling on device, every row with its own parameters (MODEL_FACTS §3.3-3.4).
+
+Per row, in order: repetition penalty over the tokens the request has generated, stop-token bans (eos
+while below the minimum length; every stop token for fixed-length requests), temperature, then either
+plain top-k/top-p sampling or RAS: a nucleus candidate that already occurs `ras_window * ras_tau` times
+among the last `ras_window` generated tokens is masked and the token is drawn from the full
+distribution instead.
+
+Randomness is counter-based: a row's uniforms are a hash of (seed, step), so a seeded request samples the
+same tokens alone or in any batch, and sampling needs no generator state (it can live in a CUDA graph).
+Everything here is tensor code without host synchronisation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from engines.llm.base import SamplingParams
+
+_MASK32 = 0xFFFFFFFF
+_EMPTY = -1  # history entry before any token was generated
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash (xor-shift-multiply) of int64 values in [0, 2^32).
+
+    The multipliers are below 2^31, so products stay below 2^63 and int64 arithmetic is exact.
+    """
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & _MASK32
+    return x ^ (x >> 15)
+
+
+def draw_uniforms(seed: Tensor, step: Tensor, lanes: int = 2) -> Tensor:
+    """Uniforms [B, lanes] in [0, 1) that depend only on each row's (seed, step) and the lane."""
+    lane = torch.arange(lanes, device=seed.device)
+    counter = (step.unsqueeze(1) * lanes + lane) & _MASK32
+    bits = _mix32(_mix32(counter) ^ (seed.unsqueeze(1) & _MASK32))
+    return (bits >> 8).to(torch.float32) * 2.0**-24  # 24 bits: exact in fp32
+
+
+def ras_threshold(params: SamplingParams) -> int:
+    """Smallest repeat count that triggers the RAS fallback (count >= ras_window * ras_tau)."""
+    return math.ceil(params.ras_window * params.ras_tau)
+
+
+@dataclass(frozen=True)
+class SamplingRows:
+    """Per-row sampling parameters and state for a batch of B rows (all on one device)."""
+
+    temperature: Tensor  # [B] float32
+    top_k: Tensor  # [B] int64
+    top_p: Tensor  # [B] float32
+    repetition_penalty: Tensor  # [B] float32
+    ras_threshold: Tensor  # [B] int64; above the history length when RAS is off
+    ras_window: Tensor  # [B] int64
+    min_len: Tensor  # [B] int64; eos is banned while step < min_len
+    ignore_stop: Tensor  # [B] bool; every stop token banned (fixed-length requests)
+    seed: Tensor  # [B] int64 in [0, 2^32)
+    step: Tensor  # [B] int64, tokens generated so far
+    history: Tensor  # [B, H] int64, last H generated tokens, newest last, -1 before the first
+    seen: Tensor  # [B, V] bool, tokens generated so far (for the repetition penalty)
+
+
+def _inverse_cdf(weights: Tensor, u: Tensor) -> Tensor:
+    """Index drawn from each row of unnormalised non-negative `weights` [B, N] with uniforms `u` [B]."""
+    cumulative = weights.cumsum(dim=-1)
+    target = (u * cumulative[:, -1]).unsqueeze(1)
+    index = torch.searchsorted(cumulative, target, right=True)
+    return index.clamp(max=weights.shape[-1] - 1).squeeze(1)
+
+
+def sample(logits: Tensor, rows: SamplingRows, is_stop: Tensor, eos: int) -> Tensor:
+    """One token per row of `logits` [B, V] (int64 [B]); `is_stop` [V] (bool) marks the stop tokens."""
+    scores = logits.float()
+    penalised = torch.where(scores > 0, scores / rows.repetition_penalty[:, None],
+                            scores * rows.repetition_penalty[:, None])
+    scores = torch.where(rows.seen, penalised, scores)
+
+    vocab = torch.arange(scores.shape[-1], device=scores.device)
+    eos_banned = (rows.step < rows.min_len)[:, None] & (vocab == eos)
+    stop_banned = rows.ignore_stop[:, None] & is_stop
+    scores = scores.masked_fill(eos_banned | stop_banned, float("-inf"))
+    scores = scores / rows.temperature[:, None]
+    probs = scores.softmax(dim=-1)
+
+    # Nucleus walk: keep sorted tokens while the mass before them is below top_p and fewer than top_k
+    # are kept, so the token that crosses top_p is included; sample among them unrenormalised.
+    sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True, stable=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep = (mass_before < rows.top_p[:, None]) & (vocab < rows.top_k[:, None])
+    uniforms = draw_uniforms(rows.seed, rows.step)
+    picked = _inverse_cdf(sorted_probs * keep, uniforms[:, 0])
+    candidate = sorted_ids.gather(1, picked.unsqueeze(1))  # [B, 1]
+
+    # RAS: a candidate repeated too often within the window is masked; draw from the full distribution.
+    history_len = rows.history.shape[1]
+    in_window = torch.arange(history_len, device=scores.device) >= history_len - rows.ras_window[:, None]
+    repeats = ((rows.history == candidate) & in_window).sum(dim=-1)
+    fallback_probs = scores.scatter(1, candidate, float("-inf")).softmax(dim=-1)
+    fallback = _inverse_cdf(fallback_probs, uniforms[:, 1])
+    return torch.where(repeats >= rows.ras_threshold, fallback, candidate.squeeze(1))
+
+
+class SamplingSlots:
+    """Sampling parameters and state of every engine slot, as static device tensors.
+
+    `rows(rows)` views a range of slots for `sample`; `record` appends sampled tokens to the rows that are
+    active and leaves the others untouched, so it can run over a fixed batch that contains idle slots.
+    """
+
+    def __init__(self, slots: int, vocab: int, history: int, stop_tokens: Sequence[int], eos: int,
+                 device: torch.device) -> None:
+        self.history_len = history
+        self.eos = eos
+        self.is_stop = torch.zeros(vocab, dtype=torch.bool, device=device)
+        self.is_stop[list(stop_tokens)] = True
+
+        def zeros(*shape: int, dtype: torch.dtype) -> Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self._state = SamplingRows(
+            temperature=zeros(slots, dtype=torch.float32) + 1,
+            top_k=zeros(slots, dtype=torch.int64) + 1,
+            top_p=zeros(slots, dtype=torch.float32) + 1,
+            repetition_penalty=zeros(slots, dtype=torch.float32) + 1,
+            ras_threshold=zeros(slots, dtype=torch.int64) + history + 1,
+            ras_window=zeros(slots, dtype=torch.int64) + 1,
+            min_len=zeros(slots, dtype=torch.int64),
+            ignore_stop=zeros(slots, dtype=torch.bool),
+            seed=zeros(slots, dtype=torch.int64),
+            step=zeros(slots, dtype=torch.int64),
+            history=zeros(slots, history, dtype=torch.int64) + _EMPTY,
+            seen=zeros(slots, vocab, dtype=torch.bool),
+        )
+
+    def configure(self, slot: int, params: SamplingParams, min_len: int, seed: int) -> None:
+        """Reset `slot` for a new request (a few small host-to-device writes)."""
+        if params.use_ras and params.ras_window > self.history_len:
+            raise ValueError(f"ras_window {params.ras_window} exceeds the sampler history {self.history_len}")
+        state = self._state
+        state.temperature[slot] = params.temperature
+        state.top_k[slot] = params.top_k
+        state.top_p[slot] = params.top_p
+        state.repetition_penalty[slot] = params.repetition_penalty
+        state.ras_threshold[slot] = ras_threshold(params) if params.use_ras else self.history_len + 1
+        state.ras_window[slot] = min(params.ras_window, self.history_len)
+        state.min_len[slot] = min_len
+        state.ignore_stop[slot] = params.fixed_length is not None
+        state.seed[slot] = seed & _MASK32
+        state.step[slot] = 0
+        state.history[slot] = _EMPTY
+        state.seen[slot] = False
+
+    def rows(self, rows: slice) -> SamplingRows:
+        s = self._state
+        return SamplingRows(
+            temperature=s.temperature[rows], top_k=s.top_k[rows], top_p=s.top_p[rows],
+            repetition_penalty=s.repetition_penalty[rows], ras_threshold=s.ras_threshold[rows],
+            ras_window=s.ras_window[rows], min_len=s.min_len[rows], ignore_stop=s.ignore_stop[rows],
+            seed=s.seed[rows], step=s.step[rows], history=s.history[rows], seen=s.seen[rows],
+        )
+
+    def sample(self, logits: Tensor, rows: slice) -> Tensor:
+        return sample(logits, self.rows(rows), self.is_stop, self.eos)
+
+    def record(self, tokens: Tensor, rows: slice, active: Tensor) -> None:
+        """Append `tokens` [B] to the state of the `active` [B] (bool) rows among `rows`, in place."""
+        state = self.rows(rows)
+        state.step.add_(active.long())
+        shifted = torch.cat((state.history[:, 1:], tokens.unsqueeze(1)), dim=1)
+        state.history.copy_(torch.where(active.unsqueeze(1), shifted, state.history))
+        index = tokens.unsqueeze(1)
+        state.seen.scatter_(1, index, state.seen.gather(1, index) | active.unsqueeze(1))

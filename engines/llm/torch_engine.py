@@ -1,0 +1,524 @@
+"""In-flight batching engine for the CosyVoice2 LM in PyTorch.
+
+One engine thread owns every tensor. Each step it drains cancellations, admits waiting requests into
+free cache slots, prefills prompts (at most `prefill_chunk` positions per step, so running streams keep
+flowing while a long prompt is read), runs one batched decode over the slots in use and hands the new
+tokens to the asyncio loop with `call_soon_threadsafe`.
+
+The decode batch is always slots `0..n` with `n` a bucketed size (new requests take the lowest free
+slot); idle slots inside the batch are computed and ignored. Attention reads a bucketed prefix of the
+cache. Each (batch size, cache length) pair is one static shape, captured as a CUDA graph on CUDA and
+run eagerly on the CPU; the only host synchronisation per decode step is reading the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import heapq
+import logging
+import secrets
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from engines.config import SPEECH_CODEBOOK, ModelPaths, configs_for_models_dir
+from engines.llm.base import LLMEngine, LLMError, LLMRequest, LLMStats, TokenStream
+from engines.llm.model import CosyVoice2LM, load_llm, prompt_length
+from engines.llm.qwen2 import CacheBatch, KVCache
+from engines.llm.sampling import SamplingSlots
+
+logger = logging.getLogger(__name__)
+
+ModelLoader = Callable[[torch.device, torch.dtype], CosyVoice2LM]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TorchLLMConfig:
+    """How the engine runs; `dtype="auto"` is bf16 on CUDA and fp32 elsewhere."""
+
+    device: str = "cuda"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_slots: int = 64
+    max_context: int = 2048  # prompt + generated positions per request
+    max_waiting: int = 256
+    prefill_chunk: int = 512  # prompt positions prefilled per engine step
+    cuda_graphs: bool = True  # only used on CUDA
+    decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+    min_kv_bucket: int = 256  # cache lengths attended in decode: doubling from here up to max_context
+    ras_history: int = 32  # longest RAS window a request may ask for
+
+    def __post_init__(self) -> None:
+        sizes = ("max_slots", "max_context", "max_waiting", "prefill_chunk", "min_kv_bucket", "ras_history")
+        for name in sizes:
+            if getattr(self, name) < 1:
+                raise ValueError(f"TorchLLMConfig.{name} must be positive, got {getattr(self, name)}")
+        if not self.decode_buckets or min(self.decode_buckets) < 1:
+            raise ValueError(f"decode_buckets must be positive sizes, got {self.decode_buckets}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+    @property
+    def batch_sizes(self) -> tuple[int, ...]:
+        """Decode batch sizes, ascending; the largest is `max_slots`."""
+        return tuple(sorted({b for b in self.decode_buckets if b < self.max_slots} | {self.max_slots}))
+
+    @property
+    def kv_lengths(self) -> tuple[int, ...]:
+        """Cache prefixes attended in decode, ascending; the largest is `max_context`."""
+        lengths, length = [], self.min_kv_bucket
+        while length < self.max_context:
+            lengths.append(length)
+            length *= 2
+        return (*lengths, self.max_context)
+
+
+def _bucket(sizes: tuple[int, ...], needed: int) -> int:
+    return next(size for size in sizes if size >= needed)
+
+
+class _RequestStream(TokenStream):
+    """The consumer's side of one request; lives on the event loop thread."""
+
+    def __init__(self, request_id: str, on_cancel: Callable[[_RequestStream], None]) -> None:
+        self.request_id = request_id
+        self._on_cancel = on_cancel
+        self._pending: list[int] = []
+        self._finished = False
+        self._error: LLMError | None = None
+        self._ready = asyncio.Event()
+
+    def deliver(self, tokens: list[int], done: bool, error: LLMError | None) -> None:
+        if self._finished:
+            return
+        self._pending.extend(tokens)
+        if done:
+            self._finished = True
+            self._error = error
+        self._ready.set()
+
+    def cancel(self) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        self._pending.clear()
+        self._ready.set()
+        self._on_cancel(self)
+
+    async def __anext__(self) -> list[int]:
+        while not self._pending and not self._finished:
+            self._ready.clear()
+            try:
+                await self._ready.wait()
+            except asyncio.CancelledError:
+                self.cancel()
+                raise
+        if self._pending:
+            tokens, self._pending = self._pending, []
+            return tokens
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        raise StopAsyncIteration
+
+
+@dataclass(eq=False)
+class _Sequence:
+    """Engine-side state of one request, from submit until its slot is freed (nano-vllm's Sequence)."""
+
+    request: LLMRequest
+    stream: _RequestStream
+    prompt_len: int
+    min_len: int
+    max_len: int
+    seed: int
+    slot: int = -1
+    prompt: Tensor | None = None  # prompt embeddings while the prefill is incomplete
+    prefilled: int = 0
+    generated: int = 0
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.prefilled + self.generated
+
+
+class _ModelRunner:
+    """The model, its slot KV cache, the per-slot decode buffers and the CUDA graphs (device work only).
+
+    Slot invariants: `positions[s]` is where the slot's next input goes (its prompt length right after
+    admission) and `active[s]` is set once its prefill has sampled the first token. Decode advances
+    only active slots; idle slots in a batch write scratch keys/values at their position, which is
+    always past anything a live sequence has stored.
+    """
+
+    def __init__(self, model: CosyVoice2LM, config: TorchLLMConfig) -> None:
+        self.model = model
+        self.config = config
+        device, slots = config.torch_device, config.max_slots
+        llm = model.cfg
+        self.cache = KVCache.allocate(llm.qwen, slots, config.max_context, device, config.torch_dtype)
+        self.sampling = SamplingSlots(
+            slots, llm.speech_vocab, config.ras_history, llm.stop_tokens, llm.eos_token, device
+        )
+        self.next_token = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.active = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.sampled = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+
+    @torch.no_grad()
+    def capture_graphs(self) -> None:
+        """Capture one decode graph per (batch size, cache length); every slot must be idle."""
+        pool = None
+        for size in reversed(self.config.batch_sizes):
+            for kv_len in reversed(self.config.kv_lengths):
+                self._decode_step(size, kv_len)  # warm-up: allocations and kernel selection happen here
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._decode_step(size, kv_len)
+                pool = graph.pool()
+                self.graphs[size, kv_len] = graph
+        torch.cuda.synchronize()
+
+    @torch.no_grad()
+    def embed_prompt(self, request: LLMRequest) -> Tensor:
+        device = self.config.torch_device
+        text = torch.tensor([*request.prompt_text_ids, *request.text_ids], dtype=torch.int64, device=device)
+        speech = torch.tensor(list(request.prompt_speech_tokens), dtype=torch.int64, device=device)
+        return self.model.prompt_embeddings(text, speech)
+
+    def begin(self, seq: _Sequence) -> None:
+        self.sampling.configure(seq.slot, seq.request.sampling, seq.min_len, seq.seed)
+        self.positions[seq.slot] = seq.prompt_len
+        self.active[seq.slot] = False
+
+    def release(self, slot: int) -> None:
+        self.active[slot] = False
+
+    @torch.no_grad()
+    def prefill(self, slot: int, chunk: Tensor, start: int, last: bool) -> int | None:
+        """Write `chunk` [T, hidden] at positions start..start+T of `slot`; on the `last` chunk, sample
+        and return the first generated token and make the slot active."""
+        length = chunk.shape[0]
+        positions = torch.arange(start, start + length, device=chunk.device).unsqueeze(0)
+        logits = self.model(chunk.unsqueeze(0), CacheBatch(slot, positions, start + length), self.cache)
+        if not last:
+            return None
+        rows = slice(slot, slot + 1)
+        token = self.sampling.sample(logits, rows)
+        self.sampling.record(token, rows, torch.ones_like(token, dtype=torch.bool))
+        self.next_token[rows] = token
+        self.active[slot] = True
+        return int(token.item())
+
+    @torch.no_grad()
+    def decode(self, size: int, kv_len: int) -> list[int]:
+        """One decode step over slots 0..size; the sampled token of every slot in that range."""
+        graph = self.graphs.get((size, kv_len))
+        if graph is not None:
+            graph.replay()
+        else:
+            self._decode_step(size, kv_len)
+        return self.sampled[:size].tolist()
+
+    def _decode_step(self, size: int, kv_len: int) -> None:
+        rows = slice(0, size)
+        active = self.active[rows]
+        x = self.model.embed_speech(self.next_token[rows]).unsqueeze(1)
+        logits = self.model(x, CacheBatch(0, self.positions[rows].unsqueeze(1), kv_len), self.cache)
+        tokens = self.sampling.sample(logits, rows)
+        self.sampling.record(tokens, rows, active)
+        self.next_token[rows] = torch.where(active, tokens, self.next_token[rows])
+        self.positions[rows] += active.long()
+        self.sampled[rows] = tokens
+
+
+_Delivery = tuple[_RequestStream, list[int], bool, LLMError | None]
+
+
+@dataclass
+class _EngineState:
+    """What the engine thread owns: sequences by phase and the free slots."""
+
+    slots: list[_Sequence | None]
+    free: list[int]  # heap: the lowest free slot is taken first, which keeps decode batches small
+    prefilling: collections.deque[_Sequence] = field(default_factory=collections.deque)
+    outbox: list[_Delivery] = field(default_factory=list)
+
+    def held(self) -> Iterator[_Sequence]:
+        return (seq for seq in self.slots if seq is not None)
+
+
+class TorchLLMEngine(LLMEngine):
+    """`LLMEngine` over `CosyVoice2LM` with in-flight batching on one engine thread.
+
+    `load_model(device, dtype)` builds the model; `start()` calls it off the event loop, allocates the
+    cache and captures the decode graphs.
+    """
+
+    name = "torch"
+
+    def __init__(self, config: TorchLLMConfig, load_model: ModelLoader) -> None:
+        self.config = config
+        self._load_model = load_model
+        self._runner: _ModelRunner | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # guards `_waiting` (submit and the engine thread)
+        self._waiting: collections.deque[_Sequence] = collections.deque()
+        self._cancelled: collections.deque[_RequestStream] = collections.deque()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._stop_tokens: frozenset[int] = frozenset()
+        self._state = _EngineState(slots=[None] * config.max_slots, free=list(range(config.max_slots)))
+        self._active = 0
+        self._kv_used = 0
+
+    @classmethod
+    def from_models_dir(cls, models_dir: Path, device: str = "cuda", **options: object) -> TorchLLMEngine:
+        """The engine over `<models_dir>/CosyVoice2-0.5B/llm.pt`; `options` are `TorchLLMConfig` fields."""
+        llm_config = configs_for_models_dir(models_dir).llm
+        config = TorchLLMConfig(device=device, **options)  # type: ignore[arg-type]
+        return cls(config, partial(load_llm, ModelPaths(Path(models_dir)).llm, llm_config))
+
+    @property
+    def max_context(self) -> int:
+        return self.config.max_context
+
+    async def start(self) -> None:
+        if self._thread is not None or self._stopping:
+            raise RuntimeError("a TorchLLMEngine can be started only once")
+        self._loop = asyncio.get_running_loop()
+        self._runner = await asyncio.to_thread(self._build_runner)
+        self._stop_tokens = frozenset(self._runner.model.cfg.stop_tokens)
+        self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
+        self._thread.start()
+        logger.info("torch LLM engine on %s (%s), %d slots, context %d, cuda graphs: %d", self.config.device,
+                    self.config.torch_dtype, self.config.max_slots, self.config.max_context,
+                    len(self._runner.graphs))
+
+    async def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._stopping = True
+        self._wake.set()
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+        self._runner = None
+        if self.config.torch_device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def submit(self, request: LLMRequest) -> TokenStream:
+        runner = self._runner
+        if runner is None or self._stopping:
+            raise LLMError("not_running", "the LLM engine is not running")
+        seq = self._sequence(request, runner.model.cfg.qwen.vocab_size)
+        with self._lock:
+            if len(self._waiting) >= self.config.max_waiting:
+                raise LLMError("busy", f"{self.config.max_waiting} LLM requests are waiting already")
+            self._waiting.append(seq)
+        self._wake.set()
+        return seq.stream
+
+    def stats(self) -> LLMStats:
+        return LLMStats(
+            max_slots=self.config.max_slots,
+            active=self._active,
+            waiting=len(self._waiting),
+            kv_tokens_used=self._kv_used,
+            kv_tokens_total=self.config.max_slots * self.config.max_context,
+        )
+
+    # -- event loop side -----------------------------------------------------------------------------
+
+    def _sequence(self, request: LLMRequest, text_vocab: int) -> _Sequence:
+        """Validate `request` and size it, or raise `LLMError`."""
+        params = request.sampling
+        if any(not 0 <= t < text_vocab for t in (*request.prompt_text_ids, *request.text_ids)):
+            raise LLMError("invalid_request", f"text token ids must be in [0, {text_vocab})")
+        if any(not 0 <= t < SPEECH_CODEBOOK for t in request.prompt_speech_tokens):
+            raise LLMError("invalid_request", f"prompt speech tokens must be in [0, {SPEECH_CODEBOOK})")
+        if params.use_ras and params.ras_window > self.config.ras_history:
+            raise LLMError("invalid_request", f"ras_window {params.ras_window} is above this engine's limit "
+                                              f"of {self.config.ras_history}")
+        min_len, max_len = params.length_bounds(len(request.text_ids))
+        if max_len < 1:
+            raise LLMError("invalid_request", "the length bounds allow no speech token for this text")
+        prompt_len = prompt_length(len(request.prompt_text_ids) + len(request.text_ids),
+                                   len(request.prompt_speech_tokens))
+        room = self.config.max_context - prompt_len
+        if room < max(min_len, 1):
+            raise LLMError("context_too_long", f"the prompt takes {prompt_len} positions and needs at least "
+                                               f"{max(min_len, 1)} more, but the context holds "
+                                               f"{self.config.max_context}")
+        seed = params.seed if params.seed is not None else secrets.randbits(32)
+        stream = _RequestStream(request.request_id, self._cancel)
+        return _Sequence(request, stream, prompt_len, min_len, min(max_len, room), seed)
+
+    def _cancel(self, stream: _RequestStream) -> None:
+        self._cancelled.append(stream)
+        self._wake.set()
+
+    @staticmethod
+    def _deliver(deliveries: list[_Delivery]) -> None:
+        for stream, tokens, done, error in deliveries:
+            stream.deliver(tokens, done, error)
+
+    # -- engine thread ---------------------------------------------------------------------------------
+
+    def _build_runner(self) -> _ModelRunner:
+        model = self._load_model(self.config.torch_device, self.config.torch_dtype)
+        runner = _ModelRunner(model, self.config)
+        if self.config.cuda_graphs and self.config.torch_device.type == "cuda":
+            runner.capture_graphs()
+        return runner
+
+    def _run(self) -> None:
+        state = self._state
+        while not self._stopping:
+            if not (self._waiting or self._cancelled or any(state.held())):
+                self._wake.wait()
+            self._wake.clear()
+            try:
+                self._step()
+            except Exception:
+                logger.exception("LLM engine step failed")
+                for seq in list(state.held()):
+                    self._finish(seq, LLMError("engine_error", "the LLM engine failed while decoding"))
+            self._flush()
+        self._shut_down()
+
+    def _step(self) -> None:
+        self._drain_cancellations()
+        self._admit()
+        self._prefill()
+        self._decode()
+        self._active = sum(1 for _ in self._state.held())
+        self._kv_used = sum(seq.kv_tokens for seq in self._state.held())
+
+    def _drain_cancellations(self) -> None:
+        while self._cancelled:
+            stream = self._cancelled.popleft()
+            with self._lock:
+                waiting = next((seq for seq in self._waiting if seq.stream is stream), None)
+                if waiting is not None:
+                    self._waiting.remove(waiting)
+            held = next((seq for seq in self._state.held() if seq.stream is stream), None)
+            if held is not None:
+                self._free(held)
+
+    def _admit(self) -> None:
+        state, runner = self._state, self._runner
+        assert runner is not None
+        while state.free:
+            with self._lock:
+                if not self._waiting:
+                    return
+                seq = self._waiting.popleft()
+            seq.slot = heapq.heappop(state.free)
+            state.slots[seq.slot] = seq
+            try:
+                seq.prompt = runner.embed_prompt(seq.request)
+                runner.begin(seq)
+            except Exception:
+                logger.exception("admitting LLM request %s failed", seq.request.request_id)
+                self._finish(seq, LLMError("engine_error", "the LLM engine failed to read the prompt"))
+                continue
+            state.prefilling.append(seq)
+
+    def _prefill(self) -> None:
+        state, runner = self._state, self._runner
+        assert runner is not None
+        budget = self.config.prefill_chunk
+        while state.prefilling and budget > 0:
+            seq = state.prefilling[0]
+            assert seq.prompt is not None
+            end = min(seq.prefilled + budget, seq.prompt_len)
+            last = end == seq.prompt_len
+            try:
+                token = runner.prefill(seq.slot, seq.prompt[seq.prefilled:end], seq.prefilled, last)
+            except Exception:
+                logger.exception("prefill of LLM request %s failed", seq.request.request_id)
+                state.prefilling.popleft()
+                self._finish(seq, LLMError("engine_error", "the LLM engine failed while reading the prompt"))
+                continue
+            budget -= end - seq.prefilled
+            seq.prefilled = end
+            if token is not None:
+                state.prefilling.popleft()
+                seq.prompt = None
+                self._accept(seq, token)
+
+    def _decode(self) -> None:
+        runner = self._runner
+        assert runner is not None
+        decoding = [seq for seq in self._state.held() if seq.prompt is None]
+        if not decoding:
+            return
+        size = _bucket(self.config.batch_sizes, max(seq.slot for seq in decoding) + 1)
+        kv_len = _bucket(self.config.kv_lengths, max(seq.prompt_len + seq.generated for seq in decoding))
+        try:
+            tokens = runner.decode(size, kv_len)
+        except Exception:
+            logger.exception("LLM decode step failed")
+            for seq in decoding:
+                self._finish(seq, LLMError("engine_error", "the LLM engine failed while decoding"))
+            return
+        for seq in decoding:
+            self._accept(seq, tokens[seq.slot])
+
+    def _accept(self, seq: _Sequence, token: int) -> None:
+        """Apply the stop rules to a freshly sampled token and queue it for the consumer."""
+        seq.generated += 1
+        if token in self._stop_tokens:
+            self._finish(seq, None)
+            return
+        done = seq.generated >= seq.max_len
+        self._state.outbox.append((seq.stream, [token], done, None))
+        if done:
+            self._free(seq)
+
+    def _finish(self, seq: _Sequence, error: LLMError | None) -> None:
+        """End `seq`'s stream (with `error` if given) and free its slot."""
+        self._state.outbox.append((seq.stream, [], True, error))
+        self._free(seq)
+
+    def _free(self, seq: _Sequence) -> None:
+        seq.prompt = None
+        state = self._state
+        if seq.slot >= 0 and state.slots[seq.slot] is seq:
+            state.slots[seq.slot] = None
+            if seq in state.prefilling:
+                state.prefilling.remove(seq)
+            assert self._runner is not None
+            self._runner.release(seq.slot)
+            heapq.heappush(state.free, seq.slot)
+
+    def _flush(self) -> None:
+        outbox, self._state.outbox = self._state.outbox, []
+        if outbox and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._deliver, outbox)
+
+    def _shut_down(self) -> None:
+        stopped = LLMError("stopped", "the LLM engine stopped")
+        with self._lock:
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        for seq in (*waiting, *self._state.held()):
+            self._finish(seq, stopped)
+        self._active = self._kv_used = 0
+        self._flush()

@@ -148,29 +148,3 @@ class SpeechTrack(MediaStreamTrack):
         frame.pts = self._pts
         self._pts += FRAME_SAMPLES
         return frame
-
-
-class Upsampler:
-    """Stateful float32 mono resampling to 48 kHz int16 for one utterance (filter state spans chunks)."""
-
-    def __init__(self, source_rate: int) -> None:
-        self._source_rate = source_rate
-        self._resampler = av.AudioResampler(format="s16", layout="mono", rate=OPUS_RATE)
-
-    def push(self, pcm: np.ndarray) -> np.ndarray:
-        """Resample one chunk; the output lags the input by the filter's delay until :meth:`flush`."""
-        frame = av.AudioFrame.from_ndarray(
-            np.ascontiguousarray(pcm, dtype=np.float32)[np.newaxis, :], format="flt", layout="mono"
-        )
-        frame.sample_rate = self._source_rate
-        return self._collect(self._resampler.resample(frame))
-
-    def flush(self) -> np.ndarray:
-        """The samples still held in the filter; call once, after the last chunk."""
-        return self._collect(self._resampler.resample(None))
-
-    @staticmethod
-    def _collect(frames: list[av.AudioFrame]) -> np.ndarray:
-        if not frames:
-            return np.zeros(0, dtype=np.int16)
-        return np.concatenate([frame.to_ndarray()[0] for frame in frames])

@@ -43,10 +43,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engines.config import SAMPLE_RATE
-from realtime.runtime import Runtime, ServiceError
-from realtime.session import SpeechRequest
-from realtime.transports.audio_track import OPUS_RATE, Playout, SpeechTrack, Upsampler
+from realtime.audio import Resampler, to_pcm16
+from realtime.runtime import Runtime
+from realtime.session import ServiceError, SpeechRequest
+from realtime.transports.audio_track import OPUS_RATE, Playout, SpeechTrack
 from realtime.transports.ice import IcePolicy, advertise_only
 
 logger = logging.getLogger(__name__)
@@ -266,18 +266,18 @@ class WebRTCSession:
             if previous is not None:
                 await asyncio.wait([previous], timeout=CANCEL_TIMEOUT_S)
             self._send({"type": "started", "id": utterance_id})
-            upsampler = Upsampler(SAMPLE_RATE)
+            resampler = Resampler(OPUS_RATE)
             stream = self._runtime.speak(SpeechRequest(text=command.text, voice=command.voice))
             try:
                 async for chunk in stream:
-                    samples = upsampler.push(chunk.pcm)
+                    samples = to_pcm16(resampler.process(chunk.pcm))
                     if first_audio is None and samples.size:
                         first_audio = self._report_first_audio(utterance_id, received)
                     await self._playout.write(samples)
             finally:
                 # Frees the engine slot at once, also when this task is cancelled.
                 await stream.aclose()
-            await self._playout.write(upsampler.flush())
+            await self._playout.write(to_pcm16(resampler.flush()))
             await self._playout.when_played(self._playout.written)
         except ServiceError as exc:
             self._send({"type": "error", "id": utterance_id, "code": exc.code, "message": exc.message})

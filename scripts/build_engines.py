@@ -1,0 +1,116 @@
+"""Set-up CLI: put a complete models directory in place.
+
+    python scripts/build_engines.py random --size tiny --out models/tiny
+    python scripts/build_engines.py download --out models/full [--source modelscope]
+    python scripts/build_engines.py verify --out models/tiny
+
+Every subcommand is idempotent: it skips what exists and is valid, and writes the directory's
+manifest last. A subcommand is one entry in `COMMANDS`: a function adding its arguments and a function
+running it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # run as a file from a checkout without `pip install -e .`
+    sys.path.insert(0, str(REPO_ROOT))
+
+from engines.checkpoints import CheckpointError  # noqa: E402
+
+logger = logging.getLogger("build_engines")
+
+DEFAULT_REFERENCE_DIR = REPO_ROOT.parent / "shared" / "reference" / "checkpoints"
+
+
+@dataclass(frozen=True)
+class Command:
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], None]
+
+
+def _out_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, required=True, help="the models directory")
+
+
+def _random_arguments(parser: argparse.ArgumentParser) -> None:
+    _out_argument(parser)
+    parser.add_argument("--size", choices=("tiny", "full"), default="tiny")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--force", action="store_true", help="rebuild files that are already valid")
+    parser.add_argument("--reference-dir", type=Path, default=DEFAULT_REFERENCE_DIR,
+                        help="released checkpoint manifests (*.tsv) a full build is checked against")
+
+
+def _random(args: argparse.Namespace) -> None:
+    from engines.build.synthetic import build_random
+
+    reference = args.reference_dir if args.reference_dir.is_dir() else None
+    if args.size == "full" and reference is None:
+        logger.warning("no reference manifests at %s: full weights are checked against our modules only",
+                       args.reference_dir)
+    build_random(args.out, args.size, seed=args.seed, reference_dir=reference, force=args.force)
+
+
+def _download_arguments(parser: argparse.ArgumentParser) -> None:
+    _out_argument(parser)
+    parser.add_argument("--source", choices=("huggingface", "modelscope"), default="huggingface")
+    parser.add_argument("--voice-wav", type=Path, help="reference clip for the default voice")
+    parser.add_argument("--voice-text", help="transcript of --voice-wav")
+
+
+def _download(args: argparse.Namespace) -> None:
+    from engines.build.download import download_models
+
+    download_models(args.out, args.source, voice_clip=args.voice_wav, voice_text=args.voice_text)
+
+
+def _verify(args: argparse.Namespace) -> None:
+    from engines.build.manifest import check_manifest
+    from engines.build.verify import verify_models_dir
+    from engines.config import ModelConfigs
+
+    manifest = check_manifest(args.out)
+    verify_models_dir(args.out, ModelConfigs.for_size(manifest["size"]))
+    logger.info("%s: %s models, %d files, all valid", args.out, manifest["size"], len(manifest["files"]))
+
+
+COMMANDS: dict[str, Command] = {
+    "random": Command("write synthetic checkpoints with random weights", _random_arguments, _random),
+    "download": Command("fetch the released checkpoints (CosyVoice2-0.5B, Step-Audio-2-mini token2wav)",
+                        _download_arguments, _download),
+    "verify": Command("check a models directory against its manifest and our modules",
+                      _out_argument, _verify),
+}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name, command in COMMANDS.items():
+        command.add_arguments(subparsers.add_parser(name, help=command.help))
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    from engines.build.download import DownloadError
+
+    try:
+        COMMANDS[args.command].run(args)
+    except (CheckpointError, DownloadError) as exc:
+        logger.error("%s failed: %s", args.command, exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -35,9 +35,9 @@ class CachedEstimator(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
-def cosine_time_grid(n_timesteps: int) -> torch.Tensor:
+def cosine_time_grid(n_timesteps: int) -> tuple[float, ...]:
     """t_k = 1 − cos(π/2 · k/n), k = 0..n (small steps first)."""
-    return 1.0 - torch.cos(torch.linspace(0.0, 1.0, n_timesteps + 1, dtype=torch.float64) * (math.pi / 2))
+    return tuple(1.0 - math.cos(math.pi / 2 * k / n_timesteps) for k in range(n_timesteps + 1))
 
 
 class ConditionalCFM(nn.Module):
@@ -57,7 +57,7 @@ class ConditionalCFM(nn.Module):
         generator = torch.Generator(device="cpu").manual_seed(seed)
         noise = torch.randn(1, MEL_BINS, noise_frames, generator=generator, device="cpu")
         self.register_buffer("noise", noise, persistent=False)
-        self.t_grid: tuple[float, ...] = tuple(cosine_time_grid(n_timesteps).tolist())
+        self.t_grid = cosine_time_grid(n_timesteps)
 
     def noise_at(self, offset: int, length: int) -> torch.Tensor:
         """Noise (1, 80, length) for utterance frames [offset, offset + length)."""

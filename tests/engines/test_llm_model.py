@@ -1,0 +1,154 @@
+"""CosyVoice2 LM: llm.pt layout and strict loading, prompt layout, and the slot KV cache against
+full re-forwards and against Hugging Face's Qwen2 (tiny random weights, CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engines.checkpoints import CheckpointError, load_strict, read_manifest_tsv
+from engines.config import LLMConfig, ModelConfigs
+from engines.llm.model import CosyVoice2LM, load_llm, prompt_length
+from engines.llm.qwen2 import CacheBatch, KVCache, Qwen2Model
+
+MANIFEST = Path("/work/shared/reference/checkpoints/cosyvoice2-0.5b.llm.pt.tsv")
+TINY = ModelConfigs.tiny().llm
+CPU = torch.device("cpu")
+
+
+def tiny_model(seed: int = 0) -> CosyVoice2LM:
+    torch.manual_seed(seed)
+    model = CosyVoice2LM(TINY).eval().requires_grad_(False)
+    with torch.no_grad():  # larger than the default init, so attention patterns are far from uniform
+        for param in model.backbone.layers.parameters():
+            param.normal_(0.0, 0.15)
+    return model
+
+
+def cache_for(model: CosyVoice2LM, slots: int = 4, max_len: int = 64) -> KVCache:
+    return KVCache.allocate(model.cfg.qwen, slots, max_len, CPU, torch.float32)
+
+
+def full_hidden(backbone: Qwen2Model, x: torch.Tensor) -> torch.Tensor:
+    """Hidden states [T, H] of a whole sequence `x` [T, H] in a fresh cache."""
+    length = x.shape[0]
+    cache = KVCache.allocate(backbone.cfg, 1, length, CPU, torch.float32)
+    return backbone(x.unsqueeze(0), CacheBatch(0, torch.arange(length).unsqueeze(0), length), cache)[0]
+
+
+@pytest.mark.skipif(not MANIFEST.is_file(), reason="reference manifests are not available")
+def test_state_dict_is_exactly_the_llm_pt_manifest_at_full_config() -> None:
+    with torch.device("meta"):
+        model = CosyVoice2LM(LLMConfig())
+    expected = read_manifest_tsv(MANIFEST)
+    assert [(k, tuple(v.shape)) for k, v in model.state_dict().items()] == expected
+    assert len(expected) == 295
+    assert model.llm.model.lm_head.weight is model.backbone.embed_tokens.weight
+
+    # A checkpoint with exactly the manifest's names and shapes loads strictly; one that differs names
+    # the differences.
+    state = {name: torch.empty(shape, device="meta") for name, shape in expected}
+    load_strict(model, state, "manifest")
+    state["llm_decoder.weight"] = torch.empty(6563, 896, device="meta")
+    del state["llm.model.model.layers.3.mlp.up_proj.weight"]
+    with pytest.raises(CheckpointError) as caught:
+        load_strict(model, state, "manifest")
+    assert "llm_decoder.weight: expected [6564, 896], found [6563, 896]" in str(caught.value)
+    assert "llm.model.model.layers.3.mlp.up_proj.weight" in str(caught.value)
+
+
+def test_load_llm_round_trips_a_checkpoint_and_ties_the_text_head(tmp_path: Path) -> None:
+    source = tiny_model(seed=3)
+    path = tmp_path / "llm.pt"
+    torch.save(source.state_dict(), path)
+    loaded = load_llm(path, TINY, CPU, torch.float32)
+    assert not loaded.training
+    for name, value in source.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+    assert loaded.llm.model.lm_head.weight is loaded.backbone.embed_tokens.weight
+
+    half = load_llm(path, TINY, CPU, torch.bfloat16)
+    assert half.llm_decoder.weight.dtype == torch.bfloat16
+
+
+def test_load_llm_names_the_first_mismatches(tmp_path: Path) -> None:
+    state = tiny_model().state_dict()
+    state["speech_embedding.weight"] = torch.zeros(10, TINY.qwen.hidden_size)
+    del state["llm_embedding.weight"]
+    path = tmp_path / "llm.pt"
+    torch.save(state, path)
+    with pytest.raises(CheckpointError) as caught:
+        load_llm(path, TINY, CPU, torch.float32)
+    message = str(caught.value)
+    assert "1 missing: llm_embedding.weight" in message
+    assert f"speech_embedding.weight: expected [6564, {TINY.qwen.hidden_size}], found [10, 64]" in message
+
+
+def test_prompt_embeddings_follow_the_zero_shot_layout() -> None:
+    model = tiny_model()
+    text = torch.tensor([5, 9, 7, 11])  # prompt text then target text
+    speech = torch.tensor([100, 6560, 3])
+    embeds = model.prompt_embeddings(text, speech)
+    assert embeds.shape == (prompt_length(4, 3), TINY.qwen.hidden_size)
+    expected = torch.cat((
+        model.llm_embedding.weight[0:1],
+        model.backbone.embed_tokens.weight[text],
+        model.llm_embedding.weight[1:2],
+        model.speech_embedding.weight[speech],
+    ))
+    assert torch.equal(embeds, expected)
+    assert model.prompt_embeddings(text, torch.zeros(0, dtype=torch.int64)).shape[0] == prompt_length(4, 0)
+
+
+def test_backbone_matches_hugging_face_qwen2() -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = TINY.qwen
+    hf_config = transformers.Qwen2Config(
+        hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,
+        vocab_size=cfg.vocab_size, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+        max_position_embeddings=cfg.max_position_embeddings,
+    )
+    reference = transformers.Qwen2Model(hf_config).eval()
+    ours = tiny_model().backbone
+    reference.load_state_dict(ours.state_dict(), strict=True)
+    x = torch.randn(1, 48, cfg.hidden_size)
+    with torch.no_grad():
+        expected = reference(inputs_embeds=x).last_hidden_state[0]
+    torch.testing.assert_close(full_hidden(ours, x[0]), expected, atol=1e-5, rtol=1e-4)
+
+
+def test_cached_decode_equals_a_full_forward() -> None:
+    model = tiny_model()
+    sequence = torch.randn(20, TINY.qwen.hidden_size)
+    expected = model.llm_decoder(full_hidden(model.backbone, sequence))
+    cache = cache_for(model)
+    slot, prompt = 2, 12
+    # Prefill in two chunks, then one position at a time.
+    model(sequence[None, :5], CacheBatch(slot, torch.arange(0, 5)[None], 5), cache)
+    logits = model(sequence[None, 5:prompt], CacheBatch(slot, torch.arange(5, prompt)[None], prompt), cache)
+    torch.testing.assert_close(logits[0], expected[prompt - 1], atol=1e-5, rtol=1e-4)
+    for pos in range(prompt, 20):
+        logits = model(sequence[None, pos:pos + 1], CacheBatch(slot, torch.tensor([[pos]]), 32), cache)
+        torch.testing.assert_close(logits[0], expected[pos], atol=1e-5, rtol=1e-4)
+
+
+def test_batched_decode_equals_each_sequence_alone() -> None:
+    model = tiny_model()
+    lengths = [7, 15, 3]
+    sequences = [torch.randn(n + 1, TINY.qwen.hidden_size) for n in lengths]
+    batched, alone = cache_for(model), cache_for(model)
+    for slot, (seq, n) in enumerate(zip(sequences, lengths, strict=True)):
+        for cache in (batched, alone):
+            model(seq[None, :n], CacheBatch(slot, torch.arange(n)[None], n), cache)
+    # Slot 3 is idle: its row is computed at an arbitrary position and ignored.
+    inputs = torch.stack([seq[n] for seq, n in zip(sequences, lengths, strict=True)] + [sequences[0][0]])
+    positions = torch.tensor([[7], [15], [3], [40]])
+    logits = model(inputs.unsqueeze(1), CacheBatch(0, positions, 32), batched)
+    for slot, (seq, n) in enumerate(zip(sequences, lengths, strict=True)):
+        single = model(seq[None, n:n + 1], CacheBatch(slot, torch.tensor([[n]]), 16), alone)
+        torch.testing.assert_close(logits[slot], single[0], atol=1e-5, rtol=1e-4)
+        full = model.llm_decoder(full_hidden(model.backbone, seq))
+        torch.testing.assert_close(logits[slot], full[n], atol=1e-5, rtol=1e-4)

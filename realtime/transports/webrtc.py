@@ -35,7 +35,7 @@ import json
 import logging
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from aiortc import RTCDataChannel, RTCPeerConnection, RTCSessionDescription
 from aiortc.sdp import SessionDescription
@@ -44,44 +44,18 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from realtime.audio import Resampler, to_pcm16
+from realtime.config import WebRTCConfig
 from realtime.runtime import Runtime
 from realtime.session import ServiceError, SpeechRequest
 from realtime.transports.audio_track import OPUS_RATE, Playout, SpeechTrack
-from realtime.transports.ice import IcePolicy, advertise_only
+from realtime.transports.http import error_response
+from realtime.transports.ice import advertise_only, rtc_configuration
 
 logger = logging.getLogger(__name__)
 
 MAX_OFFER_BYTES = 64 * 1024
 # How long a cancelled utterance may take to release its engine slot before the next one starts anyway.
 CANCEL_TIMEOUT_S = 2.0
-
-
-@dataclass(frozen=True)
-class WebRTCConfig:
-    """Limits and network policy of the WebRTC transport."""
-
-    max_sessions: int = 16
-    connect_timeout_s: float = 20.0
-    # Speech buffered ahead of playout per session; the engine stream is throttled beyond it.
-    playout_buffer_s: float = 30.0
-    ice: IcePolicy = field(default_factory=IcePolicy)
-
-    def __post_init__(self) -> None:
-        if self.max_sessions < 1:
-            raise ValueError(f"webrtc max_sessions must be >= 1, got {self.max_sessions}")
-        for name in ("connect_timeout_s", "playout_buffer_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"webrtc {name} must be > 0, got {getattr(self, name)}")
-
-
-class SignallingError(Exception):
-    """A refused signalling request: a stable ``code``, a sentence for people, an HTTP status."""
-
-    def __init__(self, code: str, message: str, http_status: int) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.http_status = http_status
 
 
 class ControlError(Exception):
@@ -135,16 +109,16 @@ def check_offer(sdp: str) -> None:
         description = SessionDescription.parse(sdp)
     except (AssertionError, ValueError, IndexError, KeyError):
         # aiortc's SDP parser reports malformed lines through asserts and lookups.
-        raise SignallingError("bad_offer", "The offer is not valid SDP.", 400) from None
+        raise ServiceError("bad_offer", "the offer is not valid SDP", 400) from None
     kinds = [media.kind for media in description.media]
     if not kinds:
-        raise SignallingError("bad_offer", "The offer is not valid SDP: it has no media sections.", 400)
+        raise ServiceError("bad_offer", "the offer is not valid SDP: it has no media sections", 400)
     if "audio" not in kinds:
-        raise SignallingError("bad_offer", "The offer needs an audio m-line to receive speech on.", 400)
+        raise ServiceError("bad_offer", "the offer needs an audio m-line to receive speech on", 400)
     if "application" not in kinds:
-        raise SignallingError("bad_offer", "The offer needs a data channel for control messages.", 400)
+        raise ServiceError("bad_offer", "the offer needs a data channel for control messages", 400)
     if any(media.ice.usernameFragment is None or media.ice.password is None for media in description.media):
-        raise SignallingError("bad_offer", "The offer has no ICE credentials (ice-ufrag/ice-pwd).", 400)
+        raise ServiceError("bad_offer", "the offer has no ICE credentials (ice-ufrag/ice-pwd)", 400)
 
 
 class WebRTCSession:
@@ -161,7 +135,7 @@ class WebRTCSession:
         self._runtime = runtime
         self._config = config
         self._on_closed = on_closed
-        self._pc = RTCPeerConnection(config.ice.rtc_configuration())
+        self._pc = RTCPeerConnection(rtc_configuration(config.ice_servers))
         self._playout = Playout(capacity=int(config.playout_buffer_s * OPUS_RATE))
         self._track = SpeechTrack(self._playout)
         self._channel: RTCDataChannel | None = None
@@ -177,9 +151,9 @@ class WebRTCSession:
         try:
             await self._pc.setRemoteDescription(offer)
         except ValueError as exc:
-            raise SignallingError("bad_offer", f"The offer was refused: {exc}.", 400) from None
+            raise ServiceError("bad_offer", f"the offer was refused: {exc}", 400) from None
         self._pc.addTrack(self._track)
-        with advertise_only(self._config.ice.host_addresses):
+        with advertise_only(self._config.host_addresses):
             await self._pc.setLocalDescription(await self._pc.createAnswer())
         self._watchdog = asyncio.create_task(self._close_unless_connected(self._config.connect_timeout_s))
         return self._pc.localDescription
@@ -336,10 +310,11 @@ class WebRTCGateway:
             offer = await _read_offer(request)
             check_offer(offer.sdp)
             if len(self._sessions) >= self._config.max_sessions:
-                raise SignallingError(
+                raise ServiceError(
                     "too_many_sessions",
-                    f"The server already has {self._config.max_sessions} WebRTC sessions; try again later.",
+                    f"the server already has {self._config.max_sessions} WebRTC sessions; try again later",
                     503,
+                    retry_after_s=1,
                 )
             session = WebRTCSession(secrets.token_urlsafe(12), self._runtime, self._config, self._forget)
             # Registered before the first await, so concurrent offers count against the limit.
@@ -349,15 +324,17 @@ class WebRTCGateway:
             except BaseException:
                 await session.close()
                 raise
-        except SignallingError as exc:
-            return _error(exc)
+        except ServiceError as exc:
+            return error_response(exc)
         logger.info("webrtc %s: answered", session.id)
         return JSONResponse({"sdp": answer.sdp, "type": answer.type, "session_id": session.id})
 
     async def _delete(self, request: Request) -> Response:
         session = self._sessions.get(request.path_params["session_id"])
         if session is None:
-            return _error(SignallingError("unknown_session", "No WebRTC session has this id.", 404))
+            return error_response(
+                ServiceError("unknown_session", "there is no WebRTC session with this id", 404)
+            )
         await session.close()
         return Response(status_code=204)
 
@@ -370,21 +347,15 @@ async def _read_offer(request: Request) -> RTCSessionDescription:
     async for part in request.stream():
         body += part
         if len(body) > MAX_OFFER_BYTES:
-            raise SignallingError("bad_offer", f"The offer is larger than {MAX_OFFER_BYTES} bytes.", 413)
+            raise ServiceError("bad_offer", f"the offer is larger than {MAX_OFFER_BYTES} bytes", 413)
     try:
         payload = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise SignallingError(
-            "bad_offer", 'The body must be JSON: {"sdp": ..., "type": "offer"}.', 400
-        ) from None
+        raise ServiceError("bad_offer", 'the body must be JSON: {"sdp": ..., "type": "offer"}', 400) from None
     if (
         not isinstance(payload, dict)
         or payload.get("type") != "offer"
         or not isinstance(payload.get("sdp"), str)
     ):
-        raise SignallingError("bad_offer", 'The body must be {"sdp": <string>, "type": "offer"}.', 400)
+        raise ServiceError("bad_offer", 'the body must be {"sdp": <string>, "type": "offer"}', 400)
     return RTCSessionDescription(sdp=payload["sdp"], type="offer")
-
-
-def _error(exc: SignallingError) -> JSONResponse:
-    return JSONResponse({"error": {"code": exc.code, "message": exc.message}}, status_code=exc.http_status)

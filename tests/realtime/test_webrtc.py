@@ -8,12 +8,13 @@ import aioice.ice
 import numpy as np
 import pytest
 
+from realtime.config import IceServer, WebRTCConfig
+from realtime.session import ServiceError
 from realtime.transports.audio_track import FRAME_SAMPLES, OPUS_RATE, Playout, SpeechTrack
-from realtime.transports.ice import IcePolicy, IceServer, advertise_only
+from realtime.transports.ice import advertise_only, rtc_configuration
 from realtime.transports.webrtc import (
     Cancel,
     ControlError,
-    SignallingError,
     Speak,
     check_offer,
     parse_control,
@@ -64,7 +65,7 @@ _APPLICATION = "m=application 9 UDP/DTLS/SCTP webrtc-datachannel\r\nc=IN IP4 0.0
     ],
 )
 def test_check_offer_refuses(sdp: str, fragment: str) -> None:
-    with pytest.raises(SignallingError, match=fragment) as caught:
+    with pytest.raises(ServiceError, match=fragment) as caught:
         check_offer(sdp)
     assert caught.value.code == "bad_offer"
     assert caught.value.http_status == 400
@@ -179,16 +180,14 @@ def test_advertise_only_pins_addresses_inside_the_block_only() -> None:
     assert "127.0.0.1" not in aioice.ice.get_host_addresses(use_ipv4=True, use_ipv6=False)
 
 
-def test_ice_policy_validates_and_never_uses_the_default_stun_server() -> None:
-    assert IcePolicy().rtc_configuration().iceServers == []
-    servers = (
-        IcePolicy(servers=(IceServer("turn:turn.example:3478", "u", "p"),)).rtc_configuration().iceServers
-    )
+def test_ice_configuration_validates_and_never_uses_the_default_stun_server() -> None:
+    assert rtc_configuration(WebRTCConfig().ice_servers).iceServers == []
+    servers = rtc_configuration((IceServer("turn:turn.example:3478", "u", "p"),)).iceServers
     assert servers is not None and [s.urls for s in servers] == ["turn:turn.example:3478"]
     with pytest.raises(ValueError, match="IP address"):
-        IcePolicy(host_addresses=("localhost",))
+        WebRTCConfig(host_addresses=("localhost",))
     with pytest.raises(ValueError, match="empty"):
-        IcePolicy(host_addresses=())
+        WebRTCConfig(host_addresses=())
     with pytest.raises(ValueError, match="must start with"):
         IceServer("http://stun.example")
     with pytest.raises(ValueError, match="username"):

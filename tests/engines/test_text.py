@@ -1,0 +1,147 @@
+"""Text front end on a small trained Qwen2-format tokenizer (the synthetic models' tokenizer)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engines.build.tokenizer import write_qwen2_tokenizer
+from engines.text import (
+    SPECIAL_TOKENS,
+    StreamingSentenceSplitter,
+    TextError,
+    TextFrontend,
+    collapse_whitespace,
+    split_sentences,
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("tokenizer")
+    write_qwen2_tokenizer(directory, vocab_size=1500)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def frontend(tokenizer_dir: Path) -> TextFrontend:
+    return TextFrontend(tokenizer_dir)
+
+
+def _words(text: str) -> str:
+    return "".join(text.split())
+
+
+def test_special_tokens_follow_the_base_vocabulary_in_order(
+    frontend: TextFrontend, tokenizer_dir: Path
+) -> None:
+    base = len(json.loads((tokenizer_dir / "vocab.json").read_text()))
+    # Qwen2's own specials come first, then CosyVoice2's additions in their listed order.
+    assert frontend.token_id("<|endoftext|>") == base
+    assert frontend.token_id("<|im_start|>") == base + 1
+    assert frontend.token_id("<|im_end|>") == base + 2
+    added = [frontend.token_id(t) for t in SPECIAL_TOKENS[2:]]
+    assert added == list(range(base + 3, base + 3 + len(added)))
+    assert frontend.vocab_size == base + 3 + len(added)
+
+
+def test_encode_adds_no_bos_or_eos_and_round_trips(frontend: TextFrontend) -> None:
+    assert frontend.encode("") == []
+    for text in ("Hello there, how are you?", "你好，世界！", "Zebra quartz 42 🎉", "a  b\tc\nd"):
+        ids = frontend.encode(text)
+        assert frontend.decode(ids) == text
+        assert frontend.token_id("<|endoftext|>") not in ids
+
+
+def test_special_tokens_encode_as_single_ids(frontend: TextFrontend) -> None:
+    ids = frontend.encode("hello[breath]world<|endofprompt|>")
+    assert frontend.token_id("[breath]") in ids
+    assert ids[-1] == frontend.token_id("<|endofprompt|>")
+
+
+def test_prepare_normalises_and_rejects_empty_or_long_text(tokenizer_dir: Path) -> None:
+    frontend = TextFrontend(tokenizer_dir, max_text_chars=20)
+    assert frontend.prepare("  hi \t there \n\n now ") == "hi there\nnow"
+    for empty in ("", "   \n\t "):
+        with pytest.raises(TextError) as info:
+            frontend.prepare(empty)
+        assert info.value.code == "empty_text"
+    with pytest.raises(TextError) as info:
+        frontend.prepare("x" * 21)
+    assert info.value.code == "text_too_long"
+
+
+def test_normalisation_hook_is_applied(tokenizer_dir: Path) -> None:
+    def spell_ampersand(text: str) -> str:
+        return collapse_whitespace(text.replace("&", " and "))
+
+    frontend = TextFrontend(tokenizer_dir, normalize=spell_ampersand)
+    assert frontend.prepare("salt & pepper") == "salt and pepper"
+    assert frontend.split_segments("salt & pepper.") == ["salt and pepper."]
+
+
+def test_split_sentences_at_terminal_punctuation() -> None:
+    assert split_sentences("Hello world. It is 3.14 today! Is it? Yes;  fine") == [
+        "Hello world.", "It is 3.14 today!", "Is it?", "Yes;", "fine"]
+    assert split_sentences("你好。今天天气很好！真的吗？") == ["你好。", "今天天气很好！", "真的吗？"]
+    assert split_sentences('He said "stop." Then left.\nNew line') == [
+        'He said "stop."', "Then left.", "New line"]
+
+
+def test_segments_respect_the_token_budget_and_keep_all_text(frontend: TextFrontend) -> None:
+    text = " ".join(f"Sentence number {i} talks about the weather and the river." for i in range(30))
+    segments = frontend.split_segments(text, max_tokens=40, merge_len=10)
+    assert len(segments) > 1
+    assert all(frontend.count(s) <= 40 + 10 for s in segments)
+    assert all(s.endswith(".") for s in segments)  # cut at sentence ends only
+    assert _words("".join(segments)) == _words(text)
+
+
+def test_a_long_sentence_is_cut_at_words_and_a_short_tail_is_merged(frontend: TextFrontend) -> None:
+    text = "word " * 200 + "end. Ok."
+    segments = frontend.split_segments(text, max_tokens=30, merge_len=8)
+    assert len(segments) > 3
+    assert all(frontend.count(s) <= 30 + 8 for s in segments)
+    assert segments[-1].endswith("end. Ok.")  # "Ok." alone is below merge_len
+    assert _words(" ".join(segments)) == _words(text)
+
+
+def test_cjk_without_spaces_is_cut_into_bounded_segments(frontend: TextFrontend) -> None:
+    text = "今天天气很好我们去公园散步吧" * 10 + "。好的。"
+    segments = frontend.split_segments(text, max_tokens=25, merge_len=5)
+    assert all(frontend.count(s) <= 30 for s in segments)
+    assert "".join(segments) == text
+
+
+def test_short_text_is_one_segment(frontend: TextFrontend) -> None:
+    assert frontend.split_segments("  Hello.  ") == ["Hello."]
+
+
+def test_streaming_splitter_emits_each_sentence_when_complete() -> None:
+    splitter = StreamingSentenceSplitter()
+    assert splitter.feed("Hello wor") == []
+    assert splitter.feed("ld. It is 3") == ["Hello world."]
+    assert splitter.feed(".14 today") == []  # "3." followed by a digit is no sentence end
+    assert splitter.feed("! 你好。") == ["It is 3.14 today!"]
+    assert splitter.feed("再") == ["你好。"]  # a CJK end is complete once anything follows it
+    assert splitter.feed("见") == []
+    assert splitter.flush() == ["再见"]
+    assert splitter.flush() == []
+
+
+def test_streaming_splitter_matches_the_batch_split_for_any_piece_size() -> None:
+    text = "One. Two?! Three; four.\nFive 5.5 six. 七。八！ nine"
+    for size in (1, 2, 3, 7, len(text)):
+        splitter = StreamingSentenceSplitter()
+        out = [s for i in range(0, len(text), size) for s in splitter.feed(text[i:i + size])]
+        assert out + splitter.flush() == split_sentences(text)
+
+
+def test_streaming_splitter_bounds_text_without_punctuation() -> None:
+    text = "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod"
+    splitter = StreamingSentenceSplitter(max_chars=30)
+    out = splitter.feed(text)
+    assert out and all(len(s) <= 30 for s in out)
+    assert _words("".join(out + splitter.flush())) == _words(text)

@@ -1,0 +1,278 @@
+"""Audio conversions at the service's edges: resampling, tempo, sample encodings and containers.
+
+Everything the engines produce is float32 mono at 24000 Hz. Streaming converters here keep state
+between calls (filter history, codec frames), so chunk joins are seamless: feeding an utterance in
+pieces gives the same audio as feeding it whole. Codec work is synchronous; transports run the heavy
+encoders (Opus, MP3, FLAC) in an executor.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import fractions
+import io
+import struct
+
+import av
+import av.filter
+import numpy as np
+from av.audio.fifo import AudioFifo
+
+from engines.config import SAMPLE_RATE
+
+SUPPORTED_RATES = (8000, 16000, 22050, 24000, 44100, 48000)
+_TIME_BASE = fractions.Fraction(1, SAMPLE_RATE)
+
+
+class Encoding(enum.Enum):
+    """Raw sample encodings of the websocket protocol."""
+
+    PCM_S16LE = "pcm_s16le"
+    MULAW = "mulaw"
+
+
+def _frame(pcm: np.ndarray, rate: int) -> av.AudioFrame:
+    frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm, dtype=np.float32).reshape(1, -1),
+                                       format="flt", layout="mono")
+    frame.sample_rate = rate
+    frame.time_base = fractions.Fraction(1, rate)
+    return frame
+
+
+def _frames_to_array(frames: list[av.AudioFrame]) -> np.ndarray:
+    if not frames:
+        return np.zeros(0, dtype=np.float32)
+    return np.concatenate([f.to_ndarray().reshape(-1) for f in frames]).astype(np.float32, copy=False)
+
+
+class Resampler:
+    """Stateful 24 kHz → `rate` float32 resampler for one stream (identity at 24 kHz)."""
+
+    def __init__(self, rate: int) -> None:
+        if rate not in SUPPORTED_RATES:
+            raise ValueError(f"unsupported sample rate {rate}; supported: {', '.join(map(str, SUPPORTED_RATES))}")
+        self.rate = rate
+        self._resampler = None if rate == SAMPLE_RATE else av.AudioResampler(format="flt", layout="mono", rate=rate)
+        self._pts = 0
+
+    def process(self, pcm: np.ndarray) -> np.ndarray:
+        if self._resampler is None or pcm.size == 0:
+            return np.asarray(pcm, dtype=np.float32) if self._resampler is None else np.zeros(0, np.float32)
+        frame = _frame(pcm, SAMPLE_RATE)
+        frame.pts = self._pts
+        self._pts += pcm.size
+        return _frames_to_array(self._resampler.resample(frame))
+
+    def flush(self) -> np.ndarray:
+        """The samples still inside the filter; the resampler is finished afterwards."""
+        if self._resampler is None:
+            return np.zeros(0, dtype=np.float32)
+        return _frames_to_array(self._resampler.resample(None))
+
+
+class TempoStretcher:
+    """Stateful speed change without a pitch change (ffmpeg `atempo`), for 24 kHz float32 audio."""
+
+    def __init__(self, speed: float) -> None:
+        if not 0.25 <= speed <= 4.0:
+            raise ValueError(f"speed must be in [0.25, 4], got {speed}")
+        # One atempo stage handles factors >= 0.5; slower speeds chain two.
+        factors = [speed] if speed >= 0.5 else [0.5, speed / 0.5]
+        self._graph = av.filter.Graph()
+        node = self._graph.add_abuffer(format="flt", sample_rate=SAMPLE_RATE, layout="mono", time_base=_TIME_BASE)
+        source = node
+        for factor in factors:
+            stage = self._graph.add("atempo", f"{factor:.6f}")
+            node.link_to(stage)
+            node = stage
+        sink = self._graph.add("abuffersink")
+        node.link_to(sink)
+        self._graph.configure()
+        self._source = source
+        self._pts = 0
+
+    def process(self, pcm: np.ndarray) -> np.ndarray:
+        if pcm.size == 0:
+            return np.zeros(0, dtype=np.float32)
+        frame = _frame(pcm, SAMPLE_RATE)
+        frame.pts = self._pts
+        self._pts += pcm.size
+        self._graph.push(frame)
+        return self._pull()
+
+    def flush(self) -> np.ndarray:
+        self._graph.push(None)
+        return self._pull()
+
+    def _pull(self) -> np.ndarray:
+        frames = []
+        while True:
+            try:
+                frames.append(self._graph.pull())
+            except (av.BlockingIOError, av.EOFError):
+                break
+        return _frames_to_array(frames)
+
+
+def to_pcm16(pcm: np.ndarray) -> np.ndarray:
+    """float32 in [-1, 1] → int16 (clipped)."""
+    return (np.clip(pcm, -1.0, 1.0) * 32767.0).round().astype(np.int16)
+
+
+def encode_pcm_s16le(pcm: np.ndarray) -> bytes:
+    return to_pcm16(pcm).astype("<i2").tobytes()
+
+
+_MULAW_BIAS = 33  # in the 14-bit domain G.711 works in
+_MULAW_CLIP = 8159
+
+
+def encode_mulaw(pcm: np.ndarray) -> bytes:
+    """G.711 µ-law bytes of float32 samples (the classic segment-search encoder of g711.c)."""
+    samples = to_pcm16(pcm).astype(np.int32) >> 2
+    negative = samples < 0
+    magnitude = np.minimum(np.where(negative, -samples, samples), _MULAW_CLIP) + _MULAW_BIAS
+    segment = np.maximum(np.floor(np.log2(magnitude)).astype(np.int32) - 5, 0)
+    code = np.where(segment > 7, 0x7F, (segment << 4) | ((magnitude >> (segment + 1)) & 0x0F))
+    return (code ^ np.where(negative, 0x7F, 0xFF)).astype(np.uint8).tobytes()
+
+
+def decode_mulaw(data: bytes) -> np.ndarray:
+    """G.711 µ-law bytes → float32 samples (the inverse of `encode_mulaw`, up to quantisation)."""
+    codes = ~np.frombuffer(data, dtype=np.uint8).astype(np.int32) & 0xFF
+    # 16-bit domain: the 14-bit bias times four.
+    magnitude = ((((codes & 0x0F) << 3) + 4 * _MULAW_BIAS) << ((codes >> 4) & 0x07)) - 4 * _MULAW_BIAS
+    return (np.where(codes & 0x80, -magnitude, magnitude) / 32768.0).astype(np.float32)
+
+
+def encode_samples(pcm: np.ndarray, encoding: Encoding) -> bytes:
+    if encoding is Encoding.PCM_S16LE:
+        return encode_pcm_s16le(pcm)
+    return encode_mulaw(pcm)
+
+
+class StreamEncoder(abc.ABC):
+    """24 kHz float32 chunks → the bytes of one streamed file, available as soon as encoded."""
+
+    content_type: str
+
+    @abc.abstractmethod
+    def encode(self, pcm: np.ndarray) -> bytes: ...
+
+    @abc.abstractmethod
+    def finish(self) -> bytes:
+        """Whatever the codec still holds, and the container's trailer."""
+
+
+class PcmStreamEncoder(StreamEncoder):
+    """Headerless 24 kHz signed 16-bit little-endian mono."""
+
+    content_type = "audio/pcm"
+
+    def encode(self, pcm: np.ndarray) -> bytes:
+        return encode_pcm_s16le(pcm)
+
+    def finish(self) -> bytes:
+        return b""
+
+
+def wav_header(sample_rate: int, data_bytes: int | None = None) -> bytes:
+    """A 16-bit mono WAV header; `data_bytes=None` (length unknown while streaming) writes 0xFFFFFFFF sizes."""
+    data_size = 0xFFFFFFFF if data_bytes is None else data_bytes
+    riff_size = 0xFFFFFFFF if data_bytes is None else 36 + data_bytes
+    return (b"RIFF" + struct.pack("<I", riff_size) + b"WAVE"
+            + b"fmt " + struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16)
+            + b"data" + struct.pack("<I", data_size))
+
+
+class WavStreamEncoder(StreamEncoder):
+    """A WAV header with unknown sizes first, then 16-bit PCM as it comes (how streamed WAV works)."""
+
+    content_type = "audio/wav"
+
+    def __init__(self) -> None:
+        self._header_sent = False
+
+    def encode(self, pcm: np.ndarray) -> bytes:
+        head = b"" if self._header_sent else wav_header(SAMPLE_RATE)
+        self._header_sent = True
+        return head + encode_pcm_s16le(pcm)
+
+    def finish(self) -> bytes:
+        return b"" if self._header_sent else wav_header(SAMPLE_RATE, 0)
+
+
+class _Sink:
+    """A write-only, non-seekable file for the muxer: containers that would seek back stay streamable."""
+
+    def __init__(self) -> None:
+        self._buffer = io.BytesIO()
+
+    def write(self, data: bytes) -> int:
+        return self._buffer.write(data)
+
+    def take(self) -> bytes:
+        data = self._buffer.getvalue()
+        self._buffer = io.BytesIO()
+        return data
+
+
+class CodecStreamEncoder(StreamEncoder):
+    """Opus (in Ogg), MP3 or FLAC through libav, muxed incrementally."""
+
+    _FORMATS = {"opus": ("ogg", "libopus", "audio/ogg"), "mp3": ("mp3", "libmp3lame", "audio/mpeg"),
+                "flac": ("flac", "flac", "audio/flac")}
+
+    def __init__(self, kind: str) -> None:
+        if kind not in self._FORMATS:
+            raise ValueError(f"unknown codec format {kind!r}; expected one of {sorted(self._FORMATS)}")
+        container_format, codec, self.content_type = self._FORMATS[kind]
+        self._sink = _Sink()
+        self._container = av.open(self._sink, mode="w", format=container_format)
+        self._stream = self._container.add_stream(codec, rate=SAMPLE_RATE, layout="mono")
+        context = self._stream.codec_context
+        self._resampler = av.AudioResampler(format=context.format.name, layout="mono", rate=SAMPLE_RATE)
+        self._fifo = AudioFifo()
+        self._frame_size = 0
+        self._pts = 0
+
+    def encode(self, pcm: np.ndarray) -> bytes:
+        if pcm.size:
+            frame = _frame(pcm, SAMPLE_RATE)
+            frame.pts = self._pts
+            self._pts += pcm.size
+            for converted in self._resampler.resample(frame):
+                self._fifo.write(converted)
+            self._drain_fifo(partial=False)
+        return self._sink.take()
+
+    def finish(self) -> bytes:
+        for converted in self._resampler.resample(None):
+            self._fifo.write(converted)
+        self._drain_fifo(partial=True)
+        self._mux(None)
+        self._container.close()
+        return self._sink.take()
+
+    def _drain_fifo(self, partial: bool) -> None:
+        if not self._frame_size:
+            # The codec opens (and fixes its frame size) on the first encode; until then take 20 ms.
+            self._frame_size = self._stream.codec_context.frame_size or SAMPLE_RATE // 50
+        while self._fifo.samples >= self._frame_size or (partial and self._fifo.samples):
+            frame = self._fifo.read(min(self._frame_size, self._fifo.samples))
+            self._mux(frame)
+            self._frame_size = self._stream.codec_context.frame_size or self._frame_size
+
+    def _mux(self, frame: av.AudioFrame | None) -> None:
+        for packet in self._stream.encode(frame):
+            self._container.mux(packet)
+
+
+def make_stream_encoder(response_format: str) -> StreamEncoder:
+    """The encoder of an OpenAI `response_format` (pcm, wav, opus, mp3, flac)."""
+    if response_format == "pcm":
+        return PcmStreamEncoder()
+    if response_format == "wav":
+        return WavStreamEncoder()
+    return CodecStreamEncoder(response_format)

@@ -1,0 +1,125 @@
+"""Service configuration: one frozen, validated dataclass built by the CLI (or by tests)."""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from realtime.schedule import ScheduleKind
+
+FlowKind = Literal["dit", "unet"]
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "cosyvoice-realtime"
+
+
+_ICE_URL_SCHEMES = ("stun:", "stuns:", "turn:", "turns:")
+
+
+@dataclass(frozen=True)
+class IceServer:
+    """A STUN or TURN server, written as a browser's RTCIceServer (`turn:host:3478?transport=udp`)."""
+
+    url: str
+    username: str | None = None
+    credential: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(_ICE_URL_SCHEMES):
+            raise ValueError(f"ICE server url must start with one of {_ICE_URL_SCHEMES}, got {self.url!r}")
+        if self.url.startswith("turn") and (self.username is None or self.credential is None):
+            raise ValueError(f"TURN server {self.url!r} needs a username and a credential")
+
+
+@dataclass(frozen=True)
+class WebRTCConfig:
+    """The WebRTC transport's limits and network policy.
+
+    max_sessions: peer connections at once; more offers are refused.
+    connect_timeout_s: a session whose connection is not up this long after the answer is closed.
+    playout_buffer_s: speech buffered ahead of playout per session before the stream is throttled.
+    host_addresses: local addresses to bind and advertise as ICE host candidates (None: every
+    interface except loopback, aiortc's default); e.g. ("127.0.0.1",) for loopback only.
+    ice_servers: STUN/TURN servers (aiortc uses at most one of each); none by default, so no traffic
+    goes to any third party.
+    """
+
+    max_sessions: int = 16
+    connect_timeout_s: float = 20.0
+    playout_buffer_s: float = 30.0
+    host_addresses: tuple[str, ...] | None = None
+    ice_servers: tuple[IceServer, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_sessions < 1:
+            raise ValueError(f"webrtc max_sessions must be >= 1, got {self.max_sessions}")
+        for name in ("connect_timeout_s", "playout_buffer_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"webrtc {name} must be > 0, got {getattr(self, name)}")
+        if self.host_addresses is not None:
+            if not self.host_addresses:
+                raise ValueError("webrtc host_addresses is empty: give at least one address, or None for all")
+            for address in self.host_addresses:
+                try:
+                    ipaddress.ip_address(address)
+                except ValueError:
+                    raise ValueError(f"webrtc host address must be an IP address, got {address!r}") from None
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Everything the service needs to start.
+
+    models_dir: a directory written by `scripts/build_engines.py` (manifest, checkpoints, voices/).
+    voices_dir: where uploaded voices live; defaults to `models_dir/voices` next to `default`.
+    max_streams: utterances synthesised at once; beyond that requests are refused as busy.
+    max_text_chars: longest text of one request (HTTP input, one websocket context's buffer).
+    max_voice_upload_s / max_voice_upload_bytes: limits on a reference clip for `POST /v1/voices`.
+    token2wav_batch: most chunks the token2wav worker runs in one call.
+    chunk_queue: chunks (per stream) synthesised ahead of a slow consumer before the stream waits.
+    drain_timeout_s: how long shutdown waits for running streams before cancelling them.
+    retry_after_s: the Retry-After a busy answer suggests.
+    webrtc: the WebRTC transport's limits and ICE policy (`WebRTCConfig`).
+    """
+
+    models_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 8080
+    voices_dir: Path | None = None
+    flow: FlowKind = "dit"
+    device: str = "cpu"
+    schedule: ScheduleKind = ScheduleKind.EXPONENTIAL
+    max_streams: int = 16
+    max_text_chars: int = 4096
+    max_voice_upload_s: float = 30.0
+    max_voice_upload_bytes: int = 16 * 1024 * 1024
+    max_contexts_per_socket: int = 8
+    token2wav_batch: int = 8
+    chunk_queue: int = 4
+    drain_timeout_s: float = 10.0
+    retry_after_s: int = 1
+    webrtc: WebRTCConfig = field(default_factory=WebRTCConfig)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "models_dir", Path(self.models_dir))
+        if self.voices_dir is not None:
+            object.__setattr__(self, "voices_dir", Path(self.voices_dir))
+        if self.flow not in ("dit", "unet"):
+            raise ValueError(f"flow must be 'dit' or 'unet', got {self.flow!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        for name in ("max_streams", "max_text_chars", "max_voice_upload_bytes", "max_contexts_per_socket",
+                     "token2wav_batch", "chunk_queue", "retry_after_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_voice_upload_s", "drain_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def voice_store(self) -> Path:
+        return self.voices_dir if self.voices_dir is not None else self.models_dir / "voices"
+
+    def replace(self, **changes: object) -> ServiceConfig:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

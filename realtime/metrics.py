@@ -1,0 +1,38 @@
+"""Prometheus metrics of one service instance (its own registry, so several apps can share a process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
+
+
+class Metrics:
+    """The service's metrics; `render()` is the `/metrics` body."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.first_chunk_latency = Histogram(
+            "tts_first_chunk_latency_seconds", "Time from an admitted request to its first audio chunk",
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.real_time_factor = Histogram(
+            "tts_real_time_factor", "Synthesis wall time divided by audio duration, per finished stream",
+            buckets=RTF_BUCKETS, registry=self.registry,
+        )
+        self.active_streams = Gauge("tts_active_streams", "Streams being synthesised", registry=self.registry)
+        self.queue_depth = Gauge(
+            "tts_token2wav_queue_depth", "Chunks waiting for the token2wav worker", registry=self.registry,
+        )
+        self.audio_seconds = Counter("tts_audio_seconds", "Audio produced", registry=self.registry)
+        self.errors = Counter("tts_errors", "Errors reported to clients, by code", ["code"], registry=self.registry)
+
+    def error(self, code: str) -> None:
+        self.errors.labels(code=code).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,401 @@
+"""The agents' websocket protocol: a sans-I/O state machine, and the native wire format (`/v1/ws`).
+
+The core (`AgentProtocol`) knows nothing of sockets or engines. Dialects (this module's
+`NativeDialect`, `cartesia.py`, `elevenlabs.py`) turn frames into `Command`s and events into frames;
+the core turns commands into `Action`s the transport executes (speak this text in that context, abort
+a context, send an event, close); the transport reports back when a `Speak` has been fully sent.
+
+Native wire format (`/v1/ws`)
+=============================
+
+Client → server: JSON text frames, each an object with a `type`. Several contexts (independent
+utterance streams, e.g. one per agent turn) may be open on one socket at once.
+
+- `{"type": "start", "context_id": "c1", "voice": "default", "sample_rate": 24000,
+  "encoding": "pcm_s16le", "speed": 1.0, "seed": 7}` opens a context. `context_id`: 1–64 characters
+  of letters, digits, `_`, `-`, `.`; `sample_rate`: 8000, 16000, 22050, 24000 (default), 44100 or
+  48000; `encoding`: `pcm_s16le` (default) or `mulaw` (G.711 µ-law); `voice` defaults to `default`;
+  `speed` (0.25–4), `seed` and `fixed_length` (speech tokens per sentence, for tests) are optional.
+- `{"type": "text", "context_id": "c1", "text": "Hello wor"}` appends text. Each sentence is spoken
+  as soon as it is complete (terminal punctuation followed by more text, or a newline); sentences
+  of one context are spoken in order, audio continuous.
+- `{"type": "flush", "context_id": "c1"}` speaks whatever is buffered now, even without punctuation.
+- `{"type": "end", "context_id": "c1"}` flushes and closes the context once everything is spoken.
+- `{"type": "cancel", "context_id": "c1"}` stops the context at once (barge-in): synthesis stops
+  within one chunk, buffered text is dropped and no more audio of it is sent.
+- `{"type": "close"}` cancels every context and closes the socket (code 1000).
+
+Server → client:
+
+- Audio as binary frames: byte 0 is the frame kind `0x01`; byte 1 is `n`, the length in bytes of the
+  UTF-8 context id that follows in bytes `2 .. 2+n`; then the chunk's `seq` as a 4-byte big-endian
+  unsigned integer; the rest is audio in the context's encoding and sample rate (mono; 2 bytes per
+  sample for `pcm_s16le`, 1 for `mulaw`).
+- Right after each audio frame, its metadata as JSON: `{"type": "chunk", "context_id", "seq",
+  "start_s", "duration_s", "words": [{"word", "start_s", "end_s", "estimated"}], "final"}`. `seq`
+  counts the context's chunks from 0; times are seconds from the start of the context's audio;
+  `words` are the words starting in this chunk, timed exactly at sentence boundaries and estimated
+  within a sentence (`estimated: true`); `final` marks the last chunk of one spoken text.
+- `{"type": "done", "context_id", "cancelled": false}` after the last audio of an ended context;
+  `{"type": "done", "context_id", "cancelled": true}` acknowledges a cancel (nothing follows).
+- `{"type": "error", "context_id": "c1" | null, "code", "message"}`: `code` is machine readable,
+  `message` a sentence. Errors about a message (`invalid_json`, `unknown_type`, `invalid_message`,
+  `binary_not_accepted`, `unknown_context`, `context_exists`, ...) leave the socket and every other
+  context as they were; an error while synthesising (`busy`, `voice_not_found`, ...) ends its context.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from engines.text import StreamingSentenceSplitter
+from realtime.audio import SUPPORTED_RATES, Encoding
+from realtime.session import WordTiming
+
+AUDIO_FRAME_KIND = 0x01
+_CONTEXT_ID = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+
+class ProtocolError(Exception):
+    """A client message the protocol refuses; reported as an error event, the socket carries on."""
+
+    def __init__(self, code: str, message: str, context_id: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.context_id = context_id
+
+
+# -- commands (client intent, dialect-neutral) ----------------------------------------------------
+
+@dataclass(frozen=True)
+class StartContext:
+    context_id: str
+    voice: str = "default"
+    sample_rate: int = 24000
+    encoding: Encoding = Encoding.PCM_S16LE
+    speed: float = 1.0
+    seed: int | None = None
+    fixed_length: int | None = None
+
+
+@dataclass(frozen=True)
+class AppendText:
+    context_id: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Flush:
+    context_id: str
+
+
+@dataclass(frozen=True)
+class EndContext:
+    context_id: str
+
+
+@dataclass(frozen=True)
+class CancelContext:
+    context_id: str
+
+
+@dataclass(frozen=True)
+class CloseSocket:
+    pass
+
+
+Command = StartContext | AppendText | Flush | EndContext | CancelContext | CloseSocket
+
+
+# -- events (what the client is told, dialect-neutral) --------------------------------------------
+
+@dataclass(frozen=True)
+class AudioOut:
+    """One encoded audio chunk of a context."""
+
+    context_id: str
+    seq: int
+    payload: bytes
+    start_s: float
+    duration_s: float
+    words: tuple[WordTiming, ...]
+    final: bool
+    sample_rate: int
+    encoding: Encoding
+
+
+@dataclass(frozen=True)
+class ContextDone:
+    context_id: str
+    cancelled: bool
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    code: str
+    message: str
+    context_id: str | None = None
+
+
+Event = AudioOut | ContextDone | ErrorEvent
+
+
+# -- actions (what the transport must do) ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class Speak:
+    """Synthesise `text` next in the context (after its earlier Speaks), then report `speech_done`."""
+
+    context: StartContext
+    text: str
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Stop the context's synthesis now and drop its queued Speaks, before any later action."""
+
+    context_id: str
+
+
+@dataclass(frozen=True)
+class Send:
+    event: Event
+
+
+@dataclass(frozen=True)
+class Close:
+    pass
+
+
+Action = Speak | Abort | Send | Close
+
+
+@dataclass(frozen=True)
+class ProtocolLimits:
+    max_contexts: int = 8
+    max_pending_chars: int = 4096  # text received and not yet spoken, per context
+    sentence_max_chars: int = 300  # a sentence without punctuation is cut here
+
+
+@dataclass
+class _Context:
+    start: StartContext
+    splitter: StreamingSentenceSplitter
+    in_flight: deque[int] = field(default_factory=deque)  # chars of each Speak not yet done
+    ending: bool = False
+
+    @property
+    def pending_chars(self) -> int:
+        return len(self.splitter.pending) + sum(self.in_flight)
+
+
+class AgentProtocol:
+    """Per-socket protocol state: open contexts, their buffered text and what is being spoken."""
+
+    def __init__(self, limits: ProtocolLimits, voice_exists: Callable[[str], bool]) -> None:
+        self._limits = limits
+        self._voice_exists = voice_exists
+        self._contexts: dict[str, _Context] = {}
+
+    def has_context(self, context_id: str) -> bool:
+        return context_id in self._contexts
+
+    @property
+    def context_ids(self) -> list[str]:
+        return list(self._contexts)
+
+    def handle(self, command: Command) -> list[Action]:
+        """The actions one client command calls for; refusals raise ProtocolError."""
+        if isinstance(command, CloseSocket):
+            aborts: list[Action] = [Abort(cid) for cid in self._contexts]
+            self._contexts.clear()
+            return [*aborts, Close()]
+        if isinstance(command, StartContext):
+            return self._start(command)
+        context = self._context(command.context_id)
+        if isinstance(command, CancelContext):
+            del self._contexts[command.context_id]
+            return [Abort(command.context_id), Send(ContextDone(command.context_id, cancelled=True))]
+        if context.ending:
+            raise ProtocolError("context_ended", f"context {command.context_id!r} was ended; start a new one",
+                                command.context_id)
+        if isinstance(command, AppendText):
+            if context.pending_chars + len(command.text) > self._limits.max_pending_chars:
+                raise ProtocolError("text_too_long", f"context {command.context_id!r} would hold more than "
+                                    f"{self._limits.max_pending_chars} characters not yet spoken",
+                                    command.context_id)
+            return self._speak(context, context.splitter.feed(command.text))
+        actions = self._speak(context, context.splitter.flush())
+        if isinstance(command, EndContext):
+            context.ending = True
+            actions.extend(self._finish_if_idle(context))
+        return actions
+
+    def speech_done(self, context_id: str) -> list[Action]:
+        """The transport finished one Speak of `context_id` (all its audio sent)."""
+        context = self._contexts.get(context_id)
+        if context is None:  # cancelled meanwhile
+            return []
+        context.in_flight.popleft()
+        return self._finish_if_idle(context)
+
+    def speech_failed(self, context_id: str, code: str, message: str) -> list[Action]:
+        """A Speak of `context_id` failed: report it and end the context."""
+        if self._contexts.pop(context_id, None) is None:
+            return []
+        return [Abort(context_id), Send(ErrorEvent(code, message, context_id))]
+
+    def _start(self, command: StartContext) -> list[Action]:
+        cid = command.context_id
+        if not _CONTEXT_ID.fullmatch(cid):
+            raise ProtocolError("invalid_context_id", "context_id must be 1 to 64 letters, digits, '_', '-' "
+                                "or '.'")
+        if cid in self._contexts:
+            raise ProtocolError("context_exists", f"context {cid!r} is already open", cid)
+        if len(self._contexts) >= self._limits.max_contexts:
+            raise ProtocolError("too_many_contexts", f"at most {self._limits.max_contexts} contexts may be open "
+                                "on one socket", cid)
+        if command.sample_rate not in SUPPORTED_RATES:
+            raise ProtocolError("unsupported_sample_rate", f"sample_rate {command.sample_rate} is not supported; "
+                                f"use one of {', '.join(map(str, SUPPORTED_RATES))}", cid)
+        if not self._voice_exists(command.voice):
+            raise ProtocolError("voice_not_found", f"there is no voice {command.voice!r}", cid)
+        if not 0.25 <= command.speed <= 4.0:
+            raise ProtocolError("invalid_speed", f"speed must be between 0.25 and 4, got {command.speed}", cid)
+        self._contexts[cid] = _Context(command, StreamingSentenceSplitter(self._limits.sentence_max_chars))
+        return []
+
+    def _context(self, context_id: str) -> _Context:
+        context = self._contexts.get(context_id)
+        if context is None:
+            raise ProtocolError("unknown_context", f"no open context {context_id!r}; send 'start' first",
+                                context_id)
+        return context
+
+    @staticmethod
+    def _speak(context: _Context, sentences: list[str]) -> list[Action]:
+        if not sentences:
+            return []
+        text = " ".join(sentences)
+        context.in_flight.append(len(text))
+        return [Speak(context.start, text)]
+
+    def _finish_if_idle(self, context: _Context) -> list[Action]:
+        if context.ending and not context.in_flight:
+            del self._contexts[context.start.context_id]
+            return [Send(ContextDone(context.start.context_id, cancelled=False))]
+        return []
+
+
+class Dialect(Protocol):
+    """One wire format over the core: frames in → commands, events → frames out."""
+
+    def decode(self, frame: str | bytes, protocol: AgentProtocol) -> list[Command]:
+        """Commands of one client frame; raises ProtocolError for a frame that means nothing valid."""
+        ...
+
+    def encode(self, event: Event) -> list[str | bytes]: ...
+
+
+def parse_json_object(frame: str | bytes) -> dict[str, Any]:
+    """A text frame's JSON object; ProtocolError for binary frames, bad JSON and non-objects."""
+    if isinstance(frame, bytes):
+        raise ProtocolError("binary_not_accepted", "send JSON text frames; binary frames are not accepted")
+    try:
+        message = json.loads(frame)
+    except json.JSONDecodeError as exc:
+        raise ProtocolError("invalid_json", f"the message is not valid JSON ({exc.msg} at {exc.pos})") from None
+    if not isinstance(message, dict):
+        raise ProtocolError("invalid_message", "a message must be a JSON object")
+    return message
+
+
+def field_of(message: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None,
+             required: bool = False) -> Any:
+    """`message[name]` checked against `kind` (bools are never numbers); ProtocolError otherwise."""
+    context_id = message.get("context_id") if isinstance(message.get("context_id"), str) else None
+    if name not in message or message[name] is None:
+        if required:
+            raise ProtocolError("invalid_message", f"'{name}' is required", context_id)
+        return default
+    value = message[name]
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise ProtocolError("invalid_message", f"'{name}' has the wrong type", context_id)
+    if not isinstance(value, kind):
+        raise ProtocolError("invalid_message", f"'{name}' has the wrong type", context_id)
+    return value
+
+
+def words_json(words: tuple[WordTiming, ...]) -> list[dict[str, Any]]:
+    return [{"word": w.word, "start_s": round(w.start_s, 3), "end_s": round(w.end_s, 3), "estimated": w.estimated}
+            for w in words]
+
+
+def audio_frame(context_id: str, seq: int, payload: bytes) -> bytes:
+    """The native binary audio frame (see the module docstring)."""
+    cid = context_id.encode()
+    return bytes((AUDIO_FRAME_KIND, len(cid))) + cid + struct.pack(">I", seq) + payload
+
+
+def parse_audio_frame(frame: bytes) -> tuple[str, int, bytes]:
+    """(context_id, seq, payload) of a native audio frame; ValueError if it is not one."""
+    if len(frame) < 2 or frame[0] != AUDIO_FRAME_KIND or len(frame) < 6 + frame[1]:
+        raise ValueError("not an audio frame")
+    n = frame[1]
+    (seq,) = struct.unpack(">I", frame[2 + n: 6 + n])
+    return frame[2: 2 + n].decode(), seq, frame[6 + n:]
+
+
+class NativeDialect:
+    """The `/v1/ws` wire format described in this module's docstring."""
+
+    def decode(self, frame: str | bytes, protocol: AgentProtocol) -> list[Command]:
+        message = parse_json_object(frame)
+        kind = message.get("type")
+        if kind == "close":
+            return [CloseSocket()]
+        if kind not in ("start", "text", "flush", "end", "cancel"):
+            raise ProtocolError("unknown_type", f"unknown message type {kind!r}; expected start, text, flush, "
+                                "end, cancel or close")
+        context_id = field_of(message, "context_id", str, required=True)
+        if kind == "start":
+            encoding = field_of(message, "encoding", str, "pcm_s16le")
+            try:
+                parsed_encoding = Encoding(encoding)
+            except ValueError:
+                raise ProtocolError("unsupported_encoding", f"encoding {encoding!r} is not supported; use "
+                                    "pcm_s16le or mulaw", context_id) from None
+            return [StartContext(
+                context_id=context_id,
+                voice=field_of(message, "voice", str, "default"),
+                sample_rate=field_of(message, "sample_rate", int, 24000),
+                encoding=parsed_encoding,
+                speed=float(field_of(message, "speed", (int, float), 1.0)),
+                seed=field_of(message, "seed", int),
+                fixed_length=field_of(message, "fixed_length", int),
+            )]
+        if kind == "text":
+            return [AppendText(context_id, field_of(message, "text", str, required=True))]
+        if kind == "flush":
+            return [Flush(context_id)]
+        if kind == "end":
+            return [EndContext(context_id)]
+        return [CancelContext(context_id)]
+
+    def encode(self, event: Event) -> list[str | bytes]:
+        if isinstance(event, AudioOut):
+            meta = {"type": "chunk", "context_id": event.context_id, "seq": event.seq,
+                    "start_s": round(event.start_s, 4), "duration_s": round(event.duration_s, 4),
+                    "words": words_json(event.words), "final": event.final}
+            return [audio_frame(event.context_id, event.seq, event.payload), json.dumps(meta)]
+        if isinstance(event, ContextDone):
+            return [json.dumps({"type": "done", "context_id": event.context_id, "cancelled": event.cancelled})]
+        return [json.dumps({"type": "error", "context_id": event.context_id, "code": event.code,
+                            "message": event.message})]

@@ -1,0 +1,404 @@
+"""The runtime owns the engines, their threads and the asyncio bridge to them.
+
+- The LLM engine runs its own loop (its thread); sessions submit requests and iterate token streams.
+- token2wav runs on one dedicated worker thread (`Token2WavWorker`). Sessions hand it chunks through
+  a bounded queue and await futures; each turn the worker takes every chunk that is ready (up to
+  `max_batch`, first chunks of a stream ahead of the rest, since they decide latency) and runs them
+  with one `run_chunks` call, the point where a GPU backend batches streams. Stream opening, closing
+  and speaker preparation run on the same thread, so a backend never sees two threads.
+- `speak` validates a request, asks the admission policy, and returns a `Session` (session.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import queue
+import secrets
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from engines.config import ModelPaths
+from engines.llm.base import LLMEngine, LLMRequest, TokenStream
+from engines.text import TextError, TextFrontend
+from engines.token2wav.base import ChunkJob, SpeakerState, Token2Wav, Token2WavStream
+from engines.voice import VoicePrompt
+from engines.voice_encoder import VoiceEncoder, VoiceError
+from realtime.admission import AdmissionPolicy, Load, Refuse
+from realtime.config import ServiceConfig
+from realtime.metrics import Metrics
+from realtime.session import PreparedVoice, Segment, ServiceError, Session, SpeechRequest
+from realtime.voices import VoiceInfo, VoiceRegistry, check_voice_id
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+# Text tokens per LLM request when long text is cut into segments.
+SEGMENT_TOKENS = 80
+
+
+@dataclass
+class _ChunkTask:
+    job: ChunkJob
+    first: bool
+    future: Future[np.ndarray]
+    order: int
+
+
+@dataclass
+class _Call:
+    fn: Callable[[], Any]
+    future: Future[Any] | None
+
+
+class Token2WavWorker:
+    """The token2wav backend on its own thread. Thread-safe entry points; results as futures."""
+
+    def __init__(self, backend: Token2Wav, max_batch: int, capacity: int) -> None:
+        self._backend = backend
+        self._max_batch = max_batch
+        self._slots = asyncio.Semaphore(capacity)
+        self._inbox: queue.SimpleQueue[_ChunkTask | _Call | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="token2wav", daemon=True)
+        self._order = itertools.count()
+        self._open_streams = 0
+        self._queued = 0
+
+    @property
+    def open_streams(self) -> int:
+        """Streams opened and not yet closed on the worker."""
+        return self._open_streams
+
+    @property
+    def queue_depth(self) -> int:
+        """Chunks submitted and not yet finished."""
+        return self._queued
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Finish what is queued, then end the thread."""
+        if self._thread.is_alive():
+            self._inbox.put(None)
+            self._thread.join()
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the worker thread (between batches) and return its result."""
+        future: Future[T] = Future()
+        self._inbox.put(_Call(fn, future))
+        return await asyncio.wrap_future(future)
+
+    async def prepare_speaker(self, prompt: VoicePrompt) -> SpeakerState:
+        return await self.call(lambda: self._backend.prepare_speaker(prompt))
+
+    async def open_stream(self, speaker: SpeakerState) -> Token2WavStream:
+        def open_() -> Token2WavStream:
+            stream = self._backend.open_stream(speaker)
+            self._open_streams += 1
+            return stream
+
+        return await self.call(open_)
+
+    def close_stream(self, stream: Token2WavStream) -> None:
+        def close() -> None:
+            stream.close()
+            self._open_streams -= 1
+
+        self._inbox.put(_Call(close, None))
+
+    async def synthesize(self, stream: Token2WavStream, tokens: Sequence[int], last: bool, first: bool) -> np.ndarray:
+        """Audio of one chunk; waits while `capacity` chunks are already queued. Call from the loop."""
+        job = ChunkJob(stream, torch.tensor(list(tokens), dtype=torch.int64), last)
+        async with self._slots:
+            future: Future[np.ndarray] = Future()
+            self._queued += 1
+            self._inbox.put(_ChunkTask(job, first, future, next(self._order)))
+            try:
+                return await asyncio.wrap_future(future)
+            except asyncio.CancelledError:
+                future.cancel()  # the worker skips it if it has not started yet
+                raise
+            finally:
+                self._queued -= 1
+
+    def _run(self) -> None:
+        while True:
+            item = self._inbox.get()
+            if item is None:
+                return
+            chunks: list[_ChunkTask] = []
+            calls: list[_Call] = []
+            stop = False
+            while True:
+                if isinstance(item, _ChunkTask):
+                    chunks.append(item)
+                elif isinstance(item, _Call):
+                    calls.append(item)
+                else:
+                    stop = True
+                if stop or len(chunks) >= self._max_batch:
+                    break
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+            # Chunks first: a close queued behind a cancelled chunk of its stream must not precede it.
+            self._run_chunks(chunks)
+            for call in calls:
+                self._run_call(call)
+            if stop:
+                return
+
+    def _run_chunks(self, chunks: list[_ChunkTask]) -> None:
+        live = [c for c in chunks if c.future.set_running_or_notify_cancel()]
+        live.sort(key=lambda c: (not c.first, c.order))
+        if not live:
+            return
+        try:
+            results = self._backend.run_chunks([c.job for c in live])
+            for chunk, audio in zip(live, results, strict=True):
+                chunk.future.set_result(audio.detach().to("cpu", torch.float32).numpy())
+        except Exception as exc:  # the backend failed this batch: every chunk in it fails
+            logger.exception("token2wav batch of %d chunks failed", len(live))
+            for chunk in live:
+                if not chunk.future.done():
+                    chunk.future.set_exception(exc)
+
+    @staticmethod
+    def _run_call(call: _Call) -> None:
+        if call.future is not None and not call.future.set_running_or_notify_cancel():
+            return
+        try:
+            result = call.fn()
+        except Exception as exc:
+            if call.future is None:
+                logger.exception("token2wav call failed")
+            else:
+                call.future.set_exception(exc)
+            return
+        if call.future is not None:
+            call.future.set_result(result)
+
+
+@dataclass(frozen=True)
+class RuntimeStats:
+    """What tests and `/metrics` read: admitted streams and what the engines hold."""
+
+    active_streams: int
+    llm_active: int
+    llm_waiting: int
+    token2wav_streams: int
+    token2wav_queue: int
+
+
+@dataclass(frozen=True)
+class LoadedEngines:
+    """The engines of one models directory, constructed but not started."""
+
+    llm: LLMEngine
+    token2wav: Token2Wav
+    text: TextFrontend
+    voice_encoder: VoiceEncoder
+
+
+def load_engines(config: ServiceConfig) -> LoadedEngines:
+    """The PyTorch engines over `config.models_dir` (blocking: call it off the event loop)."""
+    from engines.llm.torch_engine import TorchLLMEngine
+    from engines.token2wav.torch_backend import TorchToken2Wav
+
+    paths = ModelPaths(config.models_dir)
+    llm = TorchLLMEngine.from_models_dir(config.models_dir, device=config.device, max_slots=config.max_streams)
+    token2wav = TorchToken2Wav.from_models_dir(config.models_dir, flow=config.flow, device=config.device)
+    text = TextFrontend(paths.text_tokenizer, max_text_chars=config.max_text_chars)
+    encoder = VoiceEncoder(paths.speech_tokenizer, paths.campplus,
+                           device="cpu" if config.device == "cpu" else "auto")
+    return LoadedEngines(llm, token2wav, text, encoder)
+
+
+class Runtime:
+    """Owns the engines; `speak` turns a `SpeechRequest` into a `Session` of audio chunks.
+
+    Constructing it is cheap; `start()` loads the engines (through `loader`) and the voices.
+    """
+
+    def __init__(
+        self,
+        config: ServiceConfig,
+        loader: Callable[[ServiceConfig], LoadedEngines] = load_engines,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.config = config
+        self.voices = VoiceRegistry(config.voice_store, ModelPaths(config.models_dir).voices / "default.safetensors")
+        self.metrics = metrics or Metrics()
+        self._loader = loader
+        self._engines: LoadedEngines | None = None
+        self._worker: Token2WavWorker | None = None
+        self._admission = AdmissionPolicy.for_streams(config.max_streams, config.retry_after_s)
+        self._prepared: dict[str, PreparedVoice] = {}
+        self._sessions: set[Session] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._accepting = False
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load and start the engines, load the voices and prepare each one for synthesis."""
+        engines = await asyncio.to_thread(self._loader, self.config)
+        await engines.llm.start()
+        worker = Token2WavWorker(engines.token2wav, self.config.token2wav_batch, capacity=2 * self.config.max_streams)
+        worker.start()
+        self._engines, self._worker = engines, worker
+        await asyncio.to_thread(self.voices.load)
+        for info in self.voices.list():
+            await self._prepare(info.voice_id, self.voices.get(info.voice_id))
+        self._accepting = True
+        logger.info("runtime ready: llm %s, token2wav %s, %d voices", engines.llm.name, engines.token2wav.name,
+                    len(self._prepared))
+
+    async def stop(self, drain_timeout_s: float) -> None:
+        """Refuse new streams, let running ones finish for up to `drain_timeout_s`, cancel the rest."""
+        self._accepting = False
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), drain_timeout_s)
+        if self._sessions:
+            logger.warning("cancelling %d streams still running after %.1f s", len(self._sessions),
+                           drain_timeout_s)
+        for session in list(self._sessions):
+            await session.aclose()
+        if self._engines is not None:
+            await self._engines.llm.stop()
+        if self._worker is not None:
+            await asyncio.to_thread(self._worker.stop)
+
+    @property
+    def ready(self) -> bool:
+        return self._accepting
+
+    def stats(self) -> RuntimeStats:
+        engines, worker = self._running()
+        llm = engines.llm.stats()
+        return RuntimeStats(len(self._sessions), llm.active, llm.waiting, worker.open_streams, worker.queue_depth)
+
+    def _running(self) -> tuple[LoadedEngines, Token2WavWorker]:
+        if self._engines is None or self._worker is None:
+            raise ServiceError("not_ready", "the server is still starting", 503, self.config.retry_after_s)
+        return self._engines, self._worker
+
+    # -- synthesis -----------------------------------------------------------------------------
+
+    def speak(self, request: SpeechRequest) -> Session:
+        """A session for `request`, admitted now; raises ServiceError when it cannot be served."""
+        if not self._accepting:
+            raise ServiceError("shutting_down", "the server is shutting down", 503, self.config.retry_after_s)
+        engines, worker = self._running()
+        voice = self._prepared.get(request.voice)
+        if voice is None:
+            raise ServiceError("voice_not_found", f"there is no voice {request.voice!r}", 404)
+        try:
+            pieces = engines.text.split_segments(self._check_length(request.text), SEGMENT_TOKENS)
+            segments = [Segment(text, tuple(engines.text.encode(text))) for text in pieces]
+        except TextError as exc:
+            raise ServiceError(exc.code, str(exc), 400) from exc
+        stats = self.stats()
+        decision = self._admission.decide(Load(stats.active_streams, stats.llm_waiting, stats.token2wav_queue))
+        if isinstance(decision, Refuse):
+            self.metrics.error("busy")
+            raise ServiceError("busy", decision.reason, 429, decision.retry_after_s)
+        session_id = secrets.token_hex(4)
+        session: Session
+
+        def release() -> None:
+            self._sessions.discard(session)
+            self._track_sessions()
+
+        session = Session(session_id, request, voice, segments, _Engines(engines.llm, worker, self.metrics),
+                          self.metrics, self.config.chunk_queue, on_close=release)
+        self._sessions.add(session)
+        self._track_sessions()
+        logger.info("[%s] admitted: voice %s, %d segments, %d chars", session_id, request.voice,
+                    len(segments), len(request.text))
+        return session
+
+    def _check_length(self, text: str) -> str:
+        if len(text) > self.config.max_text_chars:
+            raise ServiceError("text_too_long", f"the text has {len(text)} characters; "
+                                                f"the limit is {self.config.max_text_chars}", 400)
+        return text
+
+    def _track_sessions(self) -> None:
+        self.metrics.active_streams.set(len(self._sessions))
+        if self._sessions:
+            self._idle.clear()
+        else:
+            self._idle.set()
+
+    # -- voices --------------------------------------------------------------------------------
+
+    async def add_voice(self, voice_id: str, audio: bytes, transcript: str) -> VoiceInfo:
+        """Extract a voice from a reference clip and its transcript, store it and make it usable."""
+        engines, _ = self._running()
+        check_voice_id(voice_id)
+        if voice_id in self.voices:
+            raise ServiceError("voice_exists", f"a voice {voice_id!r} already exists; delete it first", 409)
+        try:
+            prompt = await asyncio.to_thread(engines.voice_encoder.encode, audio, transcript)
+        except VoiceError as exc:
+            raise ServiceError(exc.code, str(exc), 400) from exc
+        await self._prepare(voice_id, prompt)
+        try:
+            return await asyncio.to_thread(self.voices.add, voice_id, prompt)
+        except BaseException:
+            self._prepared.pop(voice_id, None)
+            raise
+
+    async def remove_voice(self, voice_id: str) -> None:
+        await asyncio.to_thread(self.voices.remove, voice_id)
+        self._prepared.pop(voice_id, None)
+
+    async def _prepare(self, voice_id: str, prompt: VoicePrompt) -> None:
+        engines, worker = self._running()
+        speaker = await worker.prepare_speaker(prompt)
+        self._prepared[voice_id] = PreparedVoice(
+            voice_id=voice_id,
+            prompt_text_ids=tuple(engines.text.encode(prompt.prompt_text)),
+            prompt_speech_tokens=tuple(int(t) for t in prompt.speech_tokens.tolist()),
+            speaker=speaker,
+        )
+
+
+@dataclass(frozen=True)
+class _Engines:
+    """The `session.Engines` a session sees: the LLM and the token2wav worker, with queue metrics."""
+
+    llm: LLMEngine
+    worker: Token2WavWorker
+    metrics: Metrics
+
+    def submit_llm(self, request: LLMRequest) -> TokenStream:
+        return self.llm.submit(request)
+
+    async def open_stream(self, speaker: SpeakerState) -> Token2WavStream:
+        return await self.worker.open_stream(speaker)
+
+    async def synthesize(self, stream: Token2WavStream, tokens: Sequence[int], last: bool, first: bool) -> np.ndarray:
+        self.metrics.queue_depth.set(self.worker.queue_depth + 1)
+        try:
+            return await self.worker.synthesize(stream, tokens, last, first)
+        finally:
+            self.metrics.queue_depth.set(self.worker.queue_depth)
+
+    def close_stream(self, stream: Token2WavStream) -> None:
+        self.worker.close_stream(stream)
+
+
+__all__ = ["Runtime", "RuntimeStats", "ServiceError", "Token2WavWorker"]

@@ -1,0 +1,184 @@
+"""Chunk schedules: when enough speech tokens are pending to hand a chunk to token2wav (pure policy).
+
+The streaming contract (MODEL_FACTS §8): with `offset` tokens already consumed and a hop of `h`, a chunk
+is due once `h + 3` tokens are pending; it carries tokens `[offset, offset + h + 3)` (the 3 lookahead
+tokens are handed again as the first tokens of the next chunk) and moves `offset` by `h`. When the
+token stream has ended, one last chunk carries everything left, `[offset, end)`.
+
+A `HopPolicy` only chooses `h` for chunk `i`; `ChunkScheduler` applies the contract. Nothing here
+touches tensors, threads or clocks: measured speeds come in as plain numbers.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+from engines.config import PRE_LOOKAHEAD, TOKEN_RATE_HZ
+
+
+class ScheduleKind(enum.Enum):
+    """The chunk schedules a request may ask for."""
+
+    EXPONENTIAL = "exponential"
+    EQUAL = "equal"
+    ADAPTIVE = "adaptive"
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What the stream has measured so far, for policies that adapt to speed.
+
+    audio_ahead_s: seconds of audio delivered beyond what real-time playback has consumed since the
+        first chunk (how long the listener can wait for the next chunk without a gap).
+    tokens_per_s: measured LLM decoding speed of this stream (0 when unknown).
+    """
+
+    audio_ahead_s: float = 0.0
+    tokens_per_s: float = 0.0
+
+
+class HopPolicy(Protocol):
+    def hop(self, index: int, progress: Progress) -> int:
+        """New tokens consumed by chunk `index` (0-based); always >= 1."""
+        ...
+
+
+@dataclass(frozen=True)
+class ExponentialHops:
+    """`first` tokens, then `base`·2^i for chunk i >= 1, capped at `limit` (15, 25, 50, 100, ...)."""
+
+    first: int = 15
+    base: int = 25
+    limit: int = 400
+
+    def __post_init__(self) -> None:
+        if min(self.first, self.base, self.limit) < 1:
+            raise ValueError(f"hops must be positive, got first={self.first} base={self.base} limit={self.limit}")
+
+    def hop(self, index: int, progress: Progress) -> int:
+        if index == 0:
+            return self.first
+        return min(self.limit, self.base << min(index - 1, 30))
+
+
+@dataclass(frozen=True)
+class EqualHops:
+    """The same hop for every chunk."""
+
+    size: int = 25
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"hop size must be positive, got {self.size}")
+
+    def hop(self, index: int, progress: Progress) -> int:
+        return self.size
+
+
+@dataclass(frozen=True)
+class AdaptiveHops:
+    """Chunks as large as the audio buffered ahead of the listener allows.
+
+    The first chunk is `granule` tokens (lowest latency). Afterwards the next hop is the number of
+    tokens the LLM is expected to decode while `safety` of the buffered audio plays, rounded down to a
+    multiple of `granule` and kept within [granule, limit]: a fast engine gets large, efficient chunks,
+    a slow one falls back to small chunks so the listener never starves.
+    """
+
+    granule: int = 15
+    limit: int = 400
+    safety: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.granule < 1 or self.limit < self.granule:
+            raise ValueError(f"need 1 <= granule <= limit, got granule={self.granule} limit={self.limit}")
+        if not 0 < self.safety <= 1:
+            raise ValueError(f"safety must be in (0, 1], got {self.safety}")
+
+    def hop(self, index: int, progress: Progress) -> int:
+        if index == 0 or progress.tokens_per_s <= 0 or progress.audio_ahead_s <= 0:
+            return self.granule
+        affordable = progress.audio_ahead_s * self.safety * progress.tokens_per_s
+        granules = max(1, math.floor(affordable / self.granule))
+        return min(self.limit, granules * self.granule)
+
+
+def make_policy(kind: ScheduleKind) -> HopPolicy:
+    """The default policy of each kind."""
+    if kind is ScheduleKind.EXPONENTIAL:
+        return ExponentialHops()
+    if kind is ScheduleKind.EQUAL:
+        return EqualHops()
+    if kind is ScheduleKind.ADAPTIVE:
+        return AdaptiveHops()
+    raise ValueError(f"unknown schedule kind {kind!r}")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Token range `[start, end)` to synthesise; `last` chunks flush everything left."""
+
+    index: int
+    start: int
+    end: int
+    last: bool
+
+    @property
+    def consumed(self) -> int:
+        """Tokens this chunk moves the offset by (the lookahead of a non-final chunk is not consumed)."""
+        return self.end - self.start if self.last else self.end - self.start - PRE_LOOKAHEAD
+
+    @property
+    def duration_s(self) -> float:
+        """Seconds of speech this chunk accounts for."""
+        return self.consumed / TOKEN_RATE_HZ
+
+
+class ChunkScheduler:
+    """Applies a hop policy to one growing token sequence."""
+
+    def __init__(self, policy: HopPolicy, lookahead: int = PRE_LOOKAHEAD) -> None:
+        self._policy = policy
+        self._lookahead = lookahead
+        self._offset = 0
+        self._index = 0
+        self._finished = False
+
+    @property
+    def offset(self) -> int:
+        """Tokens consumed by the chunks taken so far."""
+        return self._offset
+
+    @property
+    def finished(self) -> bool:
+        """True once the last chunk was taken."""
+        return self._finished
+
+    def next_chunk(self, available: int, ended: bool, progress: Progress | None = None) -> Chunk | None:
+        """The chunk due with `available` tokens known, or None if more tokens are needed.
+
+        `ended` says the token stream is complete: then the remaining tokens form the last chunk
+        (possibly after non-final chunks, if many are pending). Call repeatedly until it returns None.
+        """
+        if self._finished:
+            return None
+        if available < self._offset:
+            raise ValueError(f"available tokens went backwards: {available} < offset {self._offset}")
+        hop = self._policy.hop(self._index, progress or Progress())
+        if hop < 1:
+            raise ValueError(f"hop policy returned {hop} for chunk {self._index}")
+        pending = available - self._offset
+        if pending >= hop + self._lookahead and not (ended and pending == hop + self._lookahead):
+            chunk = Chunk(self._index, self._offset, self._offset + hop + self._lookahead, last=False)
+            self._offset += hop
+        elif ended:
+            chunk = Chunk(self._index, self._offset, available, last=True)
+            self._offset = available
+            self._finished = True
+        else:
+            return None
+        self._index += 1
+        return chunk

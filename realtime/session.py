@@ -1,0 +1,395 @@
+"""One utterance: text in, 24 kHz audio chunks out. No I/O: transports drain a `Session`.
+
+Contract (transports code against this):
+
+- `Runtime.speak(SpeechRequest) -> Session` validates and admits at once (raises `ServiceError`:
+  `busy`, `voice_not_found`, `empty_text`, `text_too_long`, ...), so an HTTP handler can still answer
+  with a status code. The `Session` is an async iterator of `AudioChunk`s: float32 mono PCM at
+  24000 Hz whose concatenation is the utterance; the last one has `final=True`. Errors while
+  synthesising are raised from the iteration as `ServiceError`.
+- Always end a session with `await session.aclose()` (or `async with session:`); that (or cancelling
+  the task iterating it) stops synthesis within one chunk and frees the LLM slot and the token2wav
+  stream at once. Synthesis runs ahead of the consumer by at most `chunk_queue` chunks, so a slow
+  consumer slows only its own stream.
+
+Long text is synthesised as several segments (one LLM request and one token2wav stream each) whose
+audio follows without a gap. Word timings are exact at segment boundaries and estimated within a
+segment (spread over the segment in proportion to word length; marked `estimated=True`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Protocol
+
+import numpy as np
+
+from engines.config import SAMPLE_RATE, TOKEN_RATE_HZ
+from engines.llm.base import LLMError, LLMRequest, SamplingParams, TokenStream
+from engines.token2wav.base import SpeakerState, Token2WavStream
+from realtime.audio import TempoStretcher
+from realtime.metrics import Metrics
+from realtime.schedule import ChunkScheduler, Progress, ScheduleKind, make_policy
+
+logger = logging.getLogger(__name__)
+
+MIN_SPEED = 0.25
+MAX_SPEED = 4.0
+# A rough speaking rate (about 15 characters per second), only used to spread word timings inside a
+# segment before its real length is known.
+SPEECH_SECONDS_PER_CHAR = 0.065
+
+
+class ServiceError(Exception):
+    """A request the service cannot serve: `code` is machine readable, `message` a sentence for people."""
+
+    def __init__(self, code: str, message: str, http_status: int = 400, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.http_status = http_status
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class SpeechRequest:
+    """What to say and how. `sampling` carries the seed and, for tests/benchmarks, a fixed length."""
+
+    text: str
+    voice: str = "default"
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    speed: float = 1.0
+    schedule: ScheduleKind = ScheduleKind.EXPONENTIAL
+
+    def __post_init__(self) -> None:
+        if not MIN_SPEED <= self.speed <= MAX_SPEED:
+            raise ServiceError("invalid_speed", f"speed must be between {MIN_SPEED} and {MAX_SPEED}, "
+                                                f"got {self.speed}")
+
+
+@dataclass(frozen=True)
+class WordTiming:
+    """A word and where it is spoken, in seconds from the start of the utterance."""
+
+    word: str
+    start_s: float
+    end_s: float
+    estimated: bool
+
+
+@dataclass(frozen=True)
+class AudioChunk:
+    """`pcm`: float32 (samples,) mono at 24000 Hz. `words`: the words that start in this chunk."""
+
+    pcm: np.ndarray
+    seq: int
+    start_s: float
+    duration_s: float
+    words: tuple[WordTiming, ...]
+    final: bool
+
+
+@dataclass(frozen=True)
+class PreparedVoice:
+    """A voice ready for synthesis: LLM prompt ids/tokens and the token2wav speaker state."""
+
+    voice_id: str
+    prompt_text_ids: tuple[int, ...]
+    prompt_speech_tokens: tuple[int, ...]
+    speaker: SpeakerState
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One LLM request's worth of text."""
+
+    text: str
+    text_ids: tuple[int, ...]
+
+    @property
+    def words(self) -> list[str]:
+        return self.text.split()
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Tokens of one session: text tokens read by the LLM (prompt excluded) and speech tokens decoded."""
+
+    text_tokens: int
+    speech_tokens: int
+
+
+class Engines(Protocol):
+    """What a session needs from the runtime: the LLM and the token2wav worker."""
+
+    def submit_llm(self, request: LLMRequest) -> TokenStream: ...
+
+    async def open_stream(self, speaker: SpeakerState) -> Token2WavStream: ...
+
+    async def synthesize(self, stream: Token2WavStream, tokens: Sequence[int], last: bool, first: bool) -> np.ndarray:
+        """24 kHz float32 audio of one chunk (computed on the token2wav worker thread)."""
+        ...
+
+    def close_stream(self, stream: Token2WavStream) -> None:
+        """Release the stream's caches as soon as the worker is free; returns at once."""
+        ...
+
+
+class WordTimer:
+    """Word timings inside one segment, in speech seconds from the segment start.
+
+    The first start and the last end are exact (the segment's audio boundaries); inner boundaries are
+    spread in proportion to word length over the segment's estimated length, which grows to what has
+    been decoded so far until the real length is known.
+    """
+
+    def __init__(self, words: Sequence[str], expected_s: float) -> None:
+        self._words = list(words)
+        weights = [len(w) + 1 for w in self._words]
+        total = float(sum(weights)) or 1.0
+        self._fractions = [sum(weights[:i]) / total for i in range(len(weights) + 1)]
+        self._expected_s = expected_s
+        self._next = 0
+        self._last_end = 0.0
+
+    def due(self, audio_end_s: float, known_s: float) -> list[tuple[str, float, float, bool]]:
+        """Words (but not the last) whose estimated start is before `audio_end_s`."""
+        length = max(self._expected_s, known_s)
+        out = []
+        while self._next < len(self._words) - 1:
+            start = max(self._last_end, self._fractions[self._next] * length)
+            if start >= audio_end_s:
+                break
+            out.append(self._emit(start, self._fractions[self._next + 1] * length))
+        return out
+
+    def finish(self, length_s: float) -> list[tuple[str, float, float, bool]]:
+        """Every word not yet returned, placed with the segment's real length."""
+        out = []
+        while self._next < len(self._words):
+            is_last = self._next == len(self._words) - 1
+            start = min(max(self._last_end, self._fractions[self._next] * length_s), length_s)
+            out.append(self._emit(start, length_s if is_last else self._fractions[self._next + 1] * length_s))
+        return out
+
+    def _emit(self, start: float, end: float) -> tuple[str, float, float, bool]:
+        index = self._next
+        end = max(start, end)
+        exact = len(self._words) == 1  # both of its ends are segment boundaries
+        self._next += 1
+        self._last_end = end
+        return self._words[index], start, end, not exact
+
+
+_END = object()
+
+
+class Session:
+    """Synthesises one `SpeechRequest`; iterate it for `AudioChunk`s, then `aclose()` it.
+
+    Created by `Runtime.speak` after admission; `on_close` gives the admission back exactly once.
+    """
+
+    def __init__(
+        self,
+        session_id: str,
+        request: SpeechRequest,
+        voice: PreparedVoice,
+        segments: Sequence[Segment],
+        engines: Engines,
+        metrics: Metrics,
+        chunk_queue: int,
+        on_close: Callable[[], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not segments:
+            raise ValueError("a session needs at least one segment")
+        self.session_id = session_id
+        self.request = request
+        self._voice = voice
+        self._segments = list(segments)
+        self._engines = engines
+        self._metrics = metrics
+        self._clock = clock
+        self._on_close: Callable[[], None] | None = on_close
+        self._out: asyncio.Queue[object] = asyncio.Queue(maxsize=chunk_queue)
+        self._task: asyncio.Task[None] | None = None
+        self._done = False
+        self._created = clock()
+        # Output bookkeeping (producer side).
+        self._seq = 0
+        self._speech_tokens = 0
+        self._samples_out = 0
+        self._speech_s = 0.0
+        self._first_audio_at: float | None = None
+        self._stretcher = TempoStretcher(request.speed) if request.speed != 1.0 else None
+
+    # -- consumer side ---------------------------------------------------------------------------
+
+    @property
+    def usage(self) -> Usage:
+        """Tokens so far (final once the iteration has ended)."""
+        return Usage(sum(len(s.text_ids) for s in self._segments), self._speech_tokens)
+
+    def __aiter__(self) -> Session:
+        return self
+
+    async def __anext__(self) -> AudioChunk:
+        if self._done:
+            raise StopAsyncIteration
+        if self._task is None:
+            self._task = asyncio.create_task(self._produce(), name=f"tts-session-{self.session_id}")
+        item = await self._out.get()
+        if item is _END:
+            self._done = True
+            await self.aclose()
+            raise StopAsyncIteration
+        if isinstance(item, ServiceError):
+            self._done = True
+            await self.aclose()
+            raise item
+        assert isinstance(item, AudioChunk)
+        return item
+
+    async def aclose(self) -> None:
+        """Stop synthesis (if still running) and free everything it holds. Idempotent."""
+        self._done = True
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._release_admission()
+        # Wake a consumer that another task may have left waiting on the queue.
+        while not self._out.empty():
+            self._out.get_nowait()
+        self._out.put_nowait(_END)
+
+    async def __aenter__(self) -> Session:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    def _release_admission(self) -> None:
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
+
+    # -- producer side ---------------------------------------------------------------------------
+
+    async def _produce(self) -> None:
+        started = self._clock()
+        try:
+            for index, segment in enumerate(self._segments):
+                await self._speak_segment(segment, last_segment=index == len(self._segments) - 1)
+            wall = self._clock() - started
+            if self._speech_s > 0:
+                self._metrics.real_time_factor.observe(wall / self._speech_s)
+            logger.info("[%s] done: %d chunks, %.2f s of audio in %.2f s", self.session_id, self._seq,
+                           self._samples_out / SAMPLE_RATE, wall)
+            await self._out.put(_END)
+        except asyncio.CancelledError:
+            logger.info("[%s] cancelled after %d chunks", self.session_id, self._seq)
+            raise
+        except ServiceError as exc:
+            logger.warning("[%s] failed: %s", self.session_id, exc.code)
+            self._metrics.error(exc.code)
+            await self._out.put(exc)
+        except Exception as exc:
+            logger.exception("[%s] synthesis failed", self.session_id)
+            self._metrics.error("internal_error")
+            await self._out.put(ServiceError("internal_error", f"synthesis failed: {type(exc).__name__}", 500))
+
+    async def _speak_segment(self, segment: Segment, last_segment: bool) -> None:
+        sampling = self.request.sampling
+        llm_request = LLMRequest(
+            request_id=f"{self.session_id}-{self._seq}",
+            text_ids=segment.text_ids,
+            prompt_text_ids=self._voice.prompt_text_ids,
+            prompt_speech_tokens=self._voice.prompt_speech_tokens,
+            sampling=sampling,
+        )
+        low, high = sampling.length_bounds(len(segment.text_ids))
+        expected_tokens = min(high, max(low, len(segment.text) * SPEECH_SECONDS_PER_CHAR * TOKEN_RATE_HZ))
+        timer = WordTimer(segment.words, expected_tokens / TOKEN_RATE_HZ)
+        segment_start_s = self._speech_s
+        scheduler = ChunkScheduler(make_policy(self.request.schedule))
+        stream: Token2WavStream | None = None
+        tokens: list[int] = []
+        try:
+            token_stream = self._engines.submit_llm(llm_request)
+        except LLMError as exc:
+            raise ServiceError(exc.code, str(exc), 400) from exc
+        try:
+            stream = await self._engines.open_stream(self._voice.speaker)
+            decode_started = self._clock()
+            ended = False
+            while not scheduler.finished:
+                chunk = scheduler.next_chunk(len(tokens), ended, self._progress(len(tokens), decode_started))
+                if chunk is None:
+                    try:
+                        tokens.extend(await anext(token_stream))
+                    except StopAsyncIteration:
+                        ended = True
+                    except LLMError as exc:
+                        raise ServiceError(exc.code, str(exc), 500) from exc
+                    continue
+                pcm = np.zeros(0, dtype=np.float32)
+                if chunk.end > chunk.start:
+                    pcm = await self._engines.synthesize(stream, tokens[chunk.start:chunk.end], chunk.last,
+                                                         first=chunk.index == 0)
+                chunk_end_s = segment_start_s + scheduler.offset / TOKEN_RATE_HZ
+                if chunk.last:
+                    words = timer.finish(len(tokens) / TOKEN_RATE_HZ)
+                else:
+                    words = timer.due(chunk_end_s - segment_start_s, len(tokens) / TOKEN_RATE_HZ)
+                self._speech_s = chunk_end_s
+                await self._emit(pcm, [(w, segment_start_s + s, segment_start_s + e, est) for w, s, e, est in words],
+                                 final=chunk.last and last_segment)
+        finally:
+            self._speech_tokens += len(tokens)
+            token_stream.cancel()
+            if stream is not None:
+                self._engines.close_stream(stream)
+
+    def _progress(self, tokens: int, decode_started: float) -> Progress:
+        now = self._clock()
+        elapsed = now - decode_started
+        ahead = 0.0
+        if self._first_audio_at is not None:
+            ahead = self._samples_out / SAMPLE_RATE - (now - self._first_audio_at)
+        return Progress(audio_ahead_s=ahead, tokens_per_s=tokens / elapsed if elapsed > 0 else 0.0)
+
+    async def _emit(self, pcm: np.ndarray, words: list[tuple[str, float, float, bool]], final: bool) -> None:
+        speed = self.request.speed
+        if self._stretcher is not None:
+            pcm = self._stretcher.process(pcm)
+            if final:
+                pcm = np.concatenate([pcm, self._stretcher.flush()])
+        if pcm.size == 0 and not words and not final:
+            return
+        start_s = self._samples_out / SAMPLE_RATE
+        chunk = AudioChunk(
+            pcm=pcm.astype(np.float32, copy=False),
+            seq=self._seq,
+            start_s=start_s,
+            duration_s=pcm.size / SAMPLE_RATE,
+            words=tuple(WordTiming(w, s / speed, e / speed, est) for w, s, e, est in words),
+            final=final,
+        )
+        if self._first_audio_at is None and pcm.size:
+            self._first_audio_at = self._clock()
+            self._metrics.first_chunk_latency.observe(self._first_audio_at - self._created)
+        self._seq += 1
+        self._samples_out += pcm.size
+        self._metrics.audio_seconds.inc(pcm.size / SAMPLE_RATE)
+        await self._out.put(chunk)

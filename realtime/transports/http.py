@@ -1,0 +1,286 @@
+"""The OpenAI-compatible HTTP API: `POST /v1/audio/speech` and the voice registry under `/v1/voices`.
+
+`POST /v1/audio/speech` takes OpenAI's JSON body: `model` (`cosyvoice2`, or the aliases `tts-1`,
+`tts-1-hd`, `gpt-4o-mini-tts`), `input`, `voice`, `response_format` (`pcm` = 24 kHz s16le, `wav`,
+`opus`, `mp3`, `flac`; default `mp3`), `speed` (0.25–4), `stream_format` (`audio`, or `sse` for
+`speech.audio.delta` events carrying base64 audio, then `speech.audio.done`) and `instructions`
+(accepted, not used: the voice prompt sets the style). Extensions: `seed` (int) and `fixed_length`
+(speech tokens per segment, for benchmarks). Audio is streamed as it is synthesised.
+
+Voices: `GET /v1/voices`; `POST /v1/voices` (multipart: `audio` file, `transcript`, `voice_id`);
+`DELETE /v1/voices/{voice_id}`.
+
+Every error has OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`; a busy server
+answers 429 with `Retry-After`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import BaseRoute, Route
+
+from engines.llm.base import SamplingParams
+from realtime.audio import StreamEncoder, make_stream_encoder
+from realtime.runtime import Runtime
+from realtime.session import ServiceError, Session, SpeechRequest
+from realtime.voices import check_voice_id
+
+logger = logging.getLogger(__name__)
+
+MODELS = ("cosyvoice2", "tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+RESPONSE_FORMATS = ("mp3", "opus", "wav", "pcm", "flac")
+STREAM_FORMATS = ("audio", "sse")
+MAX_JSON_BYTES = 256 * 1024
+# Encoders that are cheap enough to run on the event loop.
+_INLINE_FORMATS = ("pcm", "wav")
+
+
+def error_response(exc: ServiceError, param: str | None = None) -> JSONResponse:
+    """OpenAI's error body for `exc`, with Retry-After when the client should come back."""
+    kind = (
+        "rate_limit_error"
+        if exc.http_status == 429
+        else "server_error"
+        if exc.http_status >= 500
+        else "invalid_request_error"
+    )
+    headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else None
+    body = {"error": {"message": exc.message, "type": kind, "param": param, "code": exc.code}}
+    return JSONResponse(body, status_code=exc.http_status, headers=headers)
+
+
+class _ParamError(ServiceError):
+    def __init__(self, param: str, message: str, code: str = "invalid_value") -> None:
+        super().__init__(code, message, 400)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class SpeechParams:
+    """A validated `/v1/audio/speech` body."""
+
+    request: SpeechRequest
+    response_format: str
+    stream_format: str
+
+
+def parse_speech_body(body: Any) -> SpeechParams:
+    """Validate OpenAI's speech body; raises `_ParamError` naming the bad field."""
+    if not isinstance(body, dict):
+        raise _ParamError("body", "the body must be a JSON object", "invalid_json")
+    model = body.get("model", "cosyvoice2")
+    if model not in MODELS:
+        raise _ParamError(
+            "model", f"unknown model {model!r}; use one of {', '.join(MODELS)}", "model_not_found"
+        )
+    text = body.get("input")
+    if not isinstance(text, str):
+        raise _ParamError("input", "'input' must be a string", "invalid_type")
+    voice = body.get("voice", "default")
+    if not isinstance(voice, str):
+        raise _ParamError("voice", "'voice' must be a string (a voice id)", "invalid_type")
+    response_format = body.get("response_format", "mp3")
+    if response_format not in RESPONSE_FORMATS:
+        raise _ParamError(
+            "response_format",
+            f"unsupported response_format {response_format!r}; use one of {', '.join(RESPONSE_FORMATS)}",
+            "unsupported_format",
+        )
+    stream_format = body.get("stream_format", "audio")
+    if stream_format not in STREAM_FORMATS:
+        raise _ParamError("stream_format", f"stream_format must be 'audio' or 'sse', got {stream_format!r}")
+    speed = body.get("speed", 1.0)
+    if isinstance(speed, bool) or not isinstance(speed, int | float):
+        raise _ParamError("speed", "'speed' must be a number", "invalid_type")
+    seed, fixed_length = body.get("seed"), body.get("fixed_length")
+    for name, value in (("seed", seed), ("fixed_length", fixed_length)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise _ParamError(name, f"'{name}' must be an integer", "invalid_type")
+    try:
+        sampling = SamplingParams(seed=seed, fixed_length=fixed_length)
+    except ValueError as exc:
+        raise _ParamError("fixed_length", str(exc)) from exc
+    try:
+        request = SpeechRequest(text=text, voice=voice, sampling=sampling, speed=float(speed))
+    except ServiceError as exc:
+        raise _ParamError("speed", exc.message, exc.code) from exc
+    return SpeechParams(request, response_format, stream_format)
+
+
+async def _encode(encoder: StreamEncoder, inline: bool, pcm: Any) -> bytes:
+    return encoder.encode(pcm) if inline else await asyncio.to_thread(encoder.encode, pcm)
+
+
+async def _audio_bytes(session: Session, response_format: str) -> AsyncIterator[bytes]:
+    """The encoded file, piece by piece as chunks are synthesised; closes the session at the end."""
+    encoder = make_stream_encoder(response_format)
+    inline = response_format in _INLINE_FORMATS
+    try:
+        async for chunk in session:
+            data = await _encode(encoder, inline, chunk.pcm)
+            if data:
+                yield data
+        tail = encoder.finish() if inline else await asyncio.to_thread(encoder.finish)
+        if tail:
+            yield tail
+    finally:
+        await session.aclose()
+
+
+async def _speech_bytes(session: Session, response_format: str) -> AsyncIterator[bytes]:
+    try:
+        async for data in _audio_bytes(session, response_format):
+            yield data
+    except ServiceError as exc:
+        # Headers are gone: end the body early; the client sees a truncated file.
+        logger.warning("[%s] speech stream ended early: %s", session.session_id, exc.code)
+
+
+async def _speech_events(session: Session, response_format: str) -> AsyncIterator[bytes]:
+    def event(payload: dict[str, Any]) -> bytes:
+        return f"data: {json.dumps(payload)}\n\n".encode()
+
+    try:
+        async for data in _audio_bytes(session, response_format):
+            yield event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
+    except ServiceError as exc:
+        yield event(
+            {
+                "type": "error",
+                "error": {"message": exc.message, "type": "server_error", "param": None, "code": exc.code},
+            }
+        )
+        return
+    tokens = sum(len(s.text_ids) for s in ())
+    yield event(
+        {
+            "type": "speech.audio.done",
+            "usage": {"input_tokens": tokens, "output_tokens": 0, "total_tokens": tokens},
+        }
+    )
+
+
+def routes(runtime: Runtime) -> list[BaseRoute]:
+    """The HTTP API's routes over `runtime`."""
+
+    async def speech(request: Request) -> Response:
+        try:
+            raw = await _read_limited(request, MAX_JSON_BYTES)
+            try:
+                body = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise _ParamError("body", "the body is not valid JSON", "invalid_json") from None
+            params = parse_speech_body(body)
+            session = runtime.speak(params.request)
+        except _ParamError as exc:
+            return error_response(exc, exc.param)
+        except ServiceError as exc:
+            return error_response(
+                exc,
+                "voice"
+                if exc.code == "voice_not_found"
+                else "input"
+                if exc.code in ("empty_text", "text_too_long")
+                else None,
+            )
+        if params.stream_format == "sse":
+            return StreamingResponse(
+                _speech_events(session, params.response_format),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        encoder_type = make_stream_encoder(params.response_format).content_type
+        return StreamingResponse(_speech_bytes(session, params.response_format), media_type=encoder_type)
+
+    async def list_voices(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [_voice_json(v) for v in runtime.voices.list()]})
+
+    async def add_voice(request: Request) -> Response:
+        try:
+            voice_id, audio, transcript = await _read_voice_upload(
+                request, runtime.config.max_voice_upload_bytes
+            )
+            info = await runtime.add_voice(voice_id, audio, transcript)
+        except _ParamError as exc:
+            return error_response(exc, exc.param)
+        except ServiceError as exc:
+            return error_response(exc, "audio" if exc.http_status == 400 else None)
+        logger.info("voice %s added", info.voice_id)
+        return JSONResponse(_voice_json(info), status_code=201)
+
+    async def delete_voice(request: Request) -> Response:
+        try:
+            await runtime.remove_voice(request.path_params["voice_id"])
+        except ServiceError as exc:
+            return error_response(exc, "voice_id")
+        return Response(status_code=204)
+
+    return [
+        Route("/v1/audio/speech", speech, methods=["POST"]),
+        Route("/v1/voices", list_voices, methods=["GET"]),
+        Route("/v1/voices", add_voice, methods=["POST"]),
+        Route("/v1/voices/{voice_id}", delete_voice, methods=["DELETE"]),
+    ]
+
+
+def _voice_json(info: Any) -> dict[str, Any]:
+    return {
+        "object": "voice",
+        "voice_id": info.voice_id,
+        "prompt_seconds": round(info.prompt_seconds, 3),
+        "builtin": info.builtin,
+    }
+
+
+async def _read_limited(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _ParamError("body", f"the body is larger than {limit} bytes", "body_too_large")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise _ParamError("body", f"the body is larger than {limit} bytes", "body_too_large")
+    return bytes(body)
+
+
+async def _read_voice_upload(request: Request, max_bytes: int) -> tuple[str, bytes, str]:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes + 64 * 1024:
+        raise _ParamError("audio", f"the upload is larger than {max_bytes} bytes", "upload_too_large")
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise _ParamError(
+            "body",
+            "send multipart/form-data with 'audio', 'transcript' and 'voice_id'",
+            "invalid_content_type",
+        )
+    async with request.form(max_files=1, max_fields=8) as form:
+        audio = form.get("audio")
+        transcript = form.get("transcript")
+        voice_id = form.get("voice_id")
+        if not isinstance(audio, UploadFile):
+            raise _ParamError("audio", "'audio' must be an uploaded file", "missing_audio")
+        if not isinstance(transcript, str) or not transcript.strip():
+            raise _ParamError(
+                "transcript", "'transcript' (what the clip says) is required", "missing_transcript"
+            )
+        if not isinstance(voice_id, str):
+            raise _ParamError("voice_id", "'voice_id' is required", "missing_voice_id")
+        try:
+            check_voice_id(voice_id)
+        except ServiceError as exc:
+            raise _ParamError("voice_id", exc.message, exc.code) from None
+        data = await audio.read(max_bytes + 1)
+        if len(data) > max_bytes:
+            raise _ParamError("audio", f"the audio file is larger than {max_bytes} bytes", "upload_too_large")
+    return voice_id, data, transcript

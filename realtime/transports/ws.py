@@ -1,0 +1,199 @@
+"""The agents' websockets: a thin adapter between a socket, the protocol core and the runtime.
+
+One receive loop feeds frames through the dialect into `AgentProtocol` and executes its actions at
+once, so control (cancel, close) never waits behind audio. Each context has one task that speaks its
+texts in order: it drains a runtime `Session`, resamples and encodes the audio and sends it. Sends are
+serialised per socket; a slow client slows only its own socket's streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import Callable
+
+import numpy as np
+from starlette.routing import BaseRoute, WebSocketRoute
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from engines.llm.base import SamplingParams
+from realtime.audio import Resampler, encode_samples
+from realtime.protocol.core import (
+    Abort,
+    Action,
+    AgentProtocol,
+    AudioOut,
+    Close,
+    Dialect,
+    ErrorEvent,
+    Event,
+    NativeDialect,
+    ProtocolError,
+    ProtocolLimits,
+    Send,
+    Speak,
+    StartContext,
+)
+from realtime.runtime import Runtime
+from realtime.session import ServiceError, SpeechRequest, WordTiming
+
+logger = logging.getLogger(__name__)
+
+CANCEL_TIMEOUT_S = 2.0
+# Speaks queued per context; the protocol's character limit is the real bound.
+MAX_QUEUED_SPEAKS = 256
+
+
+class _ContextRunner:
+    """Speaks one context's texts in order and sends their audio."""
+
+    def __init__(self, connection: _Connection, start: StartContext) -> None:
+        self._connection = connection
+        self._start = start
+        self._texts: asyncio.Queue[str] = asyncio.Queue(MAX_QUEUED_SPEAKS)
+        self._seq = 0
+        self._samples_out = 0
+        self._task = asyncio.create_task(self._run(), name=f"ws-context-{start.context_id}")
+
+    def speak(self, text: str) -> None:
+        self._texts.put_nowait(text)
+
+    async def stop(self) -> None:
+        """Cancel at once and wait (briefly) until the session has freed its engine resources."""
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+            await asyncio.wait_for(self._task, CANCEL_TIMEOUT_S)
+
+    async def _run(self) -> None:
+        start = self._start
+        runtime = self._connection.runtime
+        while True:
+            text = await self._texts.get()
+            try:
+                await self._speak_one(runtime, text)
+            except ServiceError as exc:
+                await self._connection.report_failure(start.context_id, exc.code, exc.message)
+                return
+            await self._connection.report_done(start.context_id)
+
+    async def _speak_one(self, runtime: Runtime, text: str) -> None:
+        start = self._start
+        request = SpeechRequest(text=text, voice=start.voice, speed=start.speed,
+                                sampling=SamplingParams(seed=start.seed, fixed_length=start.fixed_length))
+        resampler = Resampler(start.sample_rate)
+        offset_s = self._samples_out / start.sample_rate
+        session = runtime.speak(request)
+        try:
+            async for chunk in session:
+                pcm = resampler.process(chunk.pcm)
+                if chunk.final:
+                    pcm = np.concatenate([pcm, resampler.flush()])
+                words = tuple(WordTiming(w.word, w.start_s + offset_s, w.end_s + offset_s, w.estimated)
+                              for w in chunk.words)
+                await self._connection.send(AudioOut(
+                    context_id=start.context_id, seq=self._seq, payload=encode_samples(pcm, start.encoding),
+                    start_s=self._samples_out / start.sample_rate, duration_s=pcm.size / start.sample_rate,
+                    words=words, final=chunk.final, sample_rate=start.sample_rate, encoding=start.encoding,
+                ))
+                self._seq += 1
+                self._samples_out += pcm.size
+        finally:
+            await session.aclose()
+
+
+class _Connection:
+    """One socket: the protocol state, the context runners and the send lock."""
+
+    def __init__(self, websocket: WebSocket, runtime: Runtime, dialect: Dialect) -> None:
+        self.websocket = websocket
+        self.runtime = runtime
+        self.dialect = dialect
+        self.id = secrets.token_hex(4)
+        self.protocol = AgentProtocol(
+            ProtocolLimits(max_contexts=runtime.config.max_contexts_per_socket,
+                           max_pending_chars=runtime.config.max_text_chars),
+            voice_exists=lambda voice: voice in runtime.voices,
+        )
+        self._runners: dict[str, _ContextRunner] = {}
+        self._send_lock = asyncio.Lock()
+        self._closed = False
+
+    async def serve(self) -> None:
+        await self.websocket.accept()
+        logger.info("[ws %s] connected", self.id)
+        try:
+            while not self._closed:
+                message = await self.websocket.receive()
+                if message["type"] == "websocket.disconnect":
+                    break
+                frame = message.get("text")
+                if frame is None:
+                    frame = message.get("bytes") or b""
+                await self._receive(frame)
+        except WebSocketDisconnect:
+            pass
+        finally:
+            self._closed = True
+            await asyncio.gather(*(runner.stop() for runner in self._runners.values()))
+            self._runners.clear()
+            logger.info("[ws %s] disconnected", self.id)
+
+    async def _receive(self, frame: str | bytes) -> None:
+        try:
+            commands = self.dialect.decode(frame, self.protocol)
+            for command in commands:
+                await self._execute(self.protocol.handle(command))
+        except ProtocolError as exc:
+            self.runtime.metrics.error(exc.code)
+            await self.send(ErrorEvent(exc.code, exc.message, exc.context_id))
+
+    async def _execute(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Speak):
+                runner = self._runners.get(action.context.context_id)
+                if runner is None:
+                    runner = self._runners[action.context.context_id] = _ContextRunner(self, action.context)
+                runner.speak(action.text)
+            elif isinstance(action, Abort):
+                runner = self._runners.pop(action.context_id, None)
+                if runner is not None:
+                    await runner.stop()
+            elif isinstance(action, Send):
+                await self.send(action.event)
+            elif isinstance(action, Close):
+                self._closed = True
+                await self.websocket.close(1000)
+
+    async def send(self, event: Event) -> None:
+        if self._closed and not isinstance(event, ErrorEvent):
+            return
+        async with self._send_lock:
+            for frame in self.dialect.encode(event):
+                if isinstance(frame, bytes):
+                    await self.websocket.send_bytes(frame)
+                else:
+                    await self.websocket.send_text(frame)
+
+    async def report_done(self, context_id: str) -> None:
+        await self._execute(self.protocol.speech_done(context_id))
+
+    async def report_failure(self, context_id: str, code: str, message: str) -> None:
+        self.runtime.metrics.error(code)
+        actions = self.protocol.speech_failed(context_id, code, message)
+        # The runner reporting is the one being aborted: drop it without awaiting itself.
+        self._runners.pop(context_id, None)
+        await self._execute([a for a in actions if not isinstance(a, Abort)])
+
+
+def routes(runtime: Runtime) -> list[BaseRoute]:
+    """The websocket endpoints: the native protocol and the Cartesia/ElevenLabs dialects."""
+
+    def endpoint(make_dialect: Callable[[WebSocket], Dialect]) -> Callable[[WebSocket], object]:
+        async def serve(websocket: WebSocket) -> None:
+            await _Connection(websocket, runtime, make_dialect(websocket)).serve()
+
+        return serve
+
+    return [WebSocketRoute("/v1/ws", endpoint(lambda ws: NativeDialect()))]

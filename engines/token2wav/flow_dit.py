@@ -13,8 +13,8 @@ Bounded memory (the reference's rules, with their intent made explicit):
 - noise: frame f of the utterance always uses noise column f, also after trimming (the reference keeps
   reusing the offset L_p + 100 once it trims).
 - encoder keys/values: the reference never trims them and fails past the relative-position table
-  (100 s at full size); we keep the prompt plus at most half the table's span of recent frames, so the
-  rest of the span stays free for the next chunk.
+  (100 s at full size); we keep the prompt and the most recent frames within half the table's span,
+  so the other half stays free for the next chunk.
 """
 
 from __future__ import annotations
@@ -187,14 +187,13 @@ class DiTFlow(FlowModel):
         stream.estimator_cnn = cnn
         recent = self.cfg.att_cache_recent_frames
         stream.estimator_kv = torch.cat([stream.estimator_kv, kv], dim=4)[:, :, :, :, -recent:]
-        stream.encoder = stream.encoder.extend(update).keep_recent(self._encoder_recent_tokens)
+        stream.encoder = stream.encoder.extend(update).keep_recent(self._encoder_recent_tokens(speaker))
         return mel
 
-    @property
-    def _encoder_recent_tokens(self) -> int:
-        """Stream tokens whose encoder keys/values are kept: half the position table's span."""
+    def _encoder_recent_tokens(self, speaker: DiTSpeaker) -> int:
+        """Stream tokens whose encoder keys/values are kept: with the prompt, half the position table."""
         enc = self.cfg.encoder
-        return enc.max_relative_len // (2 * enc.up_stride)
+        return max(0, enc.max_relative_len // (2 * enc.up_stride) - speaker.tokens.numel())
 
     @torch.inference_mode()
     def offline(

@@ -239,3 +239,206 @@ function channelOpen(channel) {
     channel.addEventListener("close", () => reject(new Error("data channel closed")), { once: true });
   });
 }
+
+// -------------------------------------------------------------------------------------- websocket
+
+const WS_SAMPLE_RATE = 24000;
+const AUDIO_FRAME_KIND = 0x01;
+
+// The native websocket protocol (/v1/ws): one context per utterance, 16-bit PCM at 24 kHz, played by
+// an AudioWorklet whose context runs at the same rate (the browser resamples to the device).
+class WebSocketClient {
+  constructor() {
+    this.socket = null;
+    this.ready = null;
+    this.context = null;
+    this.player = null;
+    this.contextCount = 0;
+    this.current = null;
+  }
+
+  connect() {
+    if (!this.ready) {
+      this.ready = this.open().catch((error) => {
+        this.ready = null;
+        throw error;
+      });
+    }
+    return this.ready;
+  }
+
+  async open() {
+    setState("connecting");
+    await this.openAudio();
+    const scheme = location.protocol === "https:" ? "wss" : "ws";
+    const socket = new WebSocket(`${scheme}://${location.host}/v1/ws`);
+    socket.binaryType = "arraybuffer";
+    socket.onmessage = (event) =>
+      typeof event.data === "string" ? this.onEvent(JSON.parse(event.data)) : this.onAudio(event.data);
+    socket.onclose = () => {
+      rt.ws.state = "closed";
+      this.socket = null;
+      this.ready = null;
+      log("websocket closed");
+    };
+    await new Promise((resolve, reject) => {
+      socket.onopen = resolve;
+      socket.onerror = () => reject(new Error("websocket connection failed"));
+    });
+    this.socket = socket;
+    rt.ws.state = "open";
+    log("websocket open");
+    setState("connected", "live");
+  }
+
+  async openAudio() {
+    if (this.context) return;
+    const context = new AudioContext({ sampleRate: WS_SAMPLE_RATE });
+    await context.audioWorklet.addModule("pcm-player.js");
+    const player = new AudioWorkletNode(context, "pcm-player", { outputChannelCount: [1] });
+    player.port.onmessage = (event) => {
+      rt.ws.samplesPlayed = event.data.played;
+      rt.ws.samplesDropped = event.data.dropped;
+    };
+    const analyser = context.createAnalyser();
+    player.connect(analyser).connect(context.destination);
+    this.context = context;
+    this.player = player;
+    this.analyser = analyser;
+  }
+
+  async speak(text, voice) {
+    await this.connect();
+    await this.context.resume();
+    meter.attach(this.analyser);
+    this.cancel();
+    const contextId = `u${++this.contextCount}`;
+    this.current = { id: contextId, sentAt: performance.now(), firstAudio: false };
+    const send = (message) => this.socket.send(JSON.stringify({ ...message, context_id: contextId }));
+    send({ type: "start", voice, sample_rate: WS_SAMPLE_RATE, encoding: "pcm_s16le" });
+    send({ type: "text", text });
+    send({ type: "end" });
+    setState("speaking", "live");
+    setSpeaking(true);
+  }
+
+  cancel() {
+    if (this.current && this.socket) {
+      this.socket.send(JSON.stringify({ type: "cancel", context_id: this.current.id }));
+    }
+    this.current = null;
+    this.player?.port.postMessage({ type: "clear" });
+  }
+
+  onAudio(buffer) {
+    const bytes = new Uint8Array(buffer);
+    if (bytes[0] !== AUDIO_FRAME_KIND) return;
+    const idLength = bytes[1];
+    const contextId = new TextDecoder().decode(bytes.subarray(2, 2 + idLength));
+    const payload = new DataView(buffer, 2 + idLength + 4);
+    rt.ws.framesReceived += 1;
+    rt.ws.bytesReceived += payload.byteLength;
+    showReceived(formatBytes(rt.ws.bytesReceived));
+    if (contextId !== this.current?.id) return; // audio of a cancelled context still in flight
+    if (!this.current.firstAudio) {
+      this.current.firstAudio = true;
+      const ms = performance.now() - this.current.sentAt;
+      showLatency(ms);
+      log(`first audio after ${Math.round(ms)} ms (client)`);
+    }
+    const samples = new Float32Array(payload.byteLength >> 1);
+    for (let i = 0; i < samples.length; i++) samples[i] = payload.getInt16(2 * i, true) / 32768;
+    this.player.port.postMessage({ type: "pcm", samples }, [samples.buffer]);
+  }
+
+  onEvent(event) {
+    switch (event.type) {
+      case "done":
+        if (event.context_id !== this.current?.id) return;
+        setState(event.cancelled ? "cancelled" : "connected", "live");
+        setSpeaking(false);
+        log(event.cancelled ? "cancelled" : "done");
+        break;
+      case "error":
+        setState("error", "error");
+        setSpeaking(false);
+        log(`error ${event.code}: ${event.message}`);
+        break;
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------------------- voices
+
+async function loadVoices(select) {
+  const response = await fetch("/v1/voices");
+  if (!response.ok) throw new Error(await errorMessage(response));
+  const { data } = await response.json();
+  const list = $("voice");
+  list.replaceChildren(
+    ...data.map((voice) => {
+      const option = new Option(voice.builtin ? `${voice.voice_id} (built in)` : voice.voice_id, voice.voice_id);
+      option.selected = voice.voice_id === select;
+      return option;
+    }),
+  );
+}
+
+async function uploadVoice(event) {
+  event.preventDefault();
+  const status = $("upload-status");
+  const voiceId = $("upload-name").value.trim();
+  const form = new FormData();
+  form.append("voice_id", voiceId);
+  form.append("transcript", $("upload-text").value);
+  form.append("audio", $("upload-file").files[0]);
+  status.textContent = "uploading…";
+  const response = await fetch("/v1/voices", { method: "POST", body: form });
+  if (!response.ok) {
+    status.textContent = await errorMessage(response);
+    return;
+  }
+  status.textContent = `added ${voiceId}`;
+  await loadVoices(voiceId);
+}
+
+// ------------------------------------------------------------------------------------------ wiring
+
+const clients = { webrtc: new WebRTCClient(), ws: new WebSocketClient() };
+window.__rt.clients = clients;
+
+async function speak() {
+  const text = $("text").value.trim();
+  if (!text) return;
+  $("speak").disabled = true;
+  rt.lastLatencyMs = null;
+  $("latency").textContent = "…";
+  try {
+    await clients[rt.transport].speak(text, $("voice").value);
+  } catch (error) {
+    setState("error", "error");
+    setSpeaking(false);
+    log(String(error.message ?? error));
+  }
+}
+
+function chooseTransport(transport) {
+  clients[rt.transport].cancel();
+  rt.transport = transport;
+  setSpeaking(false);
+  showReceived("–");
+}
+
+function main() {
+  $("speak").addEventListener("click", speak);
+  $("stop").addEventListener("click", () => clients[rt.transport].cancel());
+  $("upload-form").addEventListener("submit", (event) => uploadVoice(event).catch((e) => log(String(e))));
+  for (const input of document.querySelectorAll('input[name="transport"]')) {
+    input.addEventListener("change", () => chooseTransport(input.value));
+  }
+  window.addEventListener("pagehide", () => clients.webrtc.close());
+  loadVoices("default").catch((error) => log(`could not list voices: ${error.message}`));
+  meter.tick();
+}
+
+main();

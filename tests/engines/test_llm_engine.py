@@ -1,0 +1,190 @@
+"""TorchLLMEngine end to end on the CPU with a tiny random CosyVoice2 LM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+import torch
+
+from engines.config import SPEECH_CODEBOOK, SPEECH_EOS, ModelConfigs
+from engines.llm.base import LLMError, LLMRequest, SamplingParams, TokenStream
+from engines.llm.model import CosyVoice2LM
+from engines.llm.torch_engine import TorchLLMConfig, TorchLLMEngine
+
+TINY = ModelConfigs.tiny().llm
+CONFIG = TorchLLMConfig(device="cpu", max_slots=4, max_context=160, max_waiting=16, prefill_chunk=24,
+                        min_kv_bucket=32)
+
+
+def tiny_loader(eos_bias: float = 0.0) -> Callable[[torch.device, torch.dtype], CosyVoice2LM]:
+    def load(device: torch.device, dtype: torch.dtype) -> CosyVoice2LM:
+        torch.manual_seed(0)
+        model = CosyVoice2LM(TINY)
+        with torch.no_grad():
+            model.llm_decoder.bias[SPEECH_EOS] += eos_bias
+        return model.to(device, dtype).eval().requires_grad_(False)
+
+    return load
+
+
+@contextlib.asynccontextmanager
+async def running(config: TorchLLMConfig = CONFIG, eos_bias: float = 0.0) -> AsyncIterator[TorchLLMEngine]:
+    engine = TorchLLMEngine(config, tiny_loader(eos_bias))
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.stop()
+
+
+def request(request_id: str, text_len: int = 4, speech_len: int = 10, **sampling: object) -> LLMRequest:
+    return LLMRequest(
+        request_id=request_id,
+        text_ids=list(range(100, 100 + text_len)),
+        prompt_text_ids=[7, 8, 9],
+        prompt_speech_tokens=[(13 * i) % SPEECH_CODEBOOK for i in range(speech_len)],
+        sampling=SamplingParams(**sampling),  # type: ignore[arg-type]
+    )
+
+
+async def collect(stream: TokenStream) -> list[int]:
+    tokens: list[int] = []
+    async for chunk in stream:
+        assert chunk
+        tokens.extend(chunk)
+    return tokens
+
+
+async def until_idle(engine: TorchLLMEngine) -> None:
+    # Stats are a snapshot the engine thread publishes; there is no event to wait on.
+    while engine.stats().active or engine.stats().waiting:  # noqa: ASYNC110
+        await asyncio.sleep(0.005)
+
+
+async def test_concurrent_requests_get_their_fixed_length_in_the_codebook() -> None:
+    lengths = [5, 17, 1, 30, 12, 8, 25, 3, 9, 20]
+    async with running() as engine:
+        streams = [engine.submit(request(f"r{i}", speech_len=3 * i, fixed_length=n, seed=i))
+                   for i, n in enumerate(lengths)]
+        results = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 60)
+        assert [len(tokens) for tokens in results] == lengths
+        assert all(0 <= t < SPEECH_CODEBOOK for tokens in results for t in tokens)
+        await asyncio.wait_for(until_idle(engine), 10)
+        assert engine.stats().kv_tokens_used == 0
+
+
+async def test_stop_tokens_end_the_stream_after_the_minimum_length() -> None:
+    # eos dominates the logits: it is banned for the first int(2 * 3) tokens and sampled right after.
+    async with running(eos_bias=50.0) as engine:
+        tokens = await asyncio.wait_for(collect(engine.submit(request("eos", text_len=3))), 30)
+    assert len(tokens) == 6
+    assert all(0 <= t < SPEECH_CODEBOOK for t in tokens)
+
+
+async def test_generation_stops_at_the_maximum_length() -> None:
+    async with running(eos_bias=-50.0) as engine:
+        stream = engine.submit(request("max", text_len=2, min_token_ratio=0.0, max_token_ratio=6.0))
+        tokens = await asyncio.wait_for(collect(stream), 30)
+    assert len(tokens) == 12
+
+
+async def test_a_seeded_request_is_the_same_alone_and_batched() -> None:
+    async with running() as engine:
+        alone = await asyncio.wait_for(collect(engine.submit(request("a", fixed_length=20, seed=42))), 30)
+        streams = [engine.submit(request(f"b{i}", text_len=2 + i, fixed_length=15 + i)) for i in range(3)]
+        streams.insert(1, engine.submit(request("a", fixed_length=20, seed=42)))
+        results = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 60)
+    assert results[1] == alone
+
+
+async def test_cancel_close_and_consumer_cancellation_free_the_slots() -> None:
+    async with running() as engine:
+        long = {"fixed_length": 120}
+        cancelled, closed, queued = (engine.submit(request(name, **long)) for name in ("c", "d", "e"))
+        consumed = engine.submit(request("f", **long))
+        assert await anext(cancelled) and await anext(closed)
+        cancelled.cancel()
+        cancelled.cancel()  # idempotent
+        await closed.aclose()
+        queued.cancel()
+        with pytest.raises(StopAsyncIteration):
+            await anext(cancelled)
+
+        started = asyncio.Event()
+
+        async def consume() -> None:
+            async for _ in consumed:
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(until_idle(engine), 10)
+        assert engine.stats().active == 0
+        # The freed slots serve new requests.
+        assert len(await asyncio.wait_for(collect(engine.submit(request("g", fixed_length=4))), 30)) == 4
+
+
+async def test_bad_requests_fail_clearly() -> None:
+    engine = TorchLLMEngine(CONFIG, tiny_loader())
+    with pytest.raises(LLMError) as not_running:
+        engine.submit(request("early"))
+    assert not_running.value.code == "not_running"
+    async with running(TorchLLMConfig(device="cpu", max_slots=1, max_waiting=1, max_context=160)) as engine:
+        with pytest.raises(LLMError) as too_long:
+            engine.submit(request("long", text_len=40, speech_len=120))
+        assert too_long.value.code == "context_too_long"
+        assert "160" in str(too_long.value)
+        bad_requests = (
+            LLMRequest("text", text_ids=[TINY.qwen.vocab_size]),
+            LLMRequest("speech", text_ids=[1], prompt_speech_tokens=[SPEECH_CODEBOOK]),
+            request("ras", ras_window=1000),
+            request("empty", max_token_ratio=0.0, min_token_ratio=0.0),
+        )
+        for bad in bad_requests:
+            with pytest.raises(LLMError) as invalid:
+                engine.submit(bad)
+            assert invalid.value.code == "invalid_request"
+        # One slot and one waiting place: a third long request cannot be queued.
+        with pytest.raises(LLMError) as busy:
+            for i in range(3):
+                engine.submit(request(f"busy{i}", fixed_length=100))
+        assert busy.value.code == "busy"
+
+
+async def test_an_engine_failure_fails_only_the_affected_stream() -> None:
+    async with running() as engine:
+        runner = engine._runner
+        assert runner is not None
+        original = runner.embed_prompt
+
+        def embed_prompt(req: LLMRequest) -> torch.Tensor:
+            if req.request_id == "broken":
+                raise RuntimeError("injected failure")
+            return original(req)
+
+        runner.embed_prompt = embed_prompt  # type: ignore[method-assign]
+        broken = engine.submit(request("broken", fixed_length=10))
+        healthy = engine.submit(request("healthy", fixed_length=10))
+        with pytest.raises(LLMError) as failure:
+            await asyncio.wait_for(collect(broken), 30)
+        assert failure.value.code == "engine_error"
+        assert len(await asyncio.wait_for(collect(healthy), 30)) == 10
+        await asyncio.wait_for(until_idle(engine), 10)
+
+
+async def test_stop_ends_the_streams_in_flight() -> None:
+    engine = TorchLLMEngine(CONFIG, tiny_loader())
+    await engine.start()
+    stream = engine.submit(request("late", fixed_length=120))
+    assert await anext(stream)
+    await engine.stop()
+    with pytest.raises(LLMError) as stopped:
+        while True:
+            await asyncio.wait_for(anext(stream), 10)
+    assert stopped.value.code == "stopped"

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from realtime.config import DEFAULT_CACHE_DIR, ServiceConfig
+from realtime.config import DEFAULT_CACHE_DIR, IceServer, ServiceConfig, WebRTCConfig
 from realtime.schedule import ScheduleKind
 
 logger = logging.getLogger("realtime")
@@ -22,7 +22,20 @@ def default_models_dir(size: str = "tiny") -> Path:
     return build_random(DEFAULT_CACHE_DIR / size, size)  # type: ignore[arg-type]
 
 
+def _ice_server(spec: str) -> IceServer:
+    """`URL` or `URL,USERNAME,CREDENTIAL` (TURN)."""
+    url, *auth = spec.split(",")
+    if len(auth) not in (0, 2):
+        raise ValueError(f"--ice-server takes URL or URL,USERNAME,CREDENTIAL, got {spec!r}")
+    return IceServer(url, *auth)
+
+
 def _config(args: argparse.Namespace) -> ServiceConfig:
+    webrtc = WebRTCConfig(
+        max_sessions=args.max_streams,
+        host_addresses=tuple(args.advertise_address) if args.advertise_address else None,
+        ice_servers=tuple(_ice_server(spec) for spec in args.ice_server),
+    )
     models = Path(args.models) if args.models else default_models_dir()
     return ServiceConfig(
         models_dir=models,
@@ -34,6 +47,7 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         schedule=ScheduleKind(args.schedule),
         max_streams=args.max_streams,
         drain_timeout_s=args.drain_timeout,
+        webrtc=webrtc,
     )
 
 
@@ -94,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--max-streams", type=int, default=16, help="concurrent utterances before 'busy'")
         sub.add_argument("--drain-timeout", type=float, default=10.0,
                          help="seconds running streams get to finish at shutdown")
+        sub.add_argument("--advertise-address", action="append", default=[],
+                         help="WebRTC: IP address to advertise as a host candidate (repeatable; default: all)")
+        sub.add_argument("--ice-server", action="append", default=[],
+                         help="WebRTC: STUN/TURN server, URL or URL,USERNAME,CREDENTIAL (repeatable)")
         sub.add_argument("--host", default="127.0.0.1")
         sub.add_argument("--port", type=int, default=8080)
         if name == "synth":

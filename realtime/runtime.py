@@ -217,7 +217,7 @@ def load_engines(config: ServiceConfig) -> LoadedEngines:
 
     paths = ModelPaths(config.models_dir)
     llm = TorchLLMEngine.from_models_dir(config.models_dir, device=config.device, max_slots=config.max_streams)
-    token2wav = TorchToken2Wav.from_models_dir(config.models_dir, flow=config.flow, device=config.device)
+    token2wav = TorchToken2Wav.from_models_dir(config.models_dir, config.flow, config.device)
     text = TextFrontend(paths.text_tokenizer, max_text_chars=config.max_text_chars)
     encoder = VoiceEncoder(paths.speech_tokenizer, paths.campplus,
                            device="cpu" if config.device == "cpu" else "auto")

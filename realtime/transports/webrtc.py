@@ -11,10 +11,11 @@ Signalling (same port as the rest of the API):
 Control runs on the data channel the browser opens (any label; ``"control"`` by convention), as JSON
 text messages:
 
-- ``{"type": "speak", "text", "voice"?, "id"?}`` starts an utterance. A new speak *barges in*: the
-  current utterance is cancelled, its queued audio dropped, and the new one starts after it has
-  released its engine slot. ``id`` (a string of the client's choosing; the server numbers them when
-  absent) is echoed in every event about that utterance.
+- ``{"type": "speak", "text", "voice"?, "id"?, "speed"?, "seed"?, "fixed_length"?}`` starts an
+  utterance. A new speak *barges in*: the current utterance is cancelled, its queued audio dropped,
+  and the new one starts after it has released its engine slot. ``id`` (a string of the client's
+  choosing; the server numbers them when absent) is echoed in every event about that utterance.
+  ``speed``, ``seed`` and ``fixed_length`` mean what they mean in the websocket protocol's ``start``.
 - ``{"type": "cancel"}`` stops the current utterance at once.
 
 Events back: ``{"type": "started", "id"}``; ``{"type": "first_audio", "id", "latency_ms"}`` when the
@@ -43,6 +44,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from engines.llm.base import SamplingParams
 from realtime.audio import Resampler, to_pcm16
 from realtime.config import WebRTCConfig
 from realtime.runtime import Runtime
@@ -69,8 +71,15 @@ class ControlError(Exception):
 @dataclass(frozen=True)
 class Speak:
     text: str
-    voice: str
-    id: str | None
+    voice: str = "default"
+    id: str | None = None
+    speed: float = 1.0
+    seed: int | None = None
+    fixed_length: int | None = None
+
+    def request(self) -> SpeechRequest:
+        sampling = SamplingParams(seed=self.seed, fixed_length=self.fixed_length)
+        return SpeechRequest(text=self.text, voice=self.voice, sampling=sampling, speed=self.speed)
 
 
 @dataclass(frozen=True)
@@ -94,13 +103,22 @@ def parse_control(message: str | bytes) -> Speak | Cancel:
     if kind != "speak":
         raise ControlError(f"unknown control message type {kind!r}; expected 'speak' or 'cancel'")
     text, voice, utterance_id = body.get("text"), body.get("voice", "default"), body.get("id")
+    speed, seed, fixed_length = body.get("speed", 1.0), body.get("seed"), body.get("fixed_length")
     if not isinstance(text, str) or not text.strip():
         raise ControlError("speak needs a non-empty 'text' string")
     if not isinstance(voice, str):
         raise ControlError("speak 'voice' must be a string")
     if utterance_id is not None and not isinstance(utterance_id, str):
         raise ControlError("speak 'id' must be a string")
-    return Speak(text=text, voice=voice, id=utterance_id)
+    if isinstance(speed, bool) or not isinstance(speed, int | float):
+        raise ControlError("speak 'speed' must be a number")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ControlError("speak 'seed' must be an integer")
+    if fixed_length is not None and (
+        isinstance(fixed_length, bool) or not isinstance(fixed_length, int) or fixed_length < 1
+    ):
+        raise ControlError("speak 'fixed_length' must be a positive integer")
+    return Speak(text, voice, utterance_id, float(speed), seed, fixed_length)
 
 
 def check_offer(sdp: str) -> None:
@@ -241,7 +259,7 @@ class WebRTCSession:
                 await asyncio.wait([previous], timeout=CANCEL_TIMEOUT_S)
             self._send({"type": "started", "id": utterance_id})
             resampler = Resampler(OPUS_RATE)
-            stream = self._runtime.speak(SpeechRequest(text=command.text, voice=command.voice))
+            stream = self._runtime.speak(command.request())
             try:
                 async for chunk in stream:
                     samples = to_pcm16(resampler.process(chunk.pcm))

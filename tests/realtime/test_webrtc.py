@@ -1,12 +1,21 @@
-"""WebRTC transport: the pure pieces (control parsing, offer checks, playout, paced track, ICE pinning)."""
+"""WebRTC transport: its pieces (control parsing, offer checks, playout, paced track, ICE pinning), then
+the real app over the tiny models with an aiortc client peer on loopback."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
 
 import aioice.ice
+import httpx
 import numpy as np
 import pytest
+import pytest_asyncio
+from aiortc import RTCPeerConnection, RTCSessionDescription
+from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+from live_app import LOOPBACK, LiveApp, serve, tiny_config
 
 from realtime.config import IceServer, WebRTCConfig
 from realtime.session import ServiceError
@@ -24,8 +33,11 @@ from realtime.transports.webrtc import (
 
 
 def test_parse_speak_and_cancel() -> None:
-    assert parse_control('{"type": "speak", "text": "hi"}') == Speak(text="hi", voice="default", id=None)
-    assert parse_control('{"type": "speak", "text": "hi", "voice": "v", "id": "a"}') == Speak("hi", "v", "a")
+    assert parse_control('{"type": "speak", "text": "hi"}') == Speak(text="hi")
+    full = (
+        '{"type": "speak", "text": "hi", "voice": "v", "id": "a", "speed": 2, "seed": 7, "fixed_length": 9}'
+    )
+    assert parse_control(full) == Speak("hi", "v", "a", speed=2.0, seed=7, fixed_length=9)
     assert parse_control('{"type": "cancel"}') == Cancel()
 
 
@@ -40,6 +52,9 @@ def test_parse_speak_and_cancel() -> None:
         ('{"type": "speak", "text": "  "}', "non-empty 'text'"),
         ('{"type": "speak", "text": "a", "voice": 3}', "'voice' must be a string"),
         ('{"type": "speak", "text": "a", "id": 3}', "'id' must be a string"),
+        ('{"type": "speak", "text": "a", "speed": "fast"}', "'speed' must be a number"),
+        ('{"type": "speak", "text": "a", "seed": 1.5}', "'seed' must be an integer"),
+        ('{"type": "speak", "text": "a", "fixed_length": 0}', "'fixed_length' must be a positive"),
     ],
 )
 def test_parse_refuses_bad_messages(message: str | bytes, fragment: str) -> None:
@@ -192,3 +207,216 @@ def test_ice_configuration_validates_and_never_uses_the_default_stun_server() ->
         IceServer("http://stun.example")
     with pytest.raises(ValueError, match="username"):
         IceServer("turn:turn.example")
+
+
+# -- end to end: the real app, the tiny models, an aiortc peer on loopback ------------------------------
+
+END_TO_END = pytest.mark.asyncio(loop_scope="session")
+EVENT_TIMEOUT_S = 60.0
+# One second of speech per sentence (25 speech tokens), and one far longer than any test waits for.
+SHORT, LONG = 25, 1500
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def live(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LiveApp]:
+    webrtc = WebRTCConfig(max_sessions=2, connect_timeout_s=2.0, host_addresses=(LOOPBACK,))
+    async with serve(tiny_config(tmp_path_factory.mktemp("voices"), webrtc)) as app:
+        yield app
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def http(live: LiveApp) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=live.base_url) as client:
+        yield client
+
+
+class Peer:
+    """A browser stand-in: receive-only audio, a "control" data channel, candidates on loopback only."""
+
+    def __init__(self) -> None:
+        self.pc = RTCPeerConnection(rtc_configuration(()))
+        self.pc.addTransceiver("audio", direction="recvonly")
+        self.channel = self.pc.createDataChannel("control")
+        self.session_id = ""
+        self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.channel.on("message", lambda message: self.events.put_nowait(json.loads(message)))
+        self.frame_shapes: set[tuple[int, int]] = set()
+        self.peak = 0
+        self._puller: asyncio.Task[None] | None = None
+        self.pc.on("track", self._on_track)
+
+    async def offer(self, http: httpx.AsyncClient) -> httpx.Response:
+        with advertise_only((LOOPBACK,)):
+            await self.pc.setLocalDescription(await self.pc.createOffer())
+        response = await http.post(
+            "/v1/webrtc/offer", json={"sdp": self.pc.localDescription.sdp, "type": "offer"}
+        )
+        if response.status_code == 200:
+            self.session_id = response.json()["session_id"]
+        return response
+
+    async def connect(self, http: httpx.AsyncClient) -> None:
+        answer = (await self.offer(http)).json()
+        await self.pc.setRemoteDescription(RTCSessionDescription(sdp=answer["sdp"], type=answer["type"]))
+        if self.channel.readyState != "open":
+            opened = asyncio.Event()
+            self.channel.on("open", opened.set)
+            await asyncio.wait_for(opened.wait(), EVENT_TIMEOUT_S)
+
+    def send(self, **message: Any) -> None:
+        self.channel.send(json.dumps(message))
+
+    async def expect(self, kind: str, utterance_id: str | None = None) -> dict[str, Any]:
+        """The next event, which must be of ``kind`` (and about ``utterance_id`` when given)."""
+        event = await asyncio.wait_for(self.events.get(), EVENT_TIMEOUT_S)
+        assert event["type"] == kind, event
+        if utterance_id is not None:
+            assert event["id"] == utterance_id, event
+        return event
+
+    async def close(self) -> None:
+        await self.pc.close()
+        if self._puller is not None:
+            await self._puller
+
+    def _on_track(self, track: MediaStreamTrack) -> None:
+        self._puller = asyncio.create_task(self._pull(track))
+
+    async def _pull(self, track: MediaStreamTrack) -> None:
+        """Decode every frame the server sends, noting their layout and the loudest sample."""
+        try:
+            while True:
+                frame = await track.recv()
+                self.frame_shapes.add((frame.sample_rate, frame.samples))
+                self.peak = max(self.peak, int(np.abs(frame.to_ndarray()).max()))
+        except MediaStreamError:
+            return
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def peer(http: httpx.AsyncClient) -> AsyncIterator[Peer]:
+    client = Peer()
+    await client.connect(http)
+    yield client
+    await client.close()
+
+
+async def _eventually(condition: Any, what: str) -> None:
+    for _ in range(int(EVENT_TIMEOUT_S / 0.05)):
+        if await condition():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"never happened: {what}")
+
+
+async def _session_gone(http: httpx.AsyncClient, session_id: str) -> bool:
+    # DELETE closes a live session, so only ask once it should be gone already.
+    return (await http.delete(f"/v1/webrtc/{session_id}")).status_code == 404
+
+
+@END_TO_END
+async def test_speak_streams_opus_frames_and_reports_progress(peer: Peer) -> None:
+    peer.send(type="speak", text="Hello there.", id="u1", seed=1, fixed_length=SHORT)
+    await peer.expect("started", "u1")
+    first = await peer.expect("first_audio", "u1")
+    assert first["latency_ms"] > 0
+    done = await peer.expect("done", "u1")
+    assert done["cancelled"] is False
+    assert peer.frame_shapes == {(48_000, 960)}
+    assert peer.peak > 100, "the decoded audio is silent"
+
+
+@END_TO_END
+async def test_cancel_stops_at_once_and_frees_the_engine(live: LiveApp, peer: Peer) -> None:
+    peer.send(type="speak", text="A very long story.", seed=1, fixed_length=LONG)
+    await peer.expect("started")
+    await peer.expect("first_audio")
+    assert live.runtime.stats().active_streams == 1
+    peer.send(type="cancel")
+    assert (await peer.expect("done"))["cancelled"] is True
+    assert live.runtime.stats().active_streams == 0
+
+
+@END_TO_END
+async def test_a_new_speak_barges_in(live: LiveApp, peer: Peer) -> None:
+    peer.send(type="speak", text="A very long story.", id="long", seed=1, fixed_length=LONG)
+    await peer.expect("started", "long")
+    await peer.expect("first_audio", "long")
+    peer.send(type="speak", text="Short.", id="short", seed=2, fixed_length=SHORT)
+    assert (await peer.expect("done", "long"))["cancelled"] is True
+    await peer.expect("started", "short")
+    await peer.expect("first_audio", "short")
+    assert (await peer.expect("done", "short"))["cancelled"] is False
+    assert live.runtime.stats().active_streams == 0
+
+
+@END_TO_END
+async def test_bad_messages_and_unknown_voices_are_reported_on_the_channel(peer: Peer) -> None:
+    peer.send(type="dance")
+    error = await peer.expect("error")
+    assert error["code"] == "bad_message" and "dance" in error["message"]
+    peer.send(type="speak", text="Hello.", voice="nobody", id="v")
+    await peer.expect("started", "v")
+    assert (await peer.expect("error", "v"))["code"] == "voice_not_found"
+
+
+@END_TO_END
+async def test_signalling_refuses_bad_offers_with_a_json_error(http: httpx.AsyncClient) -> None:
+    for body in ({"sdp": "garbage", "type": "offer"}, {"sdp": 3, "type": "offer"}, [1, 2]):
+        response = await http.post("/v1/webrtc/offer", json=body)
+        assert response.status_code == 400
+        assert response.json()["error"]["code"] == "bad_offer"
+        assert response.json()["error"]["message"]
+    response = await http.post("/v1/webrtc/offer", content=b"{not json")
+    assert response.status_code == 400 and response.json()["error"]["code"] == "bad_offer"
+    response = await http.delete("/v1/webrtc/no-such-session")
+    assert response.status_code == 404 and response.json()["error"]["code"] == "unknown_session"
+
+
+@END_TO_END
+async def test_sessions_are_bounded_and_unconnected_ones_expire(http: httpx.AsyncClient) -> None:
+    peers = [Peer() for _ in range(3)]
+    try:
+        first, second = [await p.offer(http) for p in peers[:2]]
+        assert first.status_code == second.status_code == 200
+        refused = await peers[2].offer(http)
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "too_many_sessions"
+        assert (await http.delete(f"/v1/webrtc/{peers[0].session_id}")).status_code == 204
+        # The second never completes ICE, so the server closes it after connect_timeout_s.
+        await _eventually(lambda: _session_gone(http, peers[1].session_id), "the unconnected session closed")
+    finally:
+        for p in peers:
+            await p.close()
+
+
+@END_TO_END
+async def test_the_server_survives_a_peer_that_vanishes(
+    live: LiveApp, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # RFC 7675 consent checks notice a silent peer; shorten them so the test does not wait ~30 s.
+    monkeypatch.setattr(aioice.ice, "CONSENT_INTERVAL", 0.2)
+    monkeypatch.setattr(aioice.ice, "CONSENT_FAILURES", 3)
+    gone = Peer()
+    await gone.connect(http)
+    gone.send(type="speak", text="A very long story.", seed=1, fixed_length=LONG)
+    await gone.expect("started")
+    await gone.expect("first_audio")
+    # Stop its ICE transport: no DTLS close, no DELETE, its sockets simply go quiet.
+    assert gone.pc.sctp is not None
+    await gone.pc.sctp.transport.transport.stop()
+
+    async def engine_idle() -> bool:
+        return live.runtime.stats().active_streams == 0
+
+    await _eventually(engine_idle, "the vanished peer's utterance was cancelled")
+    await _eventually(lambda: _session_gone(http, gone.session_id), "the vanished peer's session closed")
+    await gone.close()
+
+    fresh = Peer()
+    await fresh.connect(http)
+    fresh.send(type="speak", text="Still here.", seed=3, fixed_length=SHORT)
+    await fresh.expect("started")
+    await fresh.expect("first_audio")
+    assert (await fresh.expect("done"))["cancelled"] is False
+    await fresh.close()

@@ -161,13 +161,10 @@ async def _speech_events(session: Session, response_format: str) -> AsyncIterato
             }
         )
         return
-    tokens = sum(len(s.text_ids) for s in ())
-    yield event(
-        {
-            "type": "speech.audio.done",
-            "usage": {"input_tokens": tokens, "output_tokens": 0, "total_tokens": tokens},
-        }
-    )
+    usage = session.usage
+    yield event({"type": "speech.audio.done", "usage": {
+        "input_tokens": usage.text_tokens, "output_tokens": usage.speech_tokens,
+        "total_tokens": usage.text_tokens + usage.speech_tokens}})
 
 
 def routes(runtime: Runtime) -> list[BaseRoute]:

@@ -1,0 +1,112 @@
+"""The OpenAI-compatible HTTP API end to end: the official `openai` client against the live tiny server."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import av
+import httpx
+import numpy as np
+import openai
+import pytest
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+SAMPLES_PER_TOKEN = 960
+FIXED = 40  # speech tokens per segment: audio length is predictable
+
+
+def decode(data: bytes) -> tuple[np.ndarray, int]:
+    """Samples (mono float) and rate of an encoded file, through libav."""
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.audio[0]
+        frames = [f.to_ndarray().reshape(-1) for f in container.decode(stream)]
+        return np.concatenate(frames).astype(np.float32), stream.rate
+
+
+def client(server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0)
+
+
+async def test_openai_client_streams_pcm_of_the_expected_length(live_server):
+    async with client(live_server).audio.speech.with_streaming_response.create(
+        model="tts-1", voice="default", input="Hello there, streaming world.", response_format="pcm",
+        extra_body={"fixed_length": FIXED, "seed": 3},
+    ) as response:
+        assert response.headers["content-type"] == "audio/pcm"
+        pieces = [piece async for piece in response.iter_bytes()]
+    audio = np.frombuffer(b"".join(pieces), dtype="<i2")
+    assert audio.size == FIXED * SAMPLES_PER_TOKEN
+    assert np.abs(audio).max() > 0
+
+
+@pytest.mark.parametrize("response_format", ["wav", "mp3", "opus", "flac"])
+async def test_every_container_format_decodes(live_server, response_format):
+    async with client(live_server).audio.speech.with_streaming_response.create(
+        model="cosyvoice2", voice="default", input="One format at a time.", response_format=response_format,
+        extra_body={"fixed_length": FIXED},
+    ) as response:
+        data = await response.read()
+    samples, rate = decode(data)
+    expected_s = FIXED * SAMPLES_PER_TOKEN / 24000
+    # Lossy codecs pad with their encoder delay; the duration stays within a frame or two of the speech.
+    assert abs(samples.size / rate - expected_s) < 0.1
+    if response_format in ("wav", "flac"):
+        assert samples.size == FIXED * SAMPLES_PER_TOKEN and rate == 24000
+
+
+async def test_sse_stream_carries_base64_deltas_then_done(live_server):
+    async with httpx.AsyncClient(base_url=live_server.http_url, timeout=60) as http:
+        async with http.stream("POST", "/v1/audio/speech", json={
+            "model": "gpt-4o-mini-tts", "voice": "default", "input": "Events please.", "response_format": "pcm",
+            "stream_format": "sse", "fixed_length": FIXED,
+        }) as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            events = [json.loads(line[len("data: "):]) async for line in response.aiter_lines()
+                      if line.startswith("data: ")]
+    assert [e["type"] for e in events[:-1]] == ["speech.audio.delta"] * (len(events) - 1)
+    assert events[-1]["type"] == "speech.audio.done"
+    assert events[-1]["usage"]["output_tokens"] == FIXED
+    audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    assert len(audio) == FIXED * SAMPLES_PER_TOKEN * 2
+
+
+async def test_long_text_is_spoken_as_segments_without_gaps(live_server):
+    text = " ".join(f"This is sentence number {i} of a long text, spoken in several segments." for i in range(12))
+    async with client(live_server).audio.speech.with_streaming_response.create(
+        model="tts-1", voice="default", input=text, response_format="pcm", extra_body={"fixed_length": 20},
+    ) as response:
+        audio = np.frombuffer(await response.read(), dtype="<i2")
+    assert audio.size % (20 * SAMPLES_PER_TOKEN) == 0 and audio.size >= 2 * 20 * SAMPLES_PER_TOKEN
+
+
+@pytest.mark.parametrize(("body", "status", "param", "code"), [
+    ({"model": "tts-1", "voice": "nobody", "input": "hi"}, 404, "voice", "voice_not_found"),
+    ({"model": "tts-1", "input": "   "}, 400, "input", "empty_text"),
+    ({"model": "tts-1", "input": "x" * 3000}, 400, "input", "text_too_long"),
+    ({"model": "tts-1", "input": "hi", "response_format": "aac"}, 400, "response_format", "unsupported_format"),
+    ({"model": "whisper-1", "input": "hi"}, 400, "model", "model_not_found"),
+    ({"model": "tts-1", "input": "hi", "speed": 9}, 400, "speed", "invalid_speed"),
+    ({"model": "tts-1", "input": 5}, 400, "input", "invalid_type"),
+])
+async def test_bad_requests_get_openai_shaped_errors(live_server, body, status, param, code):
+    async with httpx.AsyncClient(base_url=live_server.http_url) as http:
+        response = await http.post("/v1/audio/speech", json=body)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["param"] == param and error["code"] == code and error["message"]
+
+
+async def test_malformed_json_body_is_refused(live_server):
+    async with httpx.AsyncClient(base_url=live_server.http_url) as http:
+        response = await http.post("/v1/audio/speech", content=b"{not json",
+                                   headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json"
+
+
+async def test_openai_client_raises_its_own_error_type(live_server):
+    with pytest.raises(openai.NotFoundError) as info:
+        await client(live_server).audio.speech.create(model="tts-1", voice="nobody", input="hi")
+    assert info.value.body["code"] == "voice_not_found"

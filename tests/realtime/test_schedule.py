@@ -1,0 +1,104 @@
+"""Chunk schedules: the hop sequences and the token ranges the scheduler hands to token2wav."""
+
+import pytest
+
+from realtime.schedule import (
+    AdaptiveHops,
+    Chunk,
+    ChunkScheduler,
+    EqualHops,
+    ExponentialHops,
+    Progress,
+    ScheduleKind,
+    make_policy,
+)
+
+
+def drain(scheduler: ChunkScheduler, total: int, step: int = 1) -> list[Chunk]:
+    """Feed `total` tokens `step` at a time, then end the stream; every chunk taken on the way."""
+    chunks = []
+    available = 0
+    while available < total:
+        available = min(total, available + step)
+        while (chunk := scheduler.next_chunk(available, ended=False)) is not None:
+            chunks.append(chunk)
+    while (chunk := scheduler.next_chunk(available, ended=True)) is not None:
+        chunks.append(chunk)
+    return chunks
+
+
+def test_exponential_hops_are_15_then_25_doubling():
+    policy = ExponentialHops()
+    assert [policy.hop(i, Progress()) for i in range(6)] == [15, 25, 50, 100, 200, 400]
+    assert policy.hop(20, Progress()) == 400
+
+
+def test_exponential_chunks_carry_three_lookahead_tokens_and_the_last_flushes():
+    chunks = drain(ChunkScheduler(ExponentialHops()), total=100)
+    assert [(c.start, c.end, c.last) for c in chunks] == [(0, 18, False), (15, 43, False), (40, 93, False),
+                                                           (90, 100, True)]
+    assert sum(c.consumed for c in chunks) == 100
+
+
+def test_no_chunk_before_hop_plus_lookahead_tokens():
+    scheduler = ChunkScheduler(ExponentialHops())
+    assert scheduler.next_chunk(17, ended=False) is None
+    assert scheduler.next_chunk(18, ended=False) == Chunk(0, 0, 18, last=False)
+
+
+def ended_at_once(scheduler: ChunkScheduler, total: int) -> list[Chunk]:
+    chunks = []
+    while (chunk := scheduler.next_chunk(total, ended=True)) is not None:
+        chunks.append(chunk)
+    return chunks
+
+
+def test_exactly_hop_plus_lookahead_at_the_end_is_one_final_chunk():
+    chunks = ended_at_once(ChunkScheduler(ExponentialHops()), total=18)
+    assert [(c.start, c.end, c.last) for c in chunks] == [(0, 18, True)]
+
+
+def test_short_stream_is_a_single_final_chunk_and_empty_stream_an_empty_one():
+    assert [(c.start, c.end, c.last) for c in drain(ChunkScheduler(ExponentialHops()), 7)] == [(0, 7, True)]
+    assert [(c.start, c.end, c.last) for c in drain(ChunkScheduler(ExponentialHops()), 0)] == [(0, 0, True)]
+
+
+def test_many_pending_tokens_at_the_end_still_come_in_bounded_chunks():
+    chunks = ended_at_once(ChunkScheduler(EqualHops(10)), total=45)
+    assert [(c.start, c.end, c.last) for c in chunks] == [(0, 13, False), (10, 23, False), (20, 33, False),
+                                                           (30, 43, False), (40, 45, True)]
+
+
+def test_every_token_is_consumed_exactly_once_for_every_kind():
+    for kind in ScheduleKind:
+        for total in (1, 17, 18, 19, 60, 333):
+            chunks = drain(ChunkScheduler(make_policy(kind)), total, step=7)
+            assert sum(c.consumed for c in chunks) == total
+            assert chunks[-1].last and all(not c.last for c in chunks[:-1])
+            assert all(b.start == a.start + a.consumed for a, b in zip(chunks, chunks[1:], strict=False))
+
+
+def test_adaptive_hops_grow_with_buffered_audio_and_speed():
+    policy = AdaptiveHops(granule=15, limit=400, safety=0.5)
+    assert policy.hop(0, Progress(audio_ahead_s=10, tokens_per_s=100)) == 15
+    assert policy.hop(1, Progress()) == 15
+    # 2 s buffered, half of it usable, 100 tokens/s: 100 tokens → 6 granules of 15.
+    assert policy.hop(1, Progress(audio_ahead_s=2.0, tokens_per_s=100)) == 90
+    assert policy.hop(1, Progress(audio_ahead_s=100.0, tokens_per_s=100)) == 400
+    assert policy.hop(1, Progress(audio_ahead_s=0.1, tokens_per_s=10)) == 15
+
+
+def test_scheduler_rejects_tokens_going_backwards_and_stops_after_the_last_chunk():
+    scheduler = ChunkScheduler(EqualHops(5))
+    assert scheduler.next_chunk(8, ended=False) is not None
+    with pytest.raises(ValueError, match="backwards"):
+        scheduler.next_chunk(2, ended=False)
+    assert scheduler.next_chunk(9, ended=True) == Chunk(1, 5, 9, last=True)
+    assert scheduler.finished and scheduler.next_chunk(9, ended=True) is None
+
+
+@pytest.mark.parametrize("bad", [lambda: ExponentialHops(first=0), lambda: EqualHops(0),
+                                 lambda: AdaptiveHops(safety=0), lambda: AdaptiveHops(granule=50, limit=10)])
+def test_invalid_policies_are_refused(bad):
+    with pytest.raises(ValueError):
+        bad()

@@ -67,11 +67,12 @@ class CosyVoice2LM(nn.Module):
         return self.speech_embedding(tokens)
 
     def forward(self, x: Tensor, batch: CacheBatch, cache: KVCache) -> Tensor:
-        """Speech logits [B, speech_vocab] at the last position of each row of `x` [B, T, hidden].
+        """Final hidden states of input embeddings `x` [B, T, hidden], filling `cache` (see `Qwen2Model`)."""
+        return self.backbone(x, batch, cache)
 
-        Every position's keys and values are written into `cache` (see `Qwen2Model.forward`).
-        """
-        return self.llm_decoder(self.backbone(x, batch, cache)[:, -1])
+    def speech_logits(self, hidden: Tensor) -> Tensor:
+        """Logits over the speech vocabulary (codebook + stop tokens) of hidden states [..., hidden]."""
+        return self.llm_decoder(hidden)
 
     def tie_weights(self) -> None:
         self.llm.model.tie_weights()

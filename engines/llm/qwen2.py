@@ -52,19 +52,43 @@ class KVCache:
 class CacheBatch:
     """Where a batch of query rows lives in the cache.
 
-    Row b is cache slot `first_slot + b`. `positions[b, t]` is the absolute position of query t of row b:
-    its key/value are written there and it attends to positions `0..positions[b, t]` of its own row.
-    Attention reads only the first `kv_len` positions, so every position must be below `kv_len`
-    for real rows (rows whose output is discarded may point anywhere inside the cache).
+    `slots` names the cache slot of each row: an int s means rows are slots s, s+1, ... (read as views
+    of the cache, no copy); an int64 tensor [B] lists them (gathered, and the ids may change between
+    replays of a CUDA graph). `positions[b, t]` is the absolute position of query t of row b: its key and
+    value are written there and it attends to positions `0..positions[b, t]` of its own slot. Attention
+    reads the first `kv_len` positions, so real queries must sit below `kv_len`; queries whose output is
+    discarded may point anywhere in the cache.
     """
 
-    first_slot: int
+    slots: int | Tensor
     positions: Tensor  # [B, T] int64
     kv_len: int
 
-    @property
-    def rows(self) -> slice:
-        return slice(self.first_slot, self.first_slot + self.positions.shape[0])
+    def row_index(self) -> Tensor:
+        """Index [B, 1] of each row along the slot axis of what `update` writes into."""
+        if isinstance(self.slots, int):
+            return torch.arange(self.positions.shape[0], device=self.positions.device).unsqueeze(1)
+        return self.slots.unsqueeze(1)
+
+    def update(self, layer_cache: Tensor, new: Tensor, row_index: Tensor) -> Tensor:
+        """Write `new` [B, T, Hkv, D] into one layer's cache [slots, Hkv, max_len, D] at the batch's
+        positions; return the rows' first `kv_len` positions [B, Hkv, kv_len, D]."""
+        if isinstance(self.slots, int):
+            rows = layer_cache[self.slots : self.slots + self.positions.shape[0]]
+            rows[row_index, :, self.positions] = new
+            return rows[:, :, : self.kv_len]
+        layer_cache[row_index, :, self.positions] = new
+        return layer_cache[self.slots, :, : self.kv_len]
+
+
+@dataclass(frozen=True)
+class _LayerInputs:
+    """Per-forward tensors every layer shares."""
+
+    rope: tuple[Tensor, Tensor]
+    mask: Tensor  # [B, 1, T, kv_len], True = attend
+    batch: CacheBatch
+    row_index: Tensor
 
 
 class RMSNorm(nn.Module):
@@ -122,27 +146,16 @@ class Qwen2Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=True)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(
-        self,
-        x: Tensor,
-        rope: tuple[Tensor, Tensor],
-        batch: CacheBatch,
-        row_index: Tensor,
-        mask: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
-    ) -> Tensor:
+    def forward(self, x: Tensor, inputs: _LayerInputs, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         rows, length, _ = x.shape
         q = self.q_proj(x).view(rows, length, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(rows, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(rows, length, self.num_kv_heads, self.head_dim)
-        q = apply_rope(q, *rope)
-        k = apply_rope(k, *rope)
-        keys = k_cache[batch.rows]  # [B, Hkv, max_len, D], a view into the cache
-        values = v_cache[batch.rows]
-        keys[row_index, :, batch.positions] = k.transpose(1, 2)
-        values[row_index, :, batch.positions] = v
-        out = grouped_attention(q, keys[:, :, : batch.kv_len], values[:, :, : batch.kv_len], mask)
+        q = apply_rope(q, *inputs.rope)
+        k = apply_rope(k, *inputs.rope)
+        keys = inputs.batch.update(k_cache, k.transpose(1, 2), inputs.row_index)
+        values = inputs.batch.update(v_cache, v, inputs.row_index)
+        out = grouped_attention(q, keys, values, inputs.mask)
         return self.o_proj(out.transpose(1, 2).reshape(rows, length, -1))
 
 
@@ -165,17 +178,8 @@ class Qwen2DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(
-        self,
-        x: Tensor,
-        rope: tuple[Tensor, Tensor],
-        batch: CacheBatch,
-        row_index: Tensor,
-        mask: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
-    ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, batch, row_index, mask, k_cache, v_cache)
+    def forward(self, x: Tensor, inputs: _LayerInputs, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), inputs, k_cache, v_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -195,12 +199,15 @@ class Qwen2Model(nn.Module):
         Writes the keys and values of every query position into `cache` at `batch.positions`.
         """
         positions = batch.positions
-        rope = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
-        row_index = torch.arange(positions.shape[0], device=x.device).unsqueeze(1)
         key_positions = torch.arange(batch.kv_len, device=x.device)
-        mask = (key_positions <= positions.unsqueeze(-1)).unsqueeze(1)  # [B, 1, T, kv_len]
+        inputs = _LayerInputs(
+            rope=rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype),
+            mask=(key_positions <= positions.unsqueeze(-1)).unsqueeze(1),
+            batch=batch,
+            row_index=batch.row_index(),
+        )
         for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v, strict=True):
-            x = layer(x, rope, batch, row_index, mask, k_cache, v_cache)
+            x = layer(x, inputs, k_cache, v_cache)
         return self.norm(x)
 
 

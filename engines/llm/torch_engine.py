@@ -52,11 +52,13 @@ class TorchLLMConfig:
     prefill_chunk: int = 512  # prompt positions prefilled per engine step
     cuda_graphs: bool = True  # only used on CUDA
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
-    min_kv_bucket: int = 256  # cache lengths attended in decode: doubling from here up to max_context
+    min_kv_bucket: int = 256  # attended cache lengths: doubling from here up to max_context
+    min_prefill_bucket: int = 32  # prefill chunk lengths: doubling from here up to prefill_chunk
     ras_history: int = 32  # longest RAS window a request may ask for
 
     def __post_init__(self) -> None:
-        sizes = ("max_slots", "max_context", "max_waiting", "prefill_chunk", "min_kv_bucket", "ras_history")
+        sizes = ("max_slots", "max_context", "max_waiting", "prefill_chunk", "min_kv_bucket",
+                 "min_prefill_bucket", "ras_history")
         for name in sizes:
             if getattr(self, name) < 1:
                 raise ValueError(f"TorchLLMConfig.{name} must be positive, got {getattr(self, name)}")
@@ -80,12 +82,21 @@ class TorchLLMConfig:
 
     @property
     def kv_lengths(self) -> tuple[int, ...]:
-        """Cache prefixes attended in decode, ascending; the largest is `max_context`."""
-        lengths, length = [], self.min_kv_bucket
-        while length < self.max_context:
-            lengths.append(length)
-            length *= 2
-        return (*lengths, self.max_context)
+        """Cache prefixes attention reads, ascending; the largest is `max_context`."""
+        return _doubling(self.min_kv_bucket, self.max_context)
+
+    @property
+    def prefill_lengths(self) -> tuple[int, ...]:
+        """Padded prefill chunk lengths, ascending; the largest is `prefill_chunk`."""
+        return _doubling(self.min_prefill_bucket, self.prefill_chunk)
+
+
+def _doubling(smallest: int, largest: int) -> tuple[int, ...]:
+    sizes = []
+    while smallest < largest:
+        sizes.append(smallest)
+        smallest *= 2
+    return (*sizes, largest)
 
 
 def _bucket(sizes: tuple[int, ...], needed: int) -> int:
@@ -158,41 +169,62 @@ class _Sequence:
 
 
 class _ModelRunner:
-    """The model, its slot KV cache, the per-slot decode buffers and the CUDA graphs (device work only).
+    """The model, its slot KV cache, static input/output buffers and the CUDA graphs (device work only).
+
+    Every model call has a bucketed static shape and reads its inputs from static buffers, so the same
+    code runs eagerly (CPU) or as a replayed CUDA graph. Prefill chunks are padded to a bucket length;
+    the padding queries write scratch keys/values just past the chunk (the cache has `prefill_chunk`
+    spare positions for that), which the next chunk or decode step overwrites before anything reads them.
 
     Slot invariants: `positions[s]` is where the slot's next input goes (its prompt length right after
-    admission) and `active[s]` is set once its prefill has sampled the first token. Decode advances
-    only active slots; idle slots in a batch write scratch keys/values at their position, which is
-    always past anything a live sequence has stored.
+    admission) and `active[s]` is set once its prefill has sampled the first token. Decode advances only
+    active slots; idle slots in a decode batch write scratch keys/values at their position, which is past
+    anything their sequence has stored.
     """
 
     def __init__(self, model: CosyVoice2LM, config: TorchLLMConfig) -> None:
         self.model = model
         self.config = config
-        device, slots = config.torch_device, config.max_slots
+        device, dtype, slots = config.torch_device, config.torch_dtype, config.max_slots
         llm = model.cfg
-        self.cache = KVCache.allocate(llm.qwen, slots, config.max_context, device, config.torch_dtype)
+
+        def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        cache_len = config.max_context + config.prefill_chunk
+        self.cache = KVCache.allocate(llm.qwen, slots, cache_len, device, dtype)
         self.sampling = SamplingSlots(
             slots, llm.speech_vocab, config.ras_history, llm.stop_tokens, llm.eos_token, device
         )
-        self.next_token = torch.zeros(slots, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(slots, dtype=torch.int64, device=device)
-        self.active = torch.zeros(slots, dtype=torch.bool, device=device)
-        self.sampled = torch.zeros(slots, dtype=torch.int64, device=device)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        # Decode: per-slot input token and position, output token.
+        self.next_token, self.positions, self.sampled = zeros(slots), zeros(slots), zeros(slots)
+        self.active = zeros(slots, dtype=torch.bool)
+        # Prefill: one chunk of one slot.
+        self.prefill_input = zeros(config.prefill_chunk, llm.qwen.hidden_size, dtype=dtype)
+        self.prefill_slot, self.prefill_start, self.prefill_last = zeros(1), zeros(1), zeros(1)
+        self.prefill_logits = zeros(1, llm.speech_vocab, dtype=dtype)
+        self.decode_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
 
     @torch.no_grad()
     def capture_graphs(self) -> None:
-        """Capture one decode graph per (batch size, cache length); every slot must be idle."""
+        """Capture every decode and prefill shape; every slot must be idle."""
         pool = None
-        for size in reversed(self.config.batch_sizes):
-            for kv_len in reversed(self.config.kv_lengths):
-                self._decode_step(size, kv_len)  # warm-up: allocations and kernel selection happen here
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._decode_step(size, kv_len)
-                pool = graph.pool()
-                self.graphs[size, kv_len] = graph
+
+        def capture(step: Callable[[], None]) -> torch.cuda.CUDAGraph:
+            nonlocal pool
+            step()  # warm-up: allocations and kernel selection happen outside the graph
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                step()
+            pool = graph.pool()
+            return graph
+
+        for kv_len in reversed(self.config.kv_lengths):
+            for size in reversed(self.config.batch_sizes):
+                self.decode_graphs[size, kv_len] = capture(partial(self._decode_step, size, kv_len))
+            for length in reversed(self.config.prefill_lengths):
+                self.prefill_graphs[length, kv_len] = capture(partial(self._prefill_step, length, kv_len))
         torch.cuda.synchronize()
 
     @torch.no_grad()
@@ -215,12 +247,21 @@ class _ModelRunner:
         """Write `chunk` [T, hidden] at positions start..start+T of `slot`; on the `last` chunk, sample
         and return the first generated token and make the slot active."""
         length = chunk.shape[0]
-        positions = torch.arange(start, start + length, device=chunk.device).unsqueeze(0)
-        logits = self.model(chunk.unsqueeze(0), CacheBatch(slot, positions, start + length), self.cache)
+        self.prefill_input[:length] = chunk
+        self.prefill_slot.fill_(slot)
+        self.prefill_start.fill_(start)
+        self.prefill_last.fill_(length - 1)
+        config = self.config
+        shape = (_bucket(config.prefill_lengths, length), _bucket(config.kv_lengths, start + length))
+        graph = self.prefill_graphs.get(shape)
+        if graph is not None:
+            graph.replay()
+        else:
+            self._prefill_step(*shape)
         if not last:
             return None
         rows = slice(slot, slot + 1)
-        token = self.sampling.sample(logits, rows)
+        token = self.sampling.sample(self.prefill_logits, rows)
         self.sampling.record(token, rows, torch.ones_like(token, dtype=torch.bool))
         self.next_token[rows] = token
         self.active[slot] = True
@@ -229,19 +270,25 @@ class _ModelRunner:
     @torch.no_grad()
     def decode(self, size: int, kv_len: int) -> list[int]:
         """One decode step over slots 0..size; the sampled token of every slot in that range."""
-        graph = self.graphs.get((size, kv_len))
+        graph = self.decode_graphs.get((size, kv_len))
         if graph is not None:
             graph.replay()
         else:
             self._decode_step(size, kv_len)
         return self.sampled[:size].tolist()
 
+    def _prefill_step(self, length: int, kv_len: int) -> None:
+        positions = (self.prefill_start + torch.arange(length, device=self.prefill_start.device)).unsqueeze(0)
+        batch = CacheBatch(self.prefill_slot, positions, kv_len)
+        hidden = self.model(self.prefill_input[:length].unsqueeze(0), batch, self.cache)
+        self.prefill_logits.copy_(self.model.speech_logits(hidden[0].index_select(0, self.prefill_last)))
+
     def _decode_step(self, size: int, kv_len: int) -> None:
         rows = slice(0, size)
         active = self.active[rows]
         x = self.model.embed_speech(self.next_token[rows]).unsqueeze(1)
-        logits = self.model(x, CacheBatch(0, self.positions[rows].unsqueeze(1), kv_len), self.cache)
-        tokens = self.sampling.sample(logits, rows)
+        hidden = self.model(x, CacheBatch(0, self.positions[rows].unsqueeze(1), kv_len), self.cache)
+        tokens = self.sampling.sample(self.model.speech_logits(hidden[:, 0]), rows)
         self.sampling.record(tokens, rows, active)
         self.next_token[rows] = torch.where(active, tokens, self.next_token[rows])
         self.positions[rows] += active.long()
@@ -268,7 +315,7 @@ class TorchLLMEngine(LLMEngine):
     """`LLMEngine` over `CosyVoice2LM` with in-flight batching on one engine thread.
 
     `load_model(device, dtype)` builds the model; `start()` calls it off the event loop, allocates the
-    cache and captures the decode graphs.
+    cache and captures the CUDA graphs.
     """
 
     name = "torch"
@@ -310,7 +357,7 @@ class TorchLLMEngine(LLMEngine):
         self._thread.start()
         logger.info("torch LLM engine on %s (%s), %d slots, context %d, cuda graphs: %d", self.config.device,
                     self.config.torch_dtype, self.config.max_slots, self.config.max_context,
-                    len(self._runner.graphs))
+                    len(self._runner.decode_graphs) + len(self._runner.prefill_graphs))
 
     async def stop(self) -> None:
         if self._thread is None:

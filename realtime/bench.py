@@ -1,0 +1,324 @@
+"""Load benchmark: N concurrent agents' websocket streams against a server, measured on the client.
+
+Each stream opens its own socket (as a voice agent does), starts a context with a fixed number of
+speech tokens per sentence (synthetic weights never stop on their own), sends one text and waits for
+`done`. Per stream we record when the request went out, when each audio frame arrived and how much
+audio it carried; a simulated player starts at the first byte and plays in real time, so an underrun
+is the player catching up with the received audio before the end.
+
+`realtime bench --url ws://127.0.0.1:8080/v1/ws` drives a running server; `--spawn --models DIR`
+starts the server itself, once in the normal mode and once in the baseline mode (the design we
+replace: one request at a time through the LLM, batch-1 token2wav), and prints both tables and their
+ratio. Results also go to a JSON file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import websockets
+
+from realtime.protocol.core import parse_audio_frame
+
+TEXTS = (
+    "Thanks for calling, how can I help you today?",
+    "Your order has shipped and should arrive on Thursday afternoon.",
+    "I can book a table for four at seven thirty, does that work for you?",
+    "The weather tomorrow will be sunny with a light breeze from the west.",
+)
+SAMPLE_RATE = 24000
+BYTES_PER_SAMPLE = 2
+
+
+@dataclass
+class StreamResult:
+    first_chunk_s: float = math.nan  # request sent → first audio byte
+    total_s: float = math.nan  # request sent → done
+    audio_s: float = 0.0
+    underruns: int = 0
+    stall_s: float = 0.0  # total time the simulated player waited after it started
+    error: str | None = None
+
+
+@dataclass
+class LevelResult:
+    streams: int
+    ok: int
+    errors: int
+    first_chunk_p50_ms: float
+    first_chunk_p90_ms: float
+    first_chunk_p99_ms: float
+    total_p50_ms: float
+    rtf_p50: float  # processing time / audio duration; < 1 is faster than real time
+    underrun_streams: int
+    underruns: int
+    throughput_audio_s_per_s: float
+    wall_s: float
+    peak_gpu_memory_gib: float | None = None
+    error_codes: dict[str, int] = field(default_factory=dict)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+class Player:
+    """A real-time player that starts at the first audio byte; counts the times it runs dry."""
+
+    def __init__(self) -> None:
+        self.start: float | None = None
+        self.buffered_s = 0.0  # audio received, in seconds
+        self.stall_s = 0.0
+        self.underruns = 0
+
+    def receive(self, now: float, seconds: float) -> None:
+        if self.start is None:
+            self.start = now
+        else:
+            played_until = self.start + self.stall_s + self.buffered_s
+            if now > played_until:  # the player ran out before this chunk came
+                self.underruns += 1
+                self.stall_s += now - played_until
+        self.buffered_s += seconds
+
+
+async def run_stream(url: str, index: int, tokens: int, voice: str) -> StreamResult:
+    result = StreamResult()
+    context = f"s{index}"
+    player = Player()
+    try:
+        async with websockets.connect(url, max_size=None, open_timeout=30) as ws:
+            await ws.send(json.dumps({"type": "start", "context_id": context, "voice": voice,
+                                      "sample_rate": SAMPLE_RATE, "encoding": "pcm_s16le",
+                                      "fixed_length": tokens, "seed": index}))
+            sent = time.perf_counter()
+            text = TEXTS[index % len(TEXTS)]
+            await ws.send(json.dumps({"type": "text", "context_id": context, "text": text}))
+            await ws.send(json.dumps({"type": "end", "context_id": context}))
+            async for frame in ws:
+                now = time.perf_counter()
+                if isinstance(frame, bytes):
+                    _, _, payload = parse_audio_frame(frame)
+                    seconds = len(payload) / BYTES_PER_SAMPLE / SAMPLE_RATE
+                    if math.isnan(result.first_chunk_s) and payload:
+                        result.first_chunk_s = now - sent
+                    if payload:
+                        player.receive(now, seconds)
+                    result.audio_s += seconds
+                    continue
+                event = json.loads(frame)
+                if event["type"] == "error":
+                    result.error = event.get("code", "error")
+                    break
+                if event["type"] == "done":
+                    result.total_s = now - sent
+                    break
+            await ws.send(json.dumps({"type": "close"}))
+    except (TimeoutError, OSError, websockets.WebSocketException) as exc:
+        result.error = type(exc).__name__
+    result.underruns = player.underruns
+    result.stall_s = player.stall_s
+    return result
+
+
+async def peak_gpu_memory(http_url: str) -> float | None:
+    """The server's peak GPU memory (GiB) from its Prometheus metrics, if it reports one."""
+    try:
+        async with httpx.AsyncClient(timeout=10) as client:
+            text = (await client.get(f"{http_url}/metrics")).text
+    except httpx.HTTPError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("realtime_gpu_memory_peak_bytes"):
+            return float(line.split()[-1]) / 2**30
+    return None
+
+
+async def run_level(url: str, streams: int, tokens: int, voice: str) -> LevelResult:
+    start = time.perf_counter()
+    results = await asyncio.gather(*(run_stream(url, i, tokens, voice) for i in range(streams)))
+    wall = time.perf_counter() - start
+    ok = [r for r in results if r.error is None and not math.isnan(r.total_s)]
+    firsts = [r.first_chunk_s * 1000 for r in ok]
+    errors: dict[str, int] = {}
+    for r in results:
+        if r.error is not None:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    http_url = url.replace("ws://", "http://").replace("wss://", "https://").rsplit("/v1/", 1)[0]
+    return LevelResult(
+        streams=streams,
+        ok=len(ok),
+        errors=len(results) - len(ok),
+        first_chunk_p50_ms=percentile(firsts, 0.5),
+        first_chunk_p90_ms=percentile(firsts, 0.9),
+        first_chunk_p99_ms=percentile(firsts, 0.99),
+        total_p50_ms=percentile([r.total_s * 1000 for r in ok], 0.5),
+        rtf_p50=statistics.median([r.total_s / r.audio_s for r in ok if r.audio_s > 0]) if ok else math.nan,
+        underrun_streams=sum(1 for r in ok if r.underruns),
+        underruns=sum(r.underruns for r in ok),
+        throughput_audio_s_per_s=sum(r.audio_s for r in ok) / wall,
+        wall_s=wall,
+        peak_gpu_memory_gib=await peak_gpu_memory(http_url),
+        error_codes=errors,
+    )
+
+
+async def largest_without_underrun(url: str, tokens: int, voice: str, low: int, high: int) -> int:
+    """Binary search for the most concurrent streams with no underrun and no error, in [low, high]."""
+    best = 0
+    while low <= high:
+        mid = (low + high) // 2
+        level = await run_level(url, mid, tokens, voice)
+        print(f"  search: {mid} streams -> {level.underrun_streams} underrun streams, {level.errors} errors",
+              flush=True)
+        if level.underrun_streams == 0 and level.errors == 0:
+            best, low = mid, mid + 1
+        else:
+            high = mid - 1
+    return best
+
+
+def format_table(title: str, levels: Sequence[LevelResult]) -> str:
+    head = (f"{'streams':>7} {'ok':>4} {'err':>4} {'p50 first':>10} {'p90 first':>10} {'p99 first':>10} "
+            f"{'p50 total':>10} {'RTF':>6} {'underrun':>9} {'audio s/s':>10} {'GPU GiB':>8}")
+    lines = [title, head]
+    for lv in levels:
+        gpu = f"{lv.peak_gpu_memory_gib:8.2f}" if lv.peak_gpu_memory_gib is not None else f"{'-':>8}"
+        lines.append(
+            f"{lv.streams:>7} {lv.ok:>4} {lv.errors:>4} "
+            f"{lv.first_chunk_p50_ms:>8.0f}ms {lv.first_chunk_p90_ms:>8.0f}ms "
+            f"{lv.first_chunk_p99_ms:>8.0f}ms {lv.total_p50_ms:>8.0f}ms {lv.rtf_p50:>6.3f} "
+            f"{lv.underrun_streams:>9} {lv.throughput_audio_s_per_s:>10.1f} {gpu}"
+        )
+    return "\n".join(lines)
+
+
+def format_ratio(ours: Sequence[LevelResult], base: Sequence[LevelResult]) -> str:
+    lines = ["baseline / ours (higher = we are better)",
+             f"{'streams':>7} {'p50 first':>10} {'p99 first':>10} {'throughput':>11}"]
+    for a, b in zip(ours, base, strict=True):
+        lines.append(f"{a.streams:>7} {b.first_chunk_p50_ms / a.first_chunk_p50_ms:>9.1f}x "
+                     f"{b.first_chunk_p99_ms / a.first_chunk_p99_ms:>9.1f}x "
+                     f"{a.throughput_audio_s_per_s / max(b.throughput_audio_s_per_s, 1e-9):>10.1f}x")
+    return "\n".join(lines)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def spawned_server(models: Path | None, extra: Sequence[str]) -> Iterator[str]:
+    """A server subprocess on a free loopback port; yields its websocket URL once /readyz answers."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "realtime", "serve", "--host", "127.0.0.1", "--port", str(port), *extra]
+    if models is not None:
+        cmd += ["--models", str(models)]
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
+                    break
+            time.sleep(1)
+        else:
+            raise RuntimeError("server was not ready within 15 minutes")
+        yield f"ws://127.0.0.1:{port}/v1/ws"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+async def run_levels(url: str, levels: Sequence[int], tokens: int, voice: str, search: bool,
+                     search_max: int) -> tuple[list[LevelResult], int | None]:
+    await run_level(url, 1, tokens, voice)  # warm-up: first requests pay for lazy initialisation
+    results = []
+    for n in levels:
+        result = await run_level(url, n, tokens, voice)
+        print(format_table(f"{n} streams", [result]).splitlines()[-1], flush=True)
+        results.append(result)
+    best = None
+    if search:
+        clean = [r.streams for r in results if r.underrun_streams == 0 and r.errors == 0]
+        dirty = [r.streams for r in results if r.underrun_streams or r.errors]
+        low = max(clean, default=1)
+        high = min(dirty, default=search_max) - (1 if dirty else 0)
+        best = await largest_without_underrun(url, tokens, voice, low, max(low, high))
+    return results, best
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """What `realtime bench` was asked to do."""
+
+    streams: tuple[int, ...] = (1, 4, 16, 64, 128)
+    tokens: int = 250  # speech tokens per request: 10 s of audio
+    voice: str = "default"
+    url: str | None = None  # a running server; otherwise spawn one from `models`
+    models: Path | None = None
+    server_args: tuple[str, ...] = ()
+    baseline: bool = True
+    search: bool = True
+    search_max: int = 256
+    json_path: Path = Path("bench-results/bench.json")
+
+    def __post_init__(self) -> None:
+        if not self.streams or min(self.streams) < 1:
+            raise ValueError(f"stream counts must be positive, got {self.streams}")
+        if self.tokens < 1:
+            raise ValueError(f"tokens must be positive, got {self.tokens}")
+
+
+def run(options: BenchOptions) -> int:
+    """Run the benchmark, print the tables and write the JSON report."""
+    o = options
+    report: dict[str, object] = {"tokens_per_request": o.tokens, "audio_s_per_request": o.tokens / 25,
+                                 "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if o.url:
+        ours, best = asyncio.run(run_levels(o.url, o.streams, o.tokens, o.voice, o.search, o.search_max))
+        print(format_table("\nserver", ours))
+        report["server"] = {"levels": [asdict(r) for r in ours], "max_streams_without_underrun": best}
+    else:
+        with spawned_server(o.models, o.server_args) as url:
+            ours, best = asyncio.run(run_levels(url, o.streams, o.tokens, o.voice, o.search, o.search_max))
+        report["ours"] = {"levels": [asdict(r) for r in ours], "max_streams_without_underrun": best}
+        print(format_table("\nours", ours))
+        if o.baseline:
+            with spawned_server(o.models, (*o.server_args, "--baseline")) as url:
+                base, _ = asyncio.run(run_levels(url, o.streams, o.tokens, o.voice, False, o.search_max))
+            report["baseline"] = {"levels": [asdict(r) for r in base]}
+            print(format_table("\nbaseline (no cross-request batching)", base))
+            print(format_ratio(ours, base))
+    if best is not None:
+        print(f"largest concurrency with no underrun: {best}")
+    o.json_path.parent.mkdir(parents=True, exist_ok=True)
+    o.json_path.write_text(json.dumps(report, indent=2))
+    print(f"\nwrote {o.json_path}")
+    return 0

@@ -108,13 +108,16 @@ class Vocoded(NamedTuple):
 class HiFTGenerator(nn.Module):
     """The HiFT generator: `forward(mel)` is the reference call; `vocode` adds phase carry for streaming."""
 
+    stft_window: Tensor  # periodic Hann, n_fft samples (buffer)
+    harmonic_numbers: Tensor  # 1 … nb_harmonics + 1 (buffer)
+
     def __init__(self, cfg: HiFTConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.num_harmonics = cfg.nb_harmonics + 1
         self.spectrum_bins = cfg.istft_n_fft // 2 + 1
         stft_channels = 2 * self.spectrum_bins
-        num_kernels = len(cfg.resblock_kernel_sizes)
+        self.num_kernels = len(cfg.resblock_kernel_sizes)
         stage_channels = [cfg.base_channels // 2 ** (i + 1) for i in range(len(cfg.upsample_rates))]
 
         self.m_source = HarmonicSource(self.num_harmonics)
@@ -141,7 +144,6 @@ class HiFTGenerator(nn.Module):
             for ch in stage_channels
             for k, d in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilations, strict=True)
         )
-        self.num_kernels = num_kernels
         self.conv_post = weight_norm(nn.Conv1d(stage_channels[-1], stft_channels, 7, padding=3))
         self.f0_predictor = F0Predictor(cfg.in_channels, cfg.f0_cond_channels)
         self.register_buffer("stft_window", torch.hann_window(cfg.istft_n_fft), persistent=False)
@@ -277,6 +279,11 @@ class HiFTStream:
     previous call's last 3840 source samples (and its sine phases) over the re-synthesised frames,
     cross-fades the first 3840 samples with the held-back speech tail under a Hamming window, and
     holds back the last 3840 samples unless `last`. Concatenating the outputs gives the utterance.
+
+    One deliberate difference from the reference: it restarts the sine phases at every call, so the
+    excitation jumps where the restored source ends; here they continue (`HiFTGenerator.vocode`). With
+    the noise drawn in order from the stream's seeded CPU generator, a stream then reproduces the
+    offline output with the same seed everywhere but near the chunk joins.
     """
 
     def __init__(self, hift: HiFTGenerator, *, seed: int | None = None) -> None:

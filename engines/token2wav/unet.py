@@ -151,9 +151,28 @@ def streaming_mask(cfg: UNetConfig, frames: int, device: torch.device | None = N
     return chunk_attention_mask(frames, cfg.static_chunk_size, device)[None]
 
 
-def _transformer_stack(cfg: UNetConfig) -> nn.ModuleList:
-    return nn.ModuleList(TransformerBlock(cfg.channels, cfg.num_heads, cfg.attention_head_dim)
-                         for _ in range(cfg.n_blocks))
+class UNetStage(nn.ModuleList):
+    """Resnet block, transformer blocks, then an optional causal conv — a ModuleList so the names are
+    the checkpoint's `<stage>.0.*`, `<stage>.1.<j>.*` and `<stage>.2.*`."""
+
+    def __init__(self, cfg: UNetConfig, in_channels: int, with_conv: bool) -> None:
+        ch = cfg.channels
+        modules: list[nn.Module] = [
+            CausalResnetBlock(in_channels, ch, cfg.time_embed_dim),
+            nn.ModuleList(TransformerBlock(ch, cfg.num_heads, cfg.attention_head_dim)
+                          for _ in range(cfg.n_blocks)),
+        ]
+        if with_conv:
+            modules.append(CausalConv1d(ch, ch))
+        super().__init__(modules)
+
+    def forward(self, h: Tensor, frames: Tensor, temb: Tensor, attention: Tensor) -> tuple[Tensor, Tensor]:
+        """h (B, C_in, T) → (hidden after the transformers, stage output after the conv), both (B, C, T)."""
+        h = self[0](h, frames, temb).transpose(1, 2)
+        for block in self[1].children():
+            h = block(h, attention)
+        hidden = h.transpose(1, 2)
+        return hidden, (self[2](hidden * frames) if len(self) > 2 else hidden)
 
 
 class CausalConditionalDecoder(nn.Module):
@@ -163,18 +182,13 @@ class CausalConditionalDecoder(nn.Module):
     def __init__(self, cfg: UNetConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        ch, temb = cfg.channels, cfg.time_embed_dim
-        self.time_mlp = TimestepMLP(cfg.in_channels, temb)
-        self.down_blocks = nn.ModuleList([nn.ModuleList([
-            CausalResnetBlock(cfg.in_channels, ch, temb), _transformer_stack(cfg), CausalConv1d(ch, ch)
-        ])])
+        ch = cfg.channels
+        self.time_mlp = TimestepMLP(cfg.in_channels, cfg.time_embed_dim)
+        self.down_blocks = nn.ModuleList([UNetStage(cfg, cfg.in_channels, with_conv=True)])
         self.mid_blocks = nn.ModuleList(
-            nn.ModuleList([CausalResnetBlock(ch, ch, temb), _transformer_stack(cfg)])
-            for _ in range(cfg.num_mid_blocks)
+            UNetStage(cfg, ch, with_conv=False) for _ in range(cfg.num_mid_blocks)
         )
-        self.up_blocks = nn.ModuleList([nn.ModuleList([
-            CausalResnetBlock(2 * ch, ch, temb), _transformer_stack(cfg), CausalConv1d(ch, ch)
-        ])])
+        self.up_blocks = nn.ModuleList([UNetStage(cfg, 2 * ch, with_conv=True)])
         self.final_block = CausalBlock(ch, ch)
         self.final_proj = nn.Conv1d(ch, cfg.out_channels, 1)
 
@@ -195,22 +209,9 @@ class CausalConditionalDecoder(nn.Module):
         speaker = spks[:, :, None].expand(-1, -1, x.shape[2])
         h = torch.cat([x, mu, speaker, cond], dim=1)
 
-        resnet, transformers, conv = self.down_blocks[0]
-        h = self._attend(transformers, resnet(h, frames, temb), attention)
-        skip = h
-        h = conv(h * frames)
-        for resnet, transformers in self.mid_blocks:
-            h = self._attend(transformers, resnet(h, frames, temb), attention)
-        resnet, transformers, conv = self.up_blocks[0]
-        h = self._attend(transformers, resnet(torch.cat([h, skip], dim=1), frames, temb), attention)
-        h = self.final_block(conv(h * frames), frames)
+        skip, h = self.down_blocks[0](h, frames, temb, attention)
+        for stage in self.mid_blocks:
+            _, h = stage(h, frames, temb, attention)
+        _, h = self.up_blocks[0](torch.cat([h, skip], dim=1), frames, temb, attention)
+        h = self.final_block(h, frames)
         return self.final_proj(h * frames) * frames
-
-    @staticmethod
-    def _attend(transformers: nn.ModuleList, h: Tensor, attention: Tensor) -> Tensor:
-        """Run transformer blocks on channel-first h (B, C, T)."""
-        h = h.transpose(1, 2)
-        for block in transformers:
-            h = block(h, attention)
-        return h.transpose(1, 2)
-

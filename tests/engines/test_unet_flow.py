@@ -67,6 +67,7 @@ def estimator_inputs(frames: int, batch: int = 2) -> tuple[torch.Tensor, ...]:
 @torch.inference_mode()
 def test_streaming_attention_hides_later_chunks_only(flow: UNetFlow) -> None:
     estimator = flow.decoder.estimator
+    assert isinstance(estimator, CausalConditionalDecoder)
     x, mu, t, spks, cond = estimator_inputs(120)
     later = x.clone()
     later[:, :, 60:] += 1.0  # frames in the second 50-frame chunk and beyond
@@ -82,7 +83,7 @@ def test_streaming_attention_hides_later_chunks_only(flow: UNetFlow) -> None:
 
 @torch.inference_mode()
 def test_padded_frames_do_not_change_valid_ones(flow: UNetFlow) -> None:
-    estimator: CausalConditionalDecoder = flow.decoder.estimator
+    estimator = flow.decoder.estimator
     x, mu, t, spks, cond = estimator_inputs(40, batch=1)
     valid = torch.ones(1, 1, 40, dtype=torch.bool)
     padded_mask = torch.cat([valid, torch.zeros(1, 1, 9, dtype=torch.bool)], dim=2)

@@ -18,7 +18,7 @@ import logging
 import queue
 import secrets
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -298,6 +298,18 @@ class Runtime:
 
     def speak(self, request: SpeechRequest) -> Session:
         """A session for `request`, admitted now; raises ServiceError when it cannot be served."""
+        with self._counting_errors():
+            return self._admit(request)
+
+    @contextlib.contextmanager
+    def _counting_errors(self) -> Iterator[None]:
+        try:
+            yield
+        except ServiceError as exc:
+            self.metrics.error(exc.code)
+            raise
+
+    def _admit(self, request: SpeechRequest) -> Session:
         if not self._accepting:
             raise ServiceError("shutting_down", "the server is shutting down", 503, self.config.retry_after_s)
         engines, worker = self._running()
@@ -312,7 +324,6 @@ class Runtime:
         stats = self.stats()
         decision = self._admission.decide(Load(stats.active_streams, stats.llm_waiting, stats.token2wav_queue))
         if isinstance(decision, Refuse):
-            self.metrics.error("busy")
             raise ServiceError("busy", decision.reason, 429, decision.retry_after_s)
         session_id = secrets.token_hex(4)
         session: Session
@@ -346,6 +357,10 @@ class Runtime:
 
     async def add_voice(self, voice_id: str, audio: bytes, transcript: str) -> VoiceInfo:
         """Extract a voice from a reference clip and its transcript, store it and make it usable."""
+        with self._counting_errors():
+            return await self._add_voice(voice_id, audio, transcript)
+
+    async def _add_voice(self, voice_id: str, audio: bytes, transcript: str) -> VoiceInfo:
         engines, _ = self._running()
         check_voice_id(voice_id)
         if voice_id in self.voices:
@@ -362,7 +377,8 @@ class Runtime:
             raise
 
     async def remove_voice(self, voice_id: str) -> None:
-        await asyncio.to_thread(self.voices.remove, voice_id)
+        with self._counting_errors():
+            await asyncio.to_thread(self.voices.remove, voice_id)
         self._prepared.pop(voice_id, None)
 
     async def _prepare(self, voice_id: str, prompt: VoicePrompt) -> None:

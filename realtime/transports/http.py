@@ -180,6 +180,7 @@ def routes(runtime: Runtime) -> list[BaseRoute]:
             params = parse_speech_body(body)
             session = runtime.speak(params.request)
         except _ParamError as exc:
+            runtime.metrics.error(exc.code)
             return error_response(exc, exc.param)
         except ServiceError as exc:
             return error_response(
@@ -209,6 +210,7 @@ def routes(runtime: Runtime) -> list[BaseRoute]:
             )
             info = await runtime.add_voice(voice_id, audio, transcript)
         except _ParamError as exc:
+            runtime.metrics.error(exc.code)
             return error_response(exc, exc.param)
         except ServiceError as exc:
             return error_response(exc, "audio" if exc.http_status == 400 else None)

@@ -180,7 +180,6 @@ class _Connection:
         await self._execute(self.protocol.speech_done(context_id))
 
     async def report_failure(self, context_id: str, code: str, message: str) -> None:
-        self.runtime.metrics.error(code)
         actions = self.protocol.speech_failed(context_id, code, message)
         # The runner reporting is the one being aborted: drop it without awaiting itself.
         self._runners.pop(context_id, None)

@@ -51,11 +51,7 @@ def _load_cli() -> ModuleType:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("models") / "tiny"
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), "random", "--size", "tiny", "--out", str(out)],
-        capture_output=True, text=True, timeout=300, check=False,
-    )
-    assert result.returncode == 0, result.stderr
+    assert _load_cli().main(["random", "--size", "tiny", "--out", str(out)]) == 0
     return out
 
 
@@ -217,6 +213,13 @@ def test_modelscope_source_needs_its_package(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setitem(sys.modules, "modelscope", None)  # as if not installed
     with pytest.raises(DownloadError, match="modelscope"):
         fetch(COSYVOICE2, tmp_path, "modelscope")
+
+
+def test_script_runs_as_a_file() -> None:
+    result = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True,
+                            timeout=120, check=False, cwd="/")
+    assert result.returncode == 0, result.stderr
+    assert all(name in result.stdout for name in ("random", "download", "verify"))
 
 
 def test_cli_registers_each_subcommand() -> None:

@@ -47,6 +47,8 @@ class ConditionalCFM(nn.Module):
     `CachedEstimator`.
     """
 
+    noise: torch.Tensor
+
     def __init__(
         self, estimator: nn.Module, n_timesteps: int, cfg_rate: float, noise_frames: int, seed: int = 0
     ) -> None:

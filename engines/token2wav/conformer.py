@@ -60,6 +60,8 @@ def rel_shift(scores: torch.Tensor) -> torch.Tensor:
 class RelativePositionTable(nn.Module):
     """Sinusoidal vectors for relative distances max_len−1 … −(max_len−1) (ESPnet 'rel_pos', flipped)."""
 
+    table: torch.Tensor
+
     def __init__(self, d_model: int, max_len: int) -> None:
         super().__init__()
         self.max_len = max_len

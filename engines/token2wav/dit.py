@@ -36,16 +36,16 @@ class TimestepEmbedder(nn.Module):
 
     def __init__(self, hidden: int, freq_dim: int) -> None:
         super().__init__()
-        self.half = freq_dim // 2
+        self.half_dim = freq_dim // 2
         self.mlp = nn.Sequential(nn.Linear(freq_dim, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
         # Angles reach 1000 rad: computed in fp32 whatever the module dtype.
-        steps = torch.arange(self.half, device=t.device, dtype=torch.float32)
-        freqs = torch.exp(steps * (-math.log(10000.0) / self.half))
+        steps = torch.arange(self.half_dim, device=t.device, dtype=torch.float32)
+        freqs = torch.exp(steps * (-math.log(10000.0) / self.half_dim))
         angles = 1000.0 * t.float()[:, None] * freqs[None]
         features = torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
-        return self.mlp(features.to(self.mlp[0].weight.dtype))
+        return self.mlp(features.to(next(self.mlp.parameters()).dtype))
 
 
 class Attention(nn.Module):

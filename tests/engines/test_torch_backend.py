@@ -83,8 +83,10 @@ def test_streaming_audio_matches_offline(backend: TorchToken2Wav, voice: VoicePr
     speaker = backend.prepare_speaker(voice)
     streamed = torch.cat(stream_audio(backend, speaker, tokens, hops))
     layout = [*hops, tokens.numel() - sum(hops)]
+    flow = backend.flow
+    assert isinstance(flow, DiTFlow)
     with torch.inference_mode():
-        mel = backend.flow.offline(speaker.flow, tokens, chunk_layout=layout)
+        mel = flow.offline(speaker.flow, tokens, chunk_layout=layout)
         reference, _ = backend.hift(mel, generator=torch.Generator().manual_seed(SEED))
     reference = reference[0]
     assert streamed.shape == reference.shape

@@ -1,4 +1,5 @@
-"""`realtime serve`: run the service; `realtime synth`: speak one text into a WAV file (no server)."""
+"""`realtime serve`: run the service; `realtime synth`: speak one text into a WAV file (no server);
+`realtime bench`: load-test a server over the agents' websocket (realtime/bench.py)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,13 @@ def _ice_server(spec: str) -> IceServer:
     return IceServer(url, *auth)
 
 
+def _levels(spec: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(n) for n in spec.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {spec!r}") from None
+
+
 def _config(args: argparse.Namespace) -> ServiceConfig:
     webrtc = WebRTCConfig(
         max_sessions=args.max_streams,
@@ -47,6 +55,9 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         schedule=ScheduleKind(args.schedule),
         max_streams=args.max_streams,
         drain_timeout_s=args.drain_timeout,
+        # The baseline the benchmark compares against: no batching across requests.
+        llm_slots=1 if args.baseline else None,
+        token2wav_batch=1 if args.baseline else 8,
         webrtc=webrtc,
     )
 
@@ -114,16 +125,49 @@ def build_parser() -> argparse.ArgumentParser:
                          help="WebRTC: STUN/TURN server, URL or URL,USERNAME,CREDENTIAL (repeatable)")
         sub.add_argument("--host", default="127.0.0.1")
         sub.add_argument("--port", type=int, default=8080)
+        sub.add_argument("--baseline", action="store_true",
+                         help="benchmark baseline: one LLM request at a time, token2wav chunks one by one")
         if name == "synth":
             sub.add_argument("text")
             sub.add_argument("--voice", default="default")
             sub.add_argument("--out", type=Path, default=Path("speech.wav"))
+    bench = commands.add_parser("bench", help="load-test a server over the agents' websocket")
+    bench.add_argument("--url", help="websocket URL of a running server (default: spawn one)")
+    bench.add_argument("--models", type=Path, help="models directory for the spawned server")
+    bench.add_argument("--streams", type=_levels, default=(1, 4, 16, 64, 128),
+                       help="comma-separated concurrency levels")
+    bench.add_argument("--tokens", type=int, default=250, help="speech tokens per request")
+    bench.add_argument("--voice", default="default")
+    bench.add_argument("--server-arg", action="append", default=[], help="extra `serve` argument (repeatable)")
+    bench.add_argument("--no-baseline", action="store_true", help="skip the baseline server")
+    bench.add_argument("--no-search", action="store_true", help="skip the max-concurrency search")
+    bench.add_argument("--search-max", type=int, default=256)
+    bench.add_argument("--json", type=Path, default=Path("bench-results/bench.json"))
     return parser
+
+
+def bench(args: argparse.Namespace) -> int:
+    from realtime.bench import BenchOptions, run
+
+    return run(BenchOptions(
+        streams=args.streams,
+        tokens=args.tokens,
+        voice=args.voice,
+        url=args.url,
+        models=args.models,
+        server_args=tuple(args.server_arg),
+        baseline=not args.no_baseline,
+        search=not args.no_search,
+        search_max=args.search_max,
+        json_path=args.json,
+    ))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "bench":
+        return bench(args)
     try:
         config = _config(args)
     except (ValueError, FileNotFoundError) as exc:

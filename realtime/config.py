@@ -124,6 +124,7 @@ class ServiceConfig:
     max_streams: utterances synthesised at once; beyond that requests are refused as busy.
     max_text_chars: longest text of one request (HTTP input, one websocket context's buffer).
     max_voice_upload_s / max_voice_upload_bytes: limits on a reference clip for `POST /v1/voices`.
+    llm_slots: requests the LLM decodes together (None: `max_streams`; 1 serves one at a time).
     token2wav_batch: most chunks the token2wav worker runs in one call.
     chunk_queue: chunks (per stream) synthesised ahead of a slow consumer before the stream waits.
     drain_timeout_s: how long shutdown waits for running streams before cancelling them.
@@ -143,6 +144,7 @@ class ServiceConfig:
     max_voice_upload_s: float = 30.0
     max_voice_upload_bytes: int = 16 * 1024 * 1024
     max_contexts_per_socket: int = 8
+    llm_slots: int | None = None
     token2wav_batch: int = 8
     chunk_queue: int = 4
     drain_timeout_s: float = 10.0
@@ -161,9 +163,13 @@ class ServiceConfig:
                      "token2wav_batch", "chunk_queue", "retry_after_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_voice_upload_s", "drain_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.llm_slots is not None and self.llm_slots < 1:
+            raise ValueError(f"llm_slots must be >= 1, got {self.llm_slots}")
+        if not self.drain_timeout_s > 0:
+            raise ValueError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s}")
+        # The speech tokenizer reads at most 30 s in one call.
+        if not 1.0 < self.max_voice_upload_s <= 30.0:
+            raise ValueError(f"max_voice_upload_s must be in (1, 30], got {self.max_voice_upload_s}")
 
     @property
     def voice_store(self) -> Path:

@@ -31,7 +31,7 @@ from engines.llm.base import LLMEngine, LLMRequest, TokenStream
 from engines.text import TextError, TextFrontend
 from engines.token2wav.base import ChunkJob, SpeakerState, Token2Wav, Token2WavStream
 from engines.voice import VoicePrompt
-from engines.voice_encoder import VoiceEncoder, VoiceError
+from engines.voice_encoder import VoiceEncoder, VoiceError, VoiceLimits
 from realtime.admission import AdmissionPolicy, Load, Refuse
 from realtime.config import ServiceConfig
 from realtime.metrics import Metrics
@@ -216,11 +216,13 @@ def load_engines(config: ServiceConfig) -> LoadedEngines:
     from engines.token2wav.torch_backend import TorchToken2Wav
 
     paths = ModelPaths(config.models_dir)
-    llm = TorchLLMEngine.from_models_dir(config.models_dir, device=config.device, max_slots=config.max_streams)
+    slots = config.llm_slots or config.max_streams
+    llm = TorchLLMEngine.from_models_dir(config.models_dir, device=config.device, max_slots=slots)
     token2wav = TorchToken2Wav.from_models_dir(config.models_dir, config.flow, config.device)
     text = TextFrontend(paths.text_tokenizer, max_text_chars=config.max_text_chars)
     encoder = VoiceEncoder(paths.speech_tokenizer, paths.campplus,
-                           device="cpu" if config.device == "cpu" else "auto")
+                           device="cpu" if config.device == "cpu" else "auto",
+                           limits=VoiceLimits(max_seconds=config.max_voice_upload_s))
     return LoadedEngines(llm, token2wav, text, encoder)
 
 

@@ -129,12 +129,13 @@ class DiTFlow(FlowModel):
     def _mu(self, encoded: torch.Tensor) -> torch.Tensor:
         return self.encoder_proj(encoded).transpose(1, 2)
 
-    def _empty_estimator_cache(self, frames_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        dit = self.cfg.dit
-        steps, b = self.cfg.n_timesteps, GUIDANCE_BATCH
-        cnn = torch.zeros(steps, dit.depth, b, 2 * dit.hidden_size, 2, device=self.device, dtype=frames_dtype)
-        kv = torch.zeros(steps, dit.depth, b, dit.num_heads, 0, 2 * dit.head_dim, device=self.device,
-                         dtype=frames_dtype)
+    def _empty_estimator_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zero conv contexts and no keys/values, per Euler step and guidance row."""
+        dit, steps = self.cfg.dit, self.cfg.n_timesteps
+        cnn = torch.zeros(steps, dit.depth, GUIDANCE_BATCH, 2 * dit.hidden_size, 2,
+                          device=self.device, dtype=self.dtype)
+        kv = torch.zeros(steps, dit.depth, GUIDANCE_BATCH, dit.num_heads, 0, 2 * dit.head_dim,
+                         device=self.device, dtype=self.dtype)
         return cnn, kv
 
     # -- FlowModel --------------------------------------------------------------------------------------
@@ -151,7 +152,7 @@ class DiTFlow(FlowModel):
         encoded, encoder = self.encoder.forward_chunk(
             self._embed(torch.cat([tokens, tokens[:lookahead]])), empty, last=False
         )
-        cnn, kv = self._empty_estimator_cache(self.dtype)
+        cnn, kv = self._empty_estimator_cache()
         _, cnn, kv = self.decoder.solve_chunk(self._mu(encoded), spks, prompt_mel, 0, cnn, None, kv)
         return DiTSpeaker(tokens, spks, prompt_mel, encoder, cnn, kv)
 

@@ -1,9 +1,9 @@
 """Qwen2 decoder stack over a preallocated slot KV cache (MODEL_FACTS §3.1).
 
-The cache holds `slots` independent sequences. One forward call serves a batch of consecutive slots:
-either one request's prompt chunk (one row, many positions) or one decode step of many requests
-(many rows, one position each, every row at its own position). The same code path runs both, eagerly or
-inside a CUDA graph: shapes depend only on the batch size, the query length and `kv_len`.
+The cache holds `slots` independent sequences. One forward call serves a batch of slots: one
+request's prompt chunk (one row, many positions) or one decode step of many requests (many rows, one
+position each, every row at its own position). The same code runs both, eagerly or inside a CUDA graph:
+shapes depend only on the number of rows, the query length and `kv_len`.
 
 Module names follow Hugging Face's `Qwen2Model`, so a state dict of `embed_tokens`, `layers.N.*` and
 `norm` loads unchanged.

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -162,6 +162,10 @@ class _Sequence:
     prompt: Tensor | None = None  # prompt embeddings while the prefill is incomplete
     prefilled: int = 0
     generated: int = 0
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == self.prompt_len
 
     @property
     def kv_tokens(self) -> int:
@@ -337,10 +341,10 @@ class TorchLLMEngine(LLMEngine):
         self._kv_used = 0
 
     @classmethod
-    def from_models_dir(cls, models_dir: Path, device: str = "cuda", **options: object) -> TorchLLMEngine:
+    def from_models_dir(cls, models_dir: Path, device: str = "cuda", **options: Any) -> TorchLLMEngine:
         """The engine over `<models_dir>/CosyVoice2-0.5B/llm.pt`; `options` are `TorchLLMConfig` fields."""
         llm_config = configs_for_models_dir(models_dir).llm
-        config = TorchLLMConfig(device=device, **options)  # type: ignore[arg-type]
+        config = TorchLLMConfig(device=device, **options)
         return cls(config, partial(load_llm, ModelPaths(Path(models_dir)).llm, llm_config))
 
     @property
@@ -446,7 +450,7 @@ class TorchLLMEngine(LLMEngine):
             except Exception:
                 logger.exception("LLM engine step failed")
                 for seq in list(state.held()):
-                    self._finish(seq, LLMError("engine_error", "the LLM engine failed while decoding"))
+                    self._finish(seq, LLMError("engine_error", "the LLM engine failed"))
             self._flush()
         self._shut_down()
 
@@ -514,7 +518,7 @@ class TorchLLMEngine(LLMEngine):
     def _decode(self) -> None:
         runner = self._runner
         assert runner is not None
-        decoding = [seq for seq in self._state.held() if seq.prompt is None]
+        decoding = [seq for seq in self._state.held() if seq.decoding]
         if not decoding:
             return
         size = _bucket(self.config.batch_sizes, max(seq.slot for seq in decoding) + 1)

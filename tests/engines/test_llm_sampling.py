@@ -96,7 +96,7 @@ def test_batched_sampling_matches_the_per_row_reference() -> None:
         SamplingParams(repetition_penalty=0.8, ras_window=16, ras_tau=0.2),
     ]
     checked, fallbacks = 0, 0
-    for trial in range(25):
+    for trial in range(20):
         logits = peaked_logits(len(params), generator)
         logits[:, SPEECH_EOS] += 8.0 * (trial % 2)
         generated = [torch.randint(0, 40, (trial % 13,), generator=generator).tolist() for _ in params]
@@ -112,7 +112,7 @@ def test_batched_sampling_matches_the_per_row_reference() -> None:
             assert tokens[row] == expected, (trial, row)
             checked += 1
             fallbacks += fell_back
-    assert checked == 150 and 0 < fallbacks < checked
+    assert checked == 120 and 0 < fallbacks < checked
 
 
 def plain(top_k: int = 25, top_p: float = 1.0, **kwargs: object) -> SamplingParams:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aioice.ice
@@ -15,7 +16,7 @@ import pytest
 import pytest_asyncio
 from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
-from live_app import LOOPBACK, LiveApp, serve, tiny_config
+from conftest import LiveServer, serve, service_config
 
 from realtime.config import IceServer, WebRTCConfig
 from realtime.session import ServiceError
@@ -217,16 +218,20 @@ EVENT_TIMEOUT_S = 60.0
 SHORT, LONG = 25, 1500
 
 
+LOOPBACK = "127.0.0.1"
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def live(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LiveApp]:
+async def live(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LiveServer]:
+    """A server of its own: few sessions, a short connect deadline, media on loopback only."""
     webrtc = WebRTCConfig(max_sessions=2, connect_timeout_s=2.0, host_addresses=(LOOPBACK,))
-    async with serve(tiny_config(tmp_path_factory.mktemp("voices"), webrtc)) as app:
-        yield app
+    async with serve(service_config(tiny_models, tmp_path_factory.mktemp("voices"), webrtc=webrtc)) as server:
+        yield server
 
 
 @pytest_asyncio.fixture(loop_scope="session")
-async def http(live: LiveApp) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=live.base_url) as client:
+async def http(live: LiveServer) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=live.http_url) as client:
         yield client
 
 
@@ -327,7 +332,7 @@ async def test_speak_streams_opus_frames_and_reports_progress(peer: Peer) -> Non
 
 
 @END_TO_END
-async def test_cancel_stops_at_once_and_frees_the_engine(live: LiveApp, peer: Peer) -> None:
+async def test_cancel_stops_at_once_and_frees_the_engine(live: LiveServer, peer: Peer) -> None:
     peer.send(type="speak", text="A very long story.", seed=1, fixed_length=LONG)
     await peer.expect("started")
     await peer.expect("first_audio")
@@ -338,7 +343,7 @@ async def test_cancel_stops_at_once_and_frees_the_engine(live: LiveApp, peer: Pe
 
 
 @END_TO_END
-async def test_a_new_speak_barges_in(live: LiveApp, peer: Peer) -> None:
+async def test_a_new_speak_barges_in(live: LiveServer, peer: Peer) -> None:
     peer.send(type="speak", text="A very long story.", id="long", seed=1, fixed_length=LONG)
     await peer.expect("started", "long")
     await peer.expect("first_audio", "long")
@@ -392,7 +397,7 @@ async def test_sessions_are_bounded_and_unconnected_ones_expire(http: httpx.Asyn
 
 @END_TO_END
 async def test_the_server_survives_a_peer_that_vanishes(
-    live: LiveApp, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+    live: LiveServer, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # RFC 7675 consent checks notice a silent peer; shorten them so the test does not wait ~30 s.
     monkeypatch.setattr(aioice.ice, "CONSENT_INTERVAL", 0.2)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import pytest
 import torch
 
-from engines.config import SPEECH_CODEBOOK, SPEECH_EOS, ModelConfigs
+from engines.config import MANIFEST_NAME, SPEECH_CODEBOOK, SPEECH_EOS, ModelConfigs, ModelPaths
 from engines.llm.base import LLMError, LLMRequest, SamplingParams, TokenStream
 from engines.llm.model import CosyVoice2LM
 from engines.llm.torch_engine import TorchLLMConfig, TorchLLMEngine
@@ -188,3 +190,18 @@ async def test_stop_ends_the_streams_in_flight() -> None:
         while True:
             await asyncio.wait_for(anext(stream), 10)
     assert stopped.value.code == "stopped"
+
+
+async def test_from_models_dir_loads_the_checkpoint_of_the_manifest_size(tmp_path: Path) -> None:
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps({"size": "tiny"}))
+    checkpoint = ModelPaths(tmp_path).llm
+    checkpoint.parent.mkdir(parents=True)
+    torch.save(tiny_loader()(torch.device("cpu"), torch.float32).state_dict(), checkpoint)
+    engine = TorchLLMEngine.from_models_dir(tmp_path, device="cpu", max_slots=2, max_context=128)
+    await engine.start()
+    try:
+        tokens = await asyncio.wait_for(collect(engine.submit(request("dir", fixed_length=7))), 30)
+    finally:
+        await engine.stop()
+    assert len(tokens) == 7
+    assert engine.stats().max_slots == 2

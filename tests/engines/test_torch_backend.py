@@ -11,6 +11,7 @@ import torch
 from engines.config import MANIFEST_NAME, SAMPLES_PER_TOKEN, ModelConfigs, ModelPaths
 from engines.token2wav.base import ChunkJob
 from engines.token2wav.flow_dit import DiTFlow
+from engines.token2wav.flow_unet import UNetFlow
 from engines.token2wav.hift import HiFTGenerator
 from engines.token2wav.torch_backend import TorchSpeaker, TorchToken2Wav
 from engines.voice import VoicePrompt
@@ -139,3 +140,20 @@ def test_from_models_dir_loads_the_dit_variant(tmp_path: Path, backend: TorchTok
     torch.testing.assert_close(ours, theirs)
     with pytest.raises(ValueError, match="unknown flow variant"):
         TorchToken2Wav.from_models_dir(tmp_path, "vits", "cpu")  # type: ignore[arg-type]
+
+
+def test_from_models_dir_runs_the_unet_variant(tmp_path: Path, voice: VoicePrompt,
+                                               tokens: torch.Tensor) -> None:
+    """The same backend drives CosyVoice2's UNet flow (with CosyVoice2's HiFT file)."""
+    paths = ModelPaths(tmp_path)
+    paths.cosyvoice2.mkdir(parents=True)
+    torch.manual_seed(4)
+    torch.save(UNetFlow(CONFIGS.unet_flow).state_dict(), paths.unet_flow)
+    torch.save(HiFTGenerator(CONFIGS.hift).state_dict(), paths.cosyvoice2_hift)
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps({"size": "tiny"}))
+    backend = TorchToken2Wav.from_models_dir(tmp_path, "unet", "cpu")
+    assert backend.name == "torch-unet" and isinstance(backend.flow, UNetFlow)
+    pieces = stream_audio(backend, backend.prepare_speaker(voice), tokens, [10])
+    audio = torch.cat(pieces)
+    assert audio.numel() == SAMPLES_PER_TOKEN * tokens.numel()
+    assert torch.isfinite(audio).all() and audio.abs().max() <= 1.0

@@ -13,6 +13,8 @@ import platform
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from engines.checkpoints import CheckpointError
 from engines.config import MANIFEST_NAME, ModelSize, read_manifest
 
@@ -48,6 +50,7 @@ def write_manifest(
             "at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "by": "scripts/build_engines.py",
             "python": platform.python_version(),
+            "torch": torch.__version__,
             **info,
         },
         "files": entries,

@@ -46,6 +46,32 @@ The train to the city leaves from platform four at eight fifteen and arrives jus
 Music, poetry and theatre all depend on timing, and so does a voice that sounds truly human.
 Yesterday we walked along the river, watched the boats and talked about books we love to read.
 A clear, calm voice can make even a difficult message easier to understand and remember.
+Engineers measure latency in milliseconds and throughput in requests per second under heavy load.
+The orchestra tuned their violins, cellos and trumpets while the audience whispered in the balcony.
+Fresh bread, ripe tomatoes, olive oil and a pinch of salt make a simple but delicious lunch.
+Astronomers photographed a distant galaxy whose light travelled for billions of years to reach us.
+Please remember to bring your passport, your ticket and a warm jacket for the journey north.
+The committee postponed its decision because several members wanted more evidence and discussion.
+Quietly, the cat climbed onto the bookshelf and knocked a porcelain vase onto the carpet.
+Our neighbours planted cherry trees, sunflowers and lavender along the fence behind their cottage.
+Mathematics describes patterns, symmetry and change with remarkable precision and elegance.
+Hospitals need nurses, doctors, pharmacists and volunteers who stay calm during emergencies.
+The documentary explored glaciers, volcanoes, deserts and rainforests across six continents.
+Could you spell your surname, confirm your address and tell me which delivery day suits you best?
+Thunder rumbled over the harbour as fishermen hurried to secure their nets and anchor the boats.
+Developers wrote thorough tests, reviewed each change carefully and deployed the update on Friday.
+My favourite recipe combines ginger, garlic, lemon and honey into a bright, fragrant sauce.
+Journalists interviewed farmers about drought, harvest prices and the future of rural villages.
+Imagine walking through a quiet forest at dawn, hearing only footsteps, wind and distant owls.
+The bicycle needed new brakes, a stronger chain and slightly wider tyres for the gravel roads.
+Volunteers cleaned the beach, collected plastic bottles and counted the seabirds nesting nearby.
+A patient teacher explains difficult ideas with stories, drawings and plenty of encouragement.
+Electric vehicles charge overnight, travel hundreds of kilometres and produce no exhaust fumes.
+The museum displays ancient coins, jewellery, pottery and manuscripts from forgotten kingdoms.
+Honestly, I never expected such a thoughtful gift; it made my whole week brighter and happier.
+Rhythm, melody and harmony work together, yet silence between notes matters just as much.
+Knowledge grows when curious people share questions, experiments, mistakes and discoveries freely.
+Twelve zebras, seven giraffes and a sleepy hippopotamus gathered near the muddy waterhole.
 """
 
 

@@ -82,12 +82,85 @@ def _verify(args: argparse.Namespace) -> None:
     logger.info("%s: %s models, %d files, all valid", args.out, manifest["size"], len(manifest["files"]))
 
 
+# -- accelerated paths: engines/build/tensorrt.py ------------------------------------------------------
+
+
+def _stage_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", "--models", dest="out", type=Path, required=True,
+                        help="the models directory")
+    parser.add_argument("--force", action="store_true", help="rebuild outputs that are up to date")
+
+
+def _convert_hf_arguments(parser: argparse.ArgumentParser) -> None:
+    _stage_arguments(parser)
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+
+
+def _convert_hf(args: argparse.Namespace) -> None:
+    from engines.build.tensorrt import convert_hf
+
+    convert_hf(args.out, args.dtype, force=args.force)
+
+
+def _build_trtllm_arguments(parser: argparse.ArgumentParser) -> None:
+    from engines.build.tensorrt import TrtllmBuildOptions
+
+    _stage_arguments(parser)
+    defaults = TrtllmBuildOptions()
+    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default=defaults.dtype)
+    for name in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens"):
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
+
+
+def _build_trtllm(args: argparse.Namespace) -> None:
+    from engines.build.tensorrt import TrtllmBuildOptions, build_trtllm
+
+    options = TrtllmBuildOptions(args.dtype, args.max_batch_size, args.max_input_len, args.max_seq_len,
+                                 args.max_num_tokens)
+    build_trtllm(args.out, options, force=args.force)
+
+
+def _export_onnx(args: argparse.Namespace) -> None:
+    from engines.build.tensorrt import export_onnx
+
+    export_onnx(args.out, force=args.force)
+
+
+def _build_trt_arguments(parser: argparse.ArgumentParser) -> None:
+    from engines.token2wav.trt_pool import PRECISIONS, EstimatorLimits
+
+    _stage_arguments(parser)
+    defaults = EstimatorLimits()
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp16")
+    parser.add_argument("--streams", type=int, default=defaults.streams, help="chunks per estimator call")
+    parser.add_argument("--max-frames", type=int, default=defaults.max_frames, help="mel frames per chunk")
+    parser.add_argument("--max-cache-frames", type=int, default=defaults.max_cache_frames)
+    parser.add_argument("--max-offline-frames", type=int, default=defaults.max_offline_frames)
+
+
+def _build_trt(args: argparse.Namespace) -> None:
+    from engines.build.tensorrt import build_trt
+    from engines.token2wav.trt_pool import EstimatorLimits
+
+    limits = EstimatorLimits(streams=args.streams, max_frames=args.max_frames,
+                             max_cache_frames=args.max_cache_frames,
+                             max_offline_frames=args.max_offline_frames)
+    build_trt(args.out, args.precision, limits, force=args.force)
+
+
 COMMANDS: dict[str, Command] = {
     "random": Command("write synthetic checkpoints with random weights", _random_arguments, _random),
     "download": Command("fetch the released checkpoints (CosyVoice2-0.5B, Step-Audio-2-mini token2wav)",
                         _download_arguments, _download),
     "verify": Command("check a models directory against its manifest and our modules",
                       _out_argument, _verify),
+    "convert-hf": Command("llm.pt → Hugging Face Qwen2 directory with the speech vocabulary",
+                          _convert_hf_arguments, _convert_hf),
+    "build-trtllm": Command("Hugging Face directory → TensorRT-LLM engine (needs tensorrt_llm and a GPU)",
+                            _build_trtllm_arguments, _build_trtllm),
+    "export-onnx": Command("DiT estimator → ONNX (chunk and offline graphs)", _stage_arguments, _export_onnx),
+    "build-trt": Command("ONNX → TensorRT plans for the DiT estimator and CAMPPlus (needs tensorrt, a GPU)",
+                         _build_trt_arguments, _build_trt),
 }
 
 
@@ -103,10 +176,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
     from engines.build.download import DownloadError
+    from engines.build.tensorrt import StageUnavailable
 
     try:
         COMMANDS[args.command].run(args)
-    except (CheckpointError, DownloadError) as exc:
+    except (CheckpointError, DownloadError, StageUnavailable) as exc:
         logger.error("%s failed: %s", args.command, exc)
         return 1
     return 0

@@ -1,0 +1,59 @@
+"""Pick the token2wav backend: TensorRT when it can run here, PyTorch otherwise, and say which and why."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from engines.token2wav.base import Token2Wav
+from engines.token2wav.torch_backend import FlowVariant, TorchToken2Wav
+from engines.token2wav.trt_pool import Precision, TrtArtifacts
+
+logger = logging.getLogger(__name__)
+
+BackendChoice = Literal["auto", "tensorrt", "torch"]
+
+
+def tensorrt_unavailable(
+    models_dir: Path, flow: FlowVariant, device: str, precision: Precision
+) -> str | None:
+    """Why the TensorRT backend cannot serve `models_dir` here, or None when it can."""
+    if flow != "dit":
+        return f"TensorRT plans exist for the DiT flow only, not {flow!r}"
+    if torch.device(device).type != "cuda":
+        return f"TensorRT needs a CUDA device, not {device!r}"
+    plan = TrtArtifacts(Path(models_dir)).dit_chunk_plan(precision)
+    if not plan.is_file():
+        return f"{plan} is missing (build_engines.py export-onnx, then build-trt)"
+    if importlib.util.find_spec("tensorrt") is None:
+        return "the tensorrt package is not installed"
+    return None
+
+
+def select_token2wav(
+    models_dir: Path,
+    backend: BackendChoice = "auto",
+    flow: FlowVariant = "dit",
+    device: str = "cuda",
+    precision: Precision = "fp16",
+    pool_size: int = 4,
+    torch_dtype: torch.dtype = torch.float32,
+) -> Token2Wav:
+    """The token2wav backend for `models_dir`: `tensorrt` or `torch` as asked, `auto` prefers TensorRT.
+
+    Asking for `tensorrt` where it cannot run raises RuntimeError with the reason.
+    """
+    reason = None if backend == "torch" else tensorrt_unavailable(models_dir, flow, device, precision)
+    if backend == "tensorrt" and reason is not None:
+        raise RuntimeError(f"the TensorRT token2wav backend cannot run: {reason}")
+    if backend != "torch" and reason is None:
+        from engines.token2wav.trt_pool import load_trt_token2wav
+
+        logger.info("token2wav backend: TensorRT (%s plans, %d contexts)", precision, pool_size)
+        return load_trt_token2wav(models_dir, precision, pool_size, device)
+    logger.info("token2wav backend: PyTorch %s flow (%s)", flow, reason or "requested")
+    return TorchToken2Wav.from_models_dir(models_dir, flow, device, torch_dtype)

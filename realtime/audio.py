@@ -29,6 +29,7 @@ class Encoding(enum.Enum):
     """Raw sample encodings of the websocket protocol."""
 
     PCM_S16LE = "pcm_s16le"
+    PCM_F32LE = "pcm_f32le"
     MULAW = "mulaw"
 
 
@@ -149,6 +150,8 @@ def decode_mulaw(data: bytes) -> np.ndarray:
 def encode_samples(pcm: np.ndarray, encoding: Encoding) -> bytes:
     if encoding is Encoding.PCM_S16LE:
         return encode_pcm_s16le(pcm)
+    if encoding is Encoding.PCM_F32LE:
+        return np.clip(pcm, -1.0, 1.0).astype("<f4").tobytes()
     return encode_mulaw(pcm)
 
 

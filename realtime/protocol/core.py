@@ -14,7 +14,8 @@ utterance streams, e.g. one per agent turn) may be open on one socket at once.
 - `{"type": "start", "context_id": "c1", "voice": "default", "sample_rate": 24000,
   "encoding": "pcm_s16le", "speed": 1.0, "seed": 7}` opens a context. `context_id`: 1–64 characters
   of letters, digits, `_`, `-`, `.`; `sample_rate`: 8000, 16000, 22050, 24000 (default), 44100 or
-  48000; `encoding`: `pcm_s16le` (default) or `mulaw` (G.711 µ-law); `voice` defaults to `default`;
+  48000; `encoding`: `pcm_s16le` (default), `pcm_f32le` or `mulaw` (G.711 µ-law); `voice` defaults
+  to `default`;
   `speed` (0.25–4), `seed` and `fixed_length` (speech tokens per sentence, for tests) are optional.
 - `{"type": "text", "context_id": "c1", "text": "Hello wor"}` appends text. Each sentence is spoken
   as soon as it is complete (terminal punctuation followed by more text, or a newline); sentences
@@ -30,7 +31,7 @@ Server → client:
 - Audio as binary frames: byte 0 is the frame kind `0x01`; byte 1 is `n`, the length in bytes of the
   UTF-8 context id that follows in bytes `2 .. 2+n`; then the chunk's `seq` as a 4-byte big-endian
   unsigned integer; the rest is audio in the context's encoding and sample rate (mono; 2 bytes per
-  sample for `pcm_s16le`, 1 for `mulaw`).
+  sample for `pcm_s16le`, 4 for `pcm_f32le`, 1 for `mulaw`).
 - Right after each audio frame, its metadata as JSON: `{"type": "chunk", "context_id", "seq",
   "start_s", "duration_s", "words": [{"word", "start_s", "end_s", "estimated"}], "final"}`. `seq`
   counts the context's chunks from 0; times are seconds from the start of the context's audio;
@@ -371,7 +372,7 @@ class NativeDialect:
                 parsed_encoding = Encoding(encoding)
             except ValueError:
                 raise ProtocolError("unsupported_encoding", f"encoding {encoding!r} is not supported; use "
-                                    "pcm_s16le or mulaw", context_id) from None
+                                    "pcm_s16le, pcm_f32le or mulaw", context_id) from None
             return [StartContext(
                 context_id=context_id,
                 voice=field_of(message, "voice", str, "default"),

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 from starlette.routing import BaseRoute, WebSocketRoute
@@ -20,6 +21,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from engines.llm.base import SamplingParams
 from realtime.audio import Resampler, encode_samples
+from realtime.protocol.cartesia import CartesiaDialect
 from realtime.protocol.core import (
     Abort,
     Action,
@@ -36,6 +38,7 @@ from realtime.protocol.core import (
     Speak,
     StartContext,
 )
+from realtime.protocol.elevenlabs import ElevenLabsDialect
 from realtime.runtime import Runtime
 from realtime.session import ServiceError, SpeechRequest, WordTiming
 
@@ -187,12 +190,31 @@ class _Connection:
 
 
 def routes(runtime: Runtime) -> list[BaseRoute]:
-    """The websocket endpoints: the native protocol and the Cartesia/ElevenLabs dialects."""
+    """The websocket endpoints: the native protocol and the Cartesia and ElevenLabs dialects."""
 
-    def endpoint(make_dialect: Callable[[WebSocket], Dialect]) -> Callable[[WebSocket], object]:
+    def endpoint(make_dialect: Callable[[WebSocket], Dialect]) -> Callable[[WebSocket], Awaitable[None]]:
         async def serve(websocket: WebSocket) -> None:
-            await _Connection(websocket, runtime, make_dialect(websocket)).serve()
+            try:
+                dialect = make_dialect(websocket)
+            except ProtocolError as exc:  # a bad query parameter: say why, then close
+                await websocket.accept()
+                await websocket.send_text(json.dumps({"error": exc.code, "message": exc.message}))
+                await websocket.close(1008)
+                return
+            await _Connection(websocket, runtime, dialect).serve()
 
         return serve
 
-    return [WebSocketRoute("/v1/ws", endpoint(lambda ws: NativeDialect()))]
+    def elevenlabs(multi_context: bool) -> Callable[[WebSocket], Dialect]:
+        def make(websocket: WebSocket) -> Dialect:
+            return ElevenLabsDialect(websocket.path_params["voice_id"],
+                                     websocket.query_params.get("output_format", "pcm_24000"), multi_context)
+
+        return make
+
+    return [
+        WebSocketRoute("/v1/ws", endpoint(lambda websocket: NativeDialect())),
+        WebSocketRoute("/cartesia/tts/websocket", endpoint(lambda websocket: CartesiaDialect())),
+        WebSocketRoute("/v1/text-to-speech/{voice_id}/stream-input", endpoint(elevenlabs(multi_context=False))),
+        WebSocketRoute("/v1/text-to-speech/{voice_id}/multi-stream-input", endpoint(elevenlabs(multi_context=True))),
+    ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -205,3 +206,17 @@ async def test_from_models_dir_loads_the_checkpoint_of_the_manifest_size(tmp_pat
         await engine.stop()
     assert len(tokens) == 7
     assert engine.stats().max_slots == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+async def test_cuda_graphs_replay_the_eager_computation() -> None:
+    results = {}
+    for graphs in (True, False):
+        config = dataclasses.replace(CONFIG, device="cuda", cuda_graphs=graphs)
+        async with running(config) as engine:
+            streams = [engine.submit(request(f"g{i}", speech_len=7 * i, fixed_length=20 + i, seed=i))
+                       for i in range(6)]
+            results[graphs] = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 60)
+    assert [len(tokens) for tokens in results[True]] == [20 + i for i in range(6)]
+    assert results[True] == results[False]

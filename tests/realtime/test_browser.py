@@ -1,0 +1,210 @@
+"""The web page in real headless Chromium, against the real app over the tiny models, all on loopback.
+
+Chromium is driven through the DevTools protocol on its own websocket (no browser-automation
+packages): the test opens the page, plays speech through WebRTC and then through the websocket player,
+and reads what the page exposes as plain state in ``window.__rt``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import itertools
+import json
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import websockets
+from conftest import LiveServer, serve, service_config
+
+from realtime.config import WebRTCConfig
+
+pytestmark = [pytest.mark.browser, pytest.mark.asyncio(loop_scope="session")]
+
+CHROMIUM = shutil.which("chromium")
+LOOPBACK = "127.0.0.1"
+SCREENSHOT = Path("/tmp/page.png")
+WAIT_S = 60.0
+CHROMIUM_FLAGS = (
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+    "--allow-loopback-in-peer-connection",
+    "--autoplay-policy=no-user-gesture-required",
+    "--use-fake-ui-for-media-stream",
+    # Real addresses in ICE candidates instead of mDNS names, which nothing on loopback resolves.
+    "--disable-features=WebRtcHideLocalIpsWithMdns",
+    "--remote-debugging-port=0",
+    "--window-size=900,1000",
+)
+
+
+class DevTools:
+    """A small Chrome DevTools Protocol client: one page session over the browser's websocket.
+
+    Replies are matched to commands by id; console messages and uncaught exceptions of the page are
+    kept in ``console`` and ``exceptions`` for assertions and failure messages.
+    """
+
+    def __init__(self, socket: websockets.ClientConnection) -> None:
+        self._socket = socket
+        self._ids = itertools.count(1)
+        self._replies: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._session = ""
+        self.console: list[str] = []
+        self.exceptions: list[str] = []
+        self._reader = asyncio.create_task(self._read())
+
+    async def attach_to_page(self) -> None:
+        targets = await self.call("Target.getTargets")
+        page = next(t for t in targets["targetInfos"] if t["type"] == "page")
+        attached = await self.call("Target.attachToTarget", {"targetId": page["targetId"], "flatten": True})
+        self._session = attached["sessionId"]
+        await self.call("Runtime.enable", page=True)
+        await self.call("Page.enable", page=True)
+
+    async def call(
+        self, method: str, params: dict[str, Any] | None = None, page: bool = False
+    ) -> dict[str, Any]:
+        command_id = next(self._ids)
+        reply = self._replies[command_id] = asyncio.get_running_loop().create_future()
+        message: dict[str, Any] = {"id": command_id, "method": method, "params": params or {}}
+        if page:
+            message["sessionId"] = self._session
+        await self._socket.send(json.dumps(message))
+        answer = await asyncio.wait_for(reply, WAIT_S)
+        if "error" in answer:
+            raise RuntimeError(f"{method} failed: {answer['error']}")
+        return answer["result"]
+
+    async def evaluate(self, expression: str) -> Any:
+        """The value of a JavaScript expression in the page (promises awaited)."""
+        params = {"expression": expression, "awaitPromise": True, "returnByValue": True}
+        result = await self.call("Runtime.evaluate", params, page=True)
+        if "exceptionDetails" in result:
+            raise RuntimeError(f"{expression!r} threw: {result['exceptionDetails']}")
+        return result["result"].get("value")
+
+    async def navigate(self, url: str) -> None:
+        await self.call("Page.navigate", {"url": url}, page=True)
+
+    async def wait_for(self, expression: str) -> None:
+        """Poll until the expression is truthy in the page."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WAIT_S
+        while loop.time() < deadline:
+            if await self.evaluate(expression):
+                return
+            await asyncio.sleep(0.1)
+        state = await self.evaluate("JSON.stringify({...window.__rt, clients: undefined})")
+        raise AssertionError(f"never true: {expression}\npage state: {state}\nconsole: {self.console[-10:]}")
+
+    async def close(self) -> None:
+        self._reader.cancel()
+        await self._socket.close()
+
+    async def _read(self) -> None:
+        async for raw in self._socket:
+            message = json.loads(raw)
+            if "id" in message:
+                reply = self._replies.pop(message["id"], None)
+                if reply is not None and not reply.done():
+                    reply.set_result(message)
+            elif message.get("method") == "Runtime.consoleAPICalled":
+                args = message["params"]["args"]
+                self.console.append(" ".join(str(a.get("value", a.get("description", ""))) for a in args))
+            elif message.get("method") == "Runtime.exceptionThrown":
+                self.exceptions.append(json.dumps(message["params"]["exceptionDetails"]))
+
+
+@contextlib.asynccontextmanager
+async def chromium(url: str, profile: Path) -> AsyncIterator[DevTools]:
+    """Headless Chromium with a fresh profile, navigated to ``url``, driven through DevTools."""
+    assert CHROMIUM is not None
+    process = await asyncio.create_subprocess_exec(
+        CHROMIUM,
+        *CHROMIUM_FLAGS,
+        f"--user-data-dir={profile}",
+        url,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        port, path = await _devtools_address(profile / "DevToolsActivePort")
+        socket = await websockets.connect(f"ws://{LOOPBACK}:{port}{path}", max_size=None)
+        devtools = DevTools(socket)
+        try:
+            await devtools.attach_to_page()
+            await devtools.navigate(url)
+            yield devtools
+        finally:
+            with contextlib.suppress(RuntimeError, websockets.ConnectionClosed):
+                await devtools.call("Browser.close")
+            await devtools.close()
+    finally:
+        if process.returncode is None:
+            process.terminate()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(10):
+                await process.wait()
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+def _words_of(path: Path) -> list[str]:
+    return path.read_text().split() if path.is_file() else []
+
+
+async def _devtools_address(active_port: Path) -> tuple[str, str]:
+    """The port Chromium picked and its browser websocket path, from the file it writes once listening."""
+    async with asyncio.timeout(WAIT_S):
+        while True:
+            lines = await asyncio.to_thread(_words_of, active_port)
+            if len(lines) >= 2:
+                return lines[0], lines[1]
+            await asyncio.sleep(0.05)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def live(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LiveServer]:
+    webrtc = WebRTCConfig(host_addresses=(LOOPBACK,))
+    async with serve(service_config(tiny_models, tmp_path_factory.mktemp("voices"), webrtc=webrtc)) as server:
+        yield server
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium package (make install-test)")
+async def test_page_plays_speech_over_webrtc_and_websocket(live: LiveServer, tmp_path: Path) -> None:
+    async with chromium(f"{live.http_url}/", tmp_path / "profile") as page:
+        await page.wait_for(
+            "document.readyState === 'complete' && document.getElementById('voice')?.value === 'default'"
+        )
+
+        # WebRTC: the connection comes up, Opus packets arrive, the server reports first audio.
+        await page.evaluate("document.getElementById('speak').click()")
+        await page.wait_for("__rt.webrtc.connectionState === 'connected' && __rt.webrtc.packetsReceived > 0")
+        await page.wait_for("__rt.lastLatencyMs !== null")
+        await page.wait_for("__rt.level > 0")
+        await page.evaluate("document.getElementById('stop').click()")
+        await page.wait_for("__rt.events.includes('cancelled')")
+
+        # Websocket: PCM frames arrive and the AudioWorklet plays them.
+        await page.evaluate("document.querySelector('input[value=ws]').click()")
+        await page.evaluate("document.getElementById('speak').click()")
+        await page.wait_for("__rt.ws.bytesReceived > 0 && __rt.ws.samplesPlayed > 0")
+        await page.wait_for("__rt.lastLatencyMs !== null")
+
+        shot = await page.call("Page.captureScreenshot", {"format": "png"}, page=True)
+        await asyncio.to_thread(SCREENSHOT.write_bytes, base64.b64decode(shot["data"]))
+        await page.evaluate("document.getElementById('stop').click()")
+        assert page.exceptions == [], page.exceptions

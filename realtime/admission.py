@@ -59,8 +59,9 @@ class AdmissionPolicy:
 
     def decide(self, load: Load) -> Decision:
         if load.active_streams >= self.max_streams:
-            return Refuse(f"the server is at its limit of {self.max_streams} concurrent streams",
-                          self.retry_after_s)
+            return Refuse(
+                f"the server is at its limit of {self.max_streams} concurrent streams", self.retry_after_s
+            )
         if load.llm_waiting > self.max_llm_waiting:
             return Refuse("the speech model has too many requests waiting", self.retry_after_s)
         if load.token2wav_queue > self.max_token2wav_queue:

@@ -34,8 +34,9 @@ class Encoding(enum.Enum):
 
 
 def _frame(pcm: np.ndarray, rate: int) -> av.AudioFrame:
-    frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm, dtype=np.float32).reshape(1, -1),
-                                       format="flt", layout="mono")
+    frame = av.AudioFrame.from_ndarray(
+        np.ascontiguousarray(pcm, dtype=np.float32).reshape(1, -1), format="flt", layout="mono"
+    )
     frame.sample_rate = rate
     frame.time_base = fractions.Fraction(1, rate)
     return frame
@@ -52,9 +53,13 @@ class Resampler:
 
     def __init__(self, rate: int) -> None:
         if rate not in SUPPORTED_RATES:
-            raise ValueError(f"unsupported sample rate {rate}; supported: {', '.join(map(str, SUPPORTED_RATES))}")
+            raise ValueError(
+                f"unsupported sample rate {rate}; supported: {', '.join(map(str, SUPPORTED_RATES))}"
+            )
         self.rate = rate
-        self._resampler = None if rate == SAMPLE_RATE else av.AudioResampler(format="flt", layout="mono", rate=rate)
+        self._resampler = (
+            None if rate == SAMPLE_RATE else av.AudioResampler(format="flt", layout="mono", rate=rate)
+        )
         self._pts = 0
 
     def process(self, pcm: np.ndarray) -> np.ndarray:
@@ -81,7 +86,9 @@ class TempoStretcher:
         # One atempo stage handles factors >= 0.5; slower speeds chain two.
         factors = [speed] if speed >= 0.5 else [0.5, speed / 0.5]
         self._graph = av.filter.Graph()
-        node = self._graph.add_abuffer(format="flt", sample_rate=SAMPLE_RATE, layout="mono", time_base=_TIME_BASE)
+        node = self._graph.add_abuffer(
+            format="flt", sample_rate=SAMPLE_RATE, layout="mono", time_base=_TIME_BASE
+        )
         source = node
         for factor in factors:
             stage = self._graph.add("atempo", f"{factor:.6f}")
@@ -181,12 +188,18 @@ class PcmStreamEncoder(StreamEncoder):
 
 
 def wav_header(sample_rate: int, data_bytes: int | None = None) -> bytes:
-    """A 16-bit mono WAV header; `data_bytes=None` (length unknown while streaming) writes 0xFFFFFFFF sizes."""
+    """A 16-bit mono WAV header; `data_bytes=None` (length unknown, streaming) writes 0xFFFFFFFF sizes."""
     data_size = 0xFFFFFFFF if data_bytes is None else data_bytes
     riff_size = 0xFFFFFFFF if data_bytes is None else 36 + data_bytes
-    return (b"RIFF" + struct.pack("<I", riff_size) + b"WAVE"
-            + b"fmt " + struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16)
-            + b"data" + struct.pack("<I", data_size))
+    return (
+        b"RIFF"
+        + struct.pack("<I", riff_size)
+        + b"WAVE"
+        + b"fmt "
+        + struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16)
+        + b"data"
+        + struct.pack("<I", data_size)
+    )
 
 
 class WavStreamEncoder(StreamEncoder):
@@ -224,8 +237,11 @@ class _Sink:
 class CodecStreamEncoder(StreamEncoder):
     """Opus (in Ogg), MP3 or FLAC through libav, muxed incrementally."""
 
-    _FORMATS = {"opus": ("ogg", "libopus", "audio/ogg"), "mp3": ("mp3", "libmp3lame", "audio/mpeg"),
-                "flac": ("flac", "flac", "audio/flac")}
+    _FORMATS = {
+        "opus": ("ogg", "libopus", "audio/ogg"),
+        "mp3": ("mp3", "libmp3lame", "audio/mpeg"),
+        "flac": ("flac", "flac", "audio/flac"),
+    }
 
     def __init__(self, kind: str) -> None:
         if kind not in self._FORMATS:

@@ -106,27 +106,50 @@ async def synth(config: ServiceConfig, text: str, voice: str, out: Path) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="realtime", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (("serve", "run the HTTP/websocket/WebRTC server"),
-                            ("synth", "speak one text into a WAV file")):
+    for name, help_text in (
+        ("serve", "run the HTTP/websocket/WebRTC server"),
+        ("synth", "speak one text into a WAV file"),
+    ):
         sub = commands.add_parser(name, help=help_text)
-        sub.add_argument("--models", help="models directory (default: tiny synthetic models, built once into "
-                                          f"{DEFAULT_CACHE_DIR})")
+        sub.add_argument(
+            "--models",
+            help=f"models directory (default: tiny synthetic models, built once into {DEFAULT_CACHE_DIR})",
+        )
         sub.add_argument("--voices", help="directory of uploaded voices (default: MODELS/voices)")
         sub.add_argument("--flow", choices=("dit", "unet"), default="dit", help="token2wav flow")
         sub.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
-        sub.add_argument("--schedule", choices=[k.value for k in ScheduleKind], default="exponential",
-                         help="chunk schedule")
+        sub.add_argument(
+            "--schedule",
+            choices=[k.value for k in ScheduleKind],
+            default="exponential",
+            help="chunk schedule",
+        )
         sub.add_argument("--max-streams", type=int, default=16, help="concurrent utterances before 'busy'")
-        sub.add_argument("--drain-timeout", type=float, default=10.0,
-                         help="seconds running streams get to finish at shutdown")
-        sub.add_argument("--advertise-address", action="append", default=[],
-                         help="WebRTC: IP address to advertise as a host candidate (repeatable; default: all)")
-        sub.add_argument("--ice-server", action="append", default=[],
-                         help="WebRTC: STUN/TURN server, URL or URL,USERNAME,CREDENTIAL (repeatable)")
+        sub.add_argument(
+            "--drain-timeout",
+            type=float,
+            default=10.0,
+            help="seconds running streams get to finish at shutdown",
+        )
+        sub.add_argument(
+            "--advertise-address",
+            action="append",
+            default=[],
+            help="WebRTC: IP address to advertise as a host candidate (repeatable; default: all)",
+        )
+        sub.add_argument(
+            "--ice-server",
+            action="append",
+            default=[],
+            help="WebRTC: STUN/TURN server, URL or URL,USERNAME,CREDENTIAL (repeatable)",
+        )
         sub.add_argument("--host", default="127.0.0.1")
         sub.add_argument("--port", type=int, default=8080)
-        sub.add_argument("--baseline", action="store_true",
-                         help="benchmark baseline: one LLM request at a time, token2wav chunks one by one")
+        sub.add_argument(
+            "--baseline",
+            action="store_true",
+            help="benchmark baseline: one LLM request at a time, token2wav chunks one by one",
+        )
         if name == "synth":
             sub.add_argument("text")
             sub.add_argument("--voice", default="default")
@@ -134,11 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="load-test a server over the agents' websocket")
     bench.add_argument("--url", help="websocket URL of a running server (default: spawn one)")
     bench.add_argument("--models", type=Path, help="models directory for the spawned server")
-    bench.add_argument("--streams", type=_levels, default=(1, 4, 16, 64, 128),
-                       help="comma-separated concurrency levels")
+    bench.add_argument(
+        "--streams", type=_levels, default=(1, 4, 16, 64, 128), help="comma-separated concurrency levels"
+    )
     bench.add_argument("--tokens", type=int, default=250, help="speech tokens per request")
     bench.add_argument("--voice", default="default")
-    bench.add_argument("--server-arg", action="append", default=[], help="extra `serve` argument (repeatable)")
+    bench.add_argument(
+        "--server-arg", action="append", default=[], help="extra `serve` argument (repeatable)"
+    )
     bench.add_argument("--no-baseline", action="store_true", help="skip the baseline server")
     bench.add_argument("--no-search", action="store_true", help="skip the max-concurrency search")
     bench.add_argument("--search-max", type=int, default=256)
@@ -149,18 +175,20 @@ def build_parser() -> argparse.ArgumentParser:
 def bench(args: argparse.Namespace) -> int:
     from realtime.bench import BenchOptions, run
 
-    return run(BenchOptions(
-        streams=args.streams,
-        tokens=args.tokens,
-        voice=args.voice,
-        url=args.url,
-        models=args.models,
-        server_args=tuple(args.server_arg),
-        baseline=not args.no_baseline,
-        search=not args.no_search,
-        search_max=args.search_max,
-        json_path=args.json,
-    ))
+    return run(
+        BenchOptions(
+            streams=args.streams,
+            tokens=args.tokens,
+            voice=args.voice,
+            url=args.url,
+            models=args.models,
+            server_args=tuple(args.server_arg),
+            baseline=not args.no_baseline,
+            search=not args.no_search,
+            search_max=args.search_max,
+            json_path=args.json,
+        )
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -67,54 +67,6 @@ class WebRTCConfig:
                     raise ValueError(f"webrtc host address must be an IP address, got {address!r}") from None
 
 
-_ICE_URL_SCHEMES = ("stun:", "stuns:", "turn:", "turns:")
-
-
-@dataclass(frozen=True)
-class IceServer:
-    """One STUN or TURN server, as a browser's RTCIceServer (`turn:host:3478?transport=udp`, ...)."""
-
-    url: str
-    username: str | None = None
-    credential: str | None = None
-
-    def __post_init__(self) -> None:
-        if not self.url.startswith(_ICE_URL_SCHEMES):
-            raise ValueError(f"ICE server url must start with one of {_ICE_URL_SCHEMES}, got {self.url!r}")
-        if self.url.startswith("turn") and (self.username is None or self.credential is None):
-            raise ValueError(f"TURN server {self.url!r} needs a username and a credential")
-
-
-@dataclass(frozen=True)
-class WebRTCConfig:
-    """Limits and network policy of the WebRTC transport.
-
-    host_addresses: local IP addresses to bind and advertise as host candidates (None: every
-        interface). ice_servers: STUN/TURN servers (none by default: host candidates only).
-    playout_buffer_s: speech buffered ahead of playout per session; the stream is throttled beyond it.
-    """
-
-    max_sessions: int = 16
-    connect_timeout_s: float = 20.0
-    playout_buffer_s: float = 30.0
-    host_addresses: tuple[str, ...] | None = None
-    ice_servers: tuple[IceServer, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.max_sessions < 1:
-            raise ValueError(f"webrtc max_sessions must be >= 1, got {self.max_sessions}")
-        for name in ("connect_timeout_s", "playout_buffer_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"webrtc {name} must be > 0, got {getattr(self, name)}")
-        if self.host_addresses == ():
-            raise ValueError("webrtc host_addresses is empty: give at least one address, or None for all")
-        for address in self.host_addresses or ():
-            try:
-                ipaddress.ip_address(address)
-            except ValueError:
-                raise ValueError(f"webrtc host address must be an IP address, got {address!r}") from None
-
-
 @dataclass(frozen=True)
 class ServiceConfig:
     """Everything the service needs to start.
@@ -159,8 +111,15 @@ class ServiceConfig:
             raise ValueError(f"flow must be 'dit' or 'unet', got {self.flow!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        for name in ("max_streams", "max_text_chars", "max_voice_upload_bytes", "max_contexts_per_socket",
-                     "token2wav_batch", "chunk_queue", "retry_after_s"):
+        for name in (
+            "max_streams",
+            "max_text_chars",
+            "max_voice_upload_bytes",
+            "max_contexts_per_socket",
+            "token2wav_batch",
+            "chunk_queue",
+            "retry_after_s",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.llm_slots is not None and self.llm_slots < 1:

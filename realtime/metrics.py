@@ -17,19 +17,27 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.first_chunk_latency = Histogram(
-            "tts_first_chunk_latency_seconds", "Time from an admitted request to its first audio chunk",
-            buckets=LATENCY_BUCKETS, registry=self.registry,
+            "tts_first_chunk_latency_seconds",
+            "Time from an admitted request to its first audio chunk",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.real_time_factor = Histogram(
-            "tts_real_time_factor", "Synthesis wall time divided by audio duration, per finished stream",
-            buckets=RTF_BUCKETS, registry=self.registry,
+            "tts_real_time_factor",
+            "Synthesis wall time divided by audio duration, per finished stream",
+            buckets=RTF_BUCKETS,
+            registry=self.registry,
         )
         self.active_streams = Gauge("tts_active_streams", "Streams being synthesised", registry=self.registry)
         self.queue_depth = Gauge(
-            "tts_token2wav_queue_depth", "Chunks waiting for the token2wav worker", registry=self.registry,
+            "tts_token2wav_queue_depth",
+            "Chunks waiting for the token2wav worker",
+            registry=self.registry,
         )
         self.audio_seconds = Counter("tts_audio_seconds", "Audio produced", registry=self.registry)
-        self.errors = Counter("tts_errors", "Errors reported to clients, by code", ["code"], registry=self.registry)
+        self.errors = Counter(
+            "tts_errors", "Errors reported to clients, by code", ["code"], registry=self.registry
+        )
 
     def error(self, code: str) -> None:
         self.errors.labels(code=code).inc()

@@ -115,7 +115,9 @@ class Token2WavWorker:
 
         self._inbox.put(_Call(close, None))
 
-    async def synthesize(self, stream: Token2WavStream, tokens: Sequence[int], last: bool, first: bool) -> np.ndarray:
+    async def synthesize(
+        self, stream: Token2WavStream, tokens: Sequence[int], last: bool, first: bool
+    ) -> np.ndarray:
         """Audio of one chunk; waits while `capacity` chunks are already queued. Call from the loop."""
         job = ChunkJob(stream, torch.tensor(list(tokens), dtype=torch.int64), last)
         async with self._slots:
@@ -220,9 +222,12 @@ def load_engines(config: ServiceConfig) -> LoadedEngines:
     llm = TorchLLMEngine.from_models_dir(config.models_dir, device=config.device, max_slots=slots)
     token2wav = TorchToken2Wav.from_models_dir(config.models_dir, config.flow, config.device)
     text = TextFrontend(paths.text_tokenizer, max_text_chars=config.max_text_chars)
-    encoder = VoiceEncoder(paths.speech_tokenizer, paths.campplus,
-                           device="cpu" if config.device == "cpu" else "auto",
-                           limits=VoiceLimits(max_seconds=config.max_voice_upload_s))
+    encoder = VoiceEncoder(
+        paths.speech_tokenizer,
+        paths.campplus,
+        device="cpu" if config.device == "cpu" else "auto",
+        limits=VoiceLimits(max_seconds=config.max_voice_upload_s),
+    )
     return LoadedEngines(llm, token2wav, text, encoder)
 
 
@@ -239,7 +244,9 @@ class Runtime:
         metrics: Metrics | None = None,
     ) -> None:
         self.config = config
-        self.voices = VoiceRegistry(config.voice_store, ModelPaths(config.models_dir).voices / "default.safetensors")
+        self.voices = VoiceRegistry(
+            config.voice_store, ModelPaths(config.models_dir).voices / "default.safetensors"
+        )
         self.metrics = metrics or Metrics()
         self._loader = loader
         self._engines: LoadedEngines | None = None
@@ -257,15 +264,21 @@ class Runtime:
         """Load and start the engines, load the voices and prepare each one for synthesis."""
         engines = await asyncio.to_thread(self._loader, self.config)
         await engines.llm.start()
-        worker = Token2WavWorker(engines.token2wav, self.config.token2wav_batch, capacity=2 * self.config.max_streams)
+        worker = Token2WavWorker(
+            engines.token2wav, self.config.token2wav_batch, capacity=2 * self.config.max_streams
+        )
         worker.start()
         self._engines, self._worker = engines, worker
         await asyncio.to_thread(self.voices.load)
         for info in self.voices.list():
             await self._prepare(info.voice_id, self.voices.get(info.voice_id))
         self._accepting = True
-        logger.info("runtime ready: llm %s, token2wav %s, %d voices", engines.llm.name, engines.token2wav.name,
-                    len(self._prepared))
+        logger.info(
+            "runtime ready: llm %s, token2wav %s, %d voices",
+            engines.llm.name,
+            engines.token2wav.name,
+            len(self._prepared),
+        )
 
     async def stop(self, drain_timeout_s: float) -> None:
         """Refuse new streams, let running ones finish for up to `drain_timeout_s`, cancel the rest."""
@@ -273,8 +286,9 @@ class Runtime:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), drain_timeout_s)
         if self._sessions:
-            logger.warning("cancelling %d streams still running after %.1f s", len(self._sessions),
-                           drain_timeout_s)
+            logger.warning(
+                "cancelling %d streams still running after %.1f s", len(self._sessions), drain_timeout_s
+            )
         for session in list(self._sessions):
             await session.aclose()
         if self._engines is not None:
@@ -289,7 +303,9 @@ class Runtime:
     def stats(self) -> RuntimeStats:
         engines, worker = self._running()
         llm = engines.llm.stats()
-        return RuntimeStats(len(self._sessions), llm.active, llm.waiting, worker.open_streams, worker.queue_depth)
+        return RuntimeStats(
+            len(self._sessions), llm.active, llm.waiting, worker.open_streams, worker.queue_depth
+        )
 
     def _running(self) -> tuple[LoadedEngines, Token2WavWorker]:
         if self._engines is None or self._worker is None:
@@ -324,7 +340,9 @@ class Runtime:
         except TextError as exc:
             raise ServiceError(exc.code, str(exc), 400) from exc
         stats = self.stats()
-        decision = self._admission.decide(Load(stats.active_streams, stats.llm_waiting, stats.token2wav_queue))
+        decision = self._admission.decide(
+            Load(stats.active_streams, stats.llm_waiting, stats.token2wav_queue)
+        )
         if isinstance(decision, Refuse):
             raise ServiceError("busy", decision.reason, 429, decision.retry_after_s)
         session_id = secrets.token_hex(4)
@@ -334,18 +352,34 @@ class Runtime:
             self._sessions.discard(session)
             self._track_sessions()
 
-        session = Session(session_id, request, voice, segments, _Engines(engines.llm, worker, self.metrics),
-                          self.metrics, self.config.chunk_queue, on_close=release)
+        session = Session(
+            session_id,
+            request,
+            voice,
+            segments,
+            _Engines(engines.llm, worker, self.metrics),
+            self.metrics,
+            self.config.chunk_queue,
+            on_close=release,
+        )
         self._sessions.add(session)
         self._track_sessions()
-        logger.info("[%s] admitted: voice %s, %d segments, %d chars", session_id, request.voice,
-                    len(segments), len(request.text))
+        logger.info(
+            "[%s] admitted: voice %s, %d segments, %d chars",
+            session_id,
+            request.voice,
+            len(segments),
+            len(request.text),
+        )
         return session
 
     def _check_length(self, text: str) -> str:
         if len(text) > self.config.max_text_chars:
-            raise ServiceError("text_too_long", f"the text has {len(text)} characters; "
-                                                f"the limit is {self.config.max_text_chars}", 400)
+            raise ServiceError(
+                "text_too_long",
+                f"the text has {len(text)} characters; the limit is {self.config.max_text_chars}",
+                400,
+            )
         return text
 
     def _track_sessions(self) -> None:
@@ -408,7 +442,9 @@ class _Engines:
     async def open_stream(self, speaker: SpeakerState) -> Token2WavStream:
         return await self.worker.open_stream(speaker)
 
-    async def synthesize(self, stream: Token2WavStream, tokens: Sequence[int], last: bool, first: bool) -> np.ndarray:
+    async def synthesize(
+        self, stream: Token2WavStream, tokens: Sequence[int], last: bool, first: bool
+    ) -> np.ndarray:
         self.metrics.queue_depth.set(self.worker.queue_depth + 1)
         try:
             return await self.worker.synthesize(stream, tokens, last, first)

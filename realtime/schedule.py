@@ -56,7 +56,9 @@ class ExponentialHops:
 
     def __post_init__(self) -> None:
         if min(self.first, self.base, self.limit) < 1:
-            raise ValueError(f"hops must be positive, got first={self.first} base={self.base} limit={self.limit}")
+            raise ValueError(
+                f"hops must be positive, got first={self.first} base={self.base} limit={self.limit}"
+            )
 
     def hop(self, index: int, progress: Progress) -> int:
         if index == 0:

@@ -49,7 +49,9 @@ SPEECH_SECONDS_PER_CHAR = 0.065
 class ServiceError(Exception):
     """A request the service cannot serve: `code` is machine readable, `message` a sentence for people."""
 
-    def __init__(self, code: str, message: str, http_status: int = 400, retry_after_s: int | None = None) -> None:
+    def __init__(
+        self, code: str, message: str, http_status: int = 400, retry_after_s: int | None = None
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
@@ -69,8 +71,9 @@ class SpeechRequest:
 
     def __post_init__(self) -> None:
         if not MIN_SPEED <= self.speed <= MAX_SPEED:
-            raise ServiceError("invalid_speed", f"speed must be between {MIN_SPEED} and {MAX_SPEED}, "
-                                                f"got {self.speed}")
+            raise ServiceError(
+                "invalid_speed", f"speed must be between {MIN_SPEED} and {MAX_SPEED}, got {self.speed}"
+            )
 
 
 @dataclass(frozen=True)
@@ -132,7 +135,9 @@ class Engines(Protocol):
 
     async def open_stream(self, speaker: SpeakerState) -> Token2WavStream: ...
 
-    async def synthesize(self, stream: Token2WavStream, tokens: Sequence[int], last: bool, first: bool) -> np.ndarray:
+    async def synthesize(
+        self, stream: Token2WavStream, tokens: Sequence[int], last: bool, first: bool
+    ) -> np.ndarray:
         """24 kHz float32 audio of one chunk (computed on the token2wav worker thread)."""
         ...
 
@@ -294,8 +299,13 @@ class Session:
             wall = self._clock() - started
             if self._speech_s > 0:
                 self._metrics.real_time_factor.observe(wall / self._speech_s)
-            logger.info("[%s] done: %d chunks, %.2f s of audio in %.2f s", self.session_id, self._seq,
-                           self._samples_out / SAMPLE_RATE, wall)
+            logger.info(
+                "[%s] done: %d chunks, %.2f s of audio in %.2f s",
+                self.session_id,
+                self._seq,
+                self._samples_out / SAMPLE_RATE,
+                wall,
+            )
             await self._out.put(_END)
         except asyncio.CancelledError:
             logger.info("[%s] cancelled after %d chunks", self.session_id, self._seq)
@@ -307,7 +317,9 @@ class Session:
         except Exception as exc:
             logger.exception("[%s] synthesis failed", self.session_id)
             self._metrics.error("internal_error")
-            await self._out.put(ServiceError("internal_error", f"synthesis failed: {type(exc).__name__}", 500))
+            await self._out.put(
+                ServiceError("internal_error", f"synthesis failed: {type(exc).__name__}", 500)
+            )
 
     async def _speak_segment(self, segment: Segment, last_segment: bool) -> None:
         sampling = self.request.sampling
@@ -345,16 +357,20 @@ class Session:
                     continue
                 pcm = np.zeros(0, dtype=np.float32)
                 if chunk.end > chunk.start:
-                    pcm = await self._engines.synthesize(stream, tokens[chunk.start:chunk.end], chunk.last,
-                                                         first=chunk.index == 0)
+                    pcm = await self._engines.synthesize(
+                        stream, tokens[chunk.start : chunk.end], chunk.last, first=chunk.index == 0
+                    )
                 chunk_end_s = segment_start_s + scheduler.offset / TOKEN_RATE_HZ
                 if chunk.last:
                     words = timer.finish(len(tokens) / TOKEN_RATE_HZ)
                 else:
                     words = timer.due(chunk_end_s - segment_start_s, len(tokens) / TOKEN_RATE_HZ)
                 self._speech_s = chunk_end_s
-                await self._emit(pcm, [(w, segment_start_s + s, segment_start_s + e, est) for w, s, e, est in words],
-                                 final=chunk.last and last_segment)
+                await self._emit(
+                    pcm,
+                    [(w, segment_start_s + s, segment_start_s + e, est) for w, s, e, est in words],
+                    final=chunk.last and last_segment,
+                )
         finally:
             self._speech_tokens += len(tokens)
             token_stream.cancel()

@@ -27,8 +27,10 @@ _VOICE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 def check_voice_id(voice_id: str) -> str:
     """`voice_id` if it is a valid id (1–64 of letters, digits, '_' and '-', starting alphanumeric)."""
     if not _VOICE_ID.fullmatch(voice_id):
-        raise ServiceError("invalid_voice_id", "a voice id is 1 to 64 letters, digits, '_' or '-', "
-                                               "starting with a letter or digit")
+        raise ServiceError(
+            "invalid_voice_id",
+            "a voice id is 1 to 64 letters, digits, '_' or '-', starting with a letter or digit",
+        )
     return voice_id
 
 
@@ -52,7 +54,9 @@ class VoiceRegistry:
     def load(self) -> None:
         """Read `default` and every stored voice; a voice file that does not load is skipped, logged."""
         if not self._default_file.is_file():
-            raise FileNotFoundError(f"the default voice {self._default_file} is missing from the models directory")
+            raise FileNotFoundError(
+                f"the default voice {self._default_file} is missing from the models directory"
+            )
         self._voices = {DEFAULT_VOICE: VoicePrompt.load(self._default_file)}
         self._directory.mkdir(parents=True, exist_ok=True)
         for path in sorted(self._directory.glob(f"*{VOICE_SUFFIX}")):

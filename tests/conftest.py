@@ -11,7 +11,6 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 import pytest
@@ -56,10 +55,17 @@ async def serve(config: ServiceConfig) -> AsyncIterator[LiveServer]:
     from realtime.runtime import Runtime
 
     runtime = Runtime(config)
-    server = uvicorn.Server(uvicorn.Config(
-        create_app(config, runtime), host="127.0.0.1", port=0, ws="websockets-sansio", lifespan="on",
-        log_level="warning", timeout_graceful_shutdown=int(config.drain_timeout_s) + 1,
-    ))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(config, runtime),
+            host="127.0.0.1",
+            port=0,
+            ws="websockets-sansio",
+            lifespan="on",
+            log_level="warning",
+            timeout_graceful_shutdown=int(config.drain_timeout_s) + 1,
+        )
+    )
     task = asyncio.create_task(server.serve(sockets=None))
     while not server.started:
         if task.done():
@@ -84,7 +90,9 @@ def service_config(models: Path, voices: Path, **overrides: object) -> ServiceCo
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def live_server(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LiveServer]:
+async def live_server(
+    tiny_models: Path, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[LiveServer]:
     """One server for the whole session (starting one costs seconds)."""
     async with serve(service_config(tiny_models, tmp_path_factory.mktemp("voices"))) as server:
         yield server
@@ -96,7 +104,8 @@ def eventually() -> Callable[[Callable[[], bool]], Awaitable[None]]:
 
     async def wait(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
         async with asyncio.timeout(timeout_s):
-            while not condition():
+            # The state lives on engine threads, which signal nothing to the loop: poll it.
+            while not condition():  # noqa: ASYNC110
                 await asyncio.sleep(0.02)
 
     return wait

@@ -72,45 +72,80 @@ class CartesiaDialect:
         voice = field_of(message, "voice", dict, {})
         voice_id = voice.get("id", "default")
         if voice.get("mode", "id") != "id" or not isinstance(voice_id, str):
-            raise ProtocolError("invalid_message", "voice must be {'mode': 'id', 'id': <voice id>}", context_id)
+            raise ProtocolError(
+                "invalid_message", "voice must be {'mode': 'id', 'id': <voice id>}", context_id
+            )
         output = field_of(message, "output_format", dict, {})
         if output.get("container", "raw") != "raw":
             raise ProtocolError("unsupported_encoding", "only the 'raw' container is supported", context_id)
         encoding = _ENCODINGS.get(output.get("encoding", "pcm_s16le"))
         if encoding is None:
-            raise ProtocolError("unsupported_encoding", f"encoding {output.get('encoding')!r} is not supported; "
-                                f"use one of {', '.join(_ENCODINGS)}", context_id)
+            raise ProtocolError(
+                "unsupported_encoding",
+                f"encoding {output.get('encoding')!r} is not supported; use one of {', '.join(_ENCODINGS)}",
+                context_id,
+            )
         rate = output.get("sample_rate", 24000)
         if isinstance(rate, bool) or not isinstance(rate, int):
             raise ProtocolError("invalid_message", "output_format.sample_rate must be an integer", context_id)
         if field_of(message, "add_timestamps", bool, False):
             self._timestamps.add(context_id)
         speed = field_of(message, "speed", (int, float), 1.0)
-        return StartContext(context_id, voice=voice_id, sample_rate=rate, encoding=encoding, speed=float(speed))
+        return StartContext(
+            context_id, voice=voice_id, sample_rate=rate, encoding=encoding, speed=float(speed)
+        )
 
     def encode(self, event: Event) -> list[str | bytes]:
         if isinstance(event, AudioOut):
             frames: list[str | bytes] = []
             if event.words and event.context_id in self._timestamps:
-                frames.append(json.dumps({
-                    "type": "timestamps", "done": False, "status_code": 206, "context_id": event.context_id,
-                    "word_timestamps": {"words": [w.word for w in event.words],
-                                        "start": [round(w.start_s, 3) for w in event.words],
-                                        "end": [round(w.end_s, 3) for w in event.words]},
-                }))
-            frames.append(json.dumps({
-                "type": "chunk", "data": base64.b64encode(event.payload).decode("ascii"), "done": False,
-                "status_code": 206, "step_time": round(event.duration_s * 1000, 1), "context_id": event.context_id,
-            }))
+                frames.append(
+                    json.dumps(
+                        {
+                            "type": "timestamps",
+                            "done": False,
+                            "status_code": 206,
+                            "context_id": event.context_id,
+                            "word_timestamps": {
+                                "words": [w.word for w in event.words],
+                                "start": [round(w.start_s, 3) for w in event.words],
+                                "end": [round(w.end_s, 3) for w in event.words],
+                            },
+                        }
+                    )
+                )
+            frames.append(
+                json.dumps(
+                    {
+                        "type": "chunk",
+                        "data": base64.b64encode(event.payload).decode("ascii"),
+                        "done": False,
+                        "status_code": 206,
+                        "step_time": round(event.duration_s * 1000, 1),
+                        "context_id": event.context_id,
+                    }
+                )
+            )
             return frames
         if isinstance(event, ContextDone):
             self._timestamps.discard(event.context_id)
             if event.cancelled:
                 return []
-            return [json.dumps({"type": "done", "done": True, "status_code": 206, "context_id": event.context_id})]
+            return [
+                json.dumps({"type": "done", "done": True, "status_code": 206, "context_id": event.context_id})
+            ]
         if event.context_id is not None:
             self._timestamps.discard(event.context_id)
-        return [json.dumps({
-            "type": "error", "done": True, "status_code": _STATUS_FOR_CODE.get(event.code, 400),
-            "error": event.message, "title": event.code, "message": event.message, "context_id": event.context_id,
-        })]
+        return [
+            json.dumps(
+                {
+                    "type": "error",
+                    "done": True,
+                    "status_code": _STATUS_FOR_CODE.get(event.code, 400),
+                    "error": event.message,
+                    "title": event.code,
+                    "message": event.message,
+                    "context_id": event.context_id,
+                }
+            )
+        ]

@@ -75,6 +75,7 @@ class ProtocolError(Exception):
 
 # -- commands (client intent, dialect-neutral) ----------------------------------------------------
 
+
 @dataclass(frozen=True)
 class StartContext:
     context_id: str
@@ -117,6 +118,7 @@ Command = StartContext | AppendText | Flush | EndContext | CancelContext | Close
 
 # -- events (what the client is told, dialect-neutral) --------------------------------------------
 
+
 @dataclass(frozen=True)
 class AudioOut:
     """One encoded audio chunk of a context."""
@@ -149,6 +151,7 @@ Event = AudioOut | ContextDone | ErrorEvent
 
 
 # -- actions (what the transport must do) ---------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Speak:
@@ -225,13 +228,19 @@ class AgentProtocol:
             del self._contexts[command.context_id]
             return [Abort(command.context_id), Send(ContextDone(command.context_id, cancelled=True))]
         if context.ending:
-            raise ProtocolError("context_ended", f"context {command.context_id!r} was ended; start a new one",
-                                command.context_id)
+            raise ProtocolError(
+                "context_ended",
+                f"context {command.context_id!r} was ended; start a new one",
+                command.context_id,
+            )
         if isinstance(command, AppendText):
             if context.pending_chars + len(command.text) > self._limits.max_pending_chars:
-                raise ProtocolError("text_too_long", f"context {command.context_id!r} would hold more than "
-                                    f"{self._limits.max_pending_chars} characters not yet spoken",
-                                    command.context_id)
+                raise ProtocolError(
+                    "text_too_long",
+                    f"context {command.context_id!r} would hold more than "
+                    f"{self._limits.max_pending_chars} characters not yet spoken",
+                    command.context_id,
+                )
             return self._speak(context, context.splitter.feed(command.text))
         actions = self._speak(context, context.splitter.flush())
         if isinstance(command, EndContext):
@@ -256,28 +265,39 @@ class AgentProtocol:
     def _start(self, command: StartContext) -> list[Action]:
         cid = command.context_id
         if not _CONTEXT_ID.fullmatch(cid):
-            raise ProtocolError("invalid_context_id", "context_id must be 1 to 64 letters, digits, '_', '-' "
-                                "or '.'")
+            raise ProtocolError(
+                "invalid_context_id", "context_id must be 1 to 64 letters, digits, '_', '-' or '.'"
+            )
         if cid in self._contexts:
             raise ProtocolError("context_exists", f"context {cid!r} is already open", cid)
         if len(self._contexts) >= self._limits.max_contexts:
-            raise ProtocolError("too_many_contexts", f"at most {self._limits.max_contexts} contexts may be open "
-                                "on one socket", cid)
+            raise ProtocolError(
+                "too_many_contexts",
+                f"at most {self._limits.max_contexts} contexts may be open on one socket",
+                cid,
+            )
         if command.sample_rate not in SUPPORTED_RATES:
-            raise ProtocolError("unsupported_sample_rate", f"sample_rate {command.sample_rate} is not supported; "
-                                f"use one of {', '.join(map(str, SUPPORTED_RATES))}", cid)
+            raise ProtocolError(
+                "unsupported_sample_rate",
+                f"sample_rate {command.sample_rate} is not supported; "
+                f"use one of {', '.join(map(str, SUPPORTED_RATES))}",
+                cid,
+            )
         if not self._voice_exists(command.voice):
             raise ProtocolError("voice_not_found", f"there is no voice {command.voice!r}", cid)
         if not 0.25 <= command.speed <= 4.0:
-            raise ProtocolError("invalid_speed", f"speed must be between 0.25 and 4, got {command.speed}", cid)
+            raise ProtocolError(
+                "invalid_speed", f"speed must be between 0.25 and 4, got {command.speed}", cid
+            )
         self._contexts[cid] = _Context(command, StreamingSentenceSplitter(self._limits.sentence_max_chars))
         return []
 
     def _context(self, context_id: str) -> _Context:
         context = self._contexts.get(context_id)
         if context is None:
-            raise ProtocolError("unknown_context", f"no open context {context_id!r}; send 'start' first",
-                                context_id)
+            raise ProtocolError(
+                "unknown_context", f"no open context {context_id!r}; send 'start' first", context_id
+            )
         return context
 
     @staticmethod
@@ -312,14 +332,21 @@ def parse_json_object(frame: str | bytes) -> dict[str, Any]:
     try:
         message = json.loads(frame)
     except json.JSONDecodeError as exc:
-        raise ProtocolError("invalid_json", f"the message is not valid JSON ({exc.msg} at {exc.pos})") from None
+        raise ProtocolError(
+            "invalid_json", f"the message is not valid JSON ({exc.msg} at {exc.pos})"
+        ) from None
     if not isinstance(message, dict):
         raise ProtocolError("invalid_message", "a message must be a JSON object")
     return message
 
 
-def field_of(message: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None,
-             required: bool = False) -> Any:
+def field_of(
+    message: dict[str, Any],
+    name: str,
+    kind: type | tuple[type, ...],
+    default: Any = None,
+    required: bool = False,
+) -> Any:
     """`message[name]` checked against `kind` (bools are never numbers); ProtocolError otherwise."""
     context_id = message.get("context_id") if isinstance(message.get("context_id"), str) else None
     if name not in message or message[name] is None:
@@ -335,8 +362,10 @@ def field_of(message: dict[str, Any], name: str, kind: type | tuple[type, ...], 
 
 
 def words_json(words: tuple[WordTiming, ...]) -> list[dict[str, Any]]:
-    return [{"word": w.word, "start_s": round(w.start_s, 3), "end_s": round(w.end_s, 3), "estimated": w.estimated}
-            for w in words]
+    return [
+        {"word": w.word, "start_s": round(w.start_s, 3), "end_s": round(w.end_s, 3), "estimated": w.estimated}
+        for w in words
+    ]
 
 
 def audio_frame(context_id: str, seq: int, payload: bytes) -> bytes:
@@ -350,8 +379,8 @@ def parse_audio_frame(frame: bytes) -> tuple[str, int, bytes]:
     if len(frame) < 2 or frame[0] != AUDIO_FRAME_KIND or len(frame) < 6 + frame[1]:
         raise ValueError("not an audio frame")
     n = frame[1]
-    (seq,) = struct.unpack(">I", frame[2 + n: 6 + n])
-    return frame[2: 2 + n].decode(), seq, frame[6 + n:]
+    (seq,) = struct.unpack(">I", frame[2 + n : 6 + n])
+    return frame[2 : 2 + n].decode(), seq, frame[6 + n :]
 
 
 class NativeDialect:
@@ -363,25 +392,32 @@ class NativeDialect:
         if kind == "close":
             return [CloseSocket()]
         if kind not in ("start", "text", "flush", "end", "cancel"):
-            raise ProtocolError("unknown_type", f"unknown message type {kind!r}; expected start, text, flush, "
-                                "end, cancel or close")
+            raise ProtocolError(
+                "unknown_type",
+                f"unknown message type {kind!r}; expected start, text, flush, end, cancel or close",
+            )
         context_id = field_of(message, "context_id", str, required=True)
         if kind == "start":
             encoding = field_of(message, "encoding", str, "pcm_s16le")
             try:
                 parsed_encoding = Encoding(encoding)
             except ValueError:
-                raise ProtocolError("unsupported_encoding", f"encoding {encoding!r} is not supported; use "
-                                    "pcm_s16le, pcm_f32le or mulaw", context_id) from None
-            return [StartContext(
-                context_id=context_id,
-                voice=field_of(message, "voice", str, "default"),
-                sample_rate=field_of(message, "sample_rate", int, 24000),
-                encoding=parsed_encoding,
-                speed=float(field_of(message, "speed", (int, float), 1.0)),
-                seed=field_of(message, "seed", int),
-                fixed_length=field_of(message, "fixed_length", int),
-            )]
+                raise ProtocolError(
+                    "unsupported_encoding",
+                    f"encoding {encoding!r} is not supported; use pcm_s16le, pcm_f32le or mulaw",
+                    context_id,
+                ) from None
+            return [
+                StartContext(
+                    context_id=context_id,
+                    voice=field_of(message, "voice", str, "default"),
+                    sample_rate=field_of(message, "sample_rate", int, 24000),
+                    encoding=parsed_encoding,
+                    speed=float(field_of(message, "speed", (int, float), 1.0)),
+                    seed=field_of(message, "seed", int),
+                    fixed_length=field_of(message, "fixed_length", int),
+                )
+            ]
         if kind == "text":
             return [AppendText(context_id, field_of(message, "text", str, required=True))]
         if kind == "flush":
@@ -392,11 +428,27 @@ class NativeDialect:
 
     def encode(self, event: Event) -> list[str | bytes]:
         if isinstance(event, AudioOut):
-            meta = {"type": "chunk", "context_id": event.context_id, "seq": event.seq,
-                    "start_s": round(event.start_s, 4), "duration_s": round(event.duration_s, 4),
-                    "words": words_json(event.words), "final": event.final}
+            meta = {
+                "type": "chunk",
+                "context_id": event.context_id,
+                "seq": event.seq,
+                "start_s": round(event.start_s, 4),
+                "duration_s": round(event.duration_s, 4),
+                "words": words_json(event.words),
+                "final": event.final,
+            }
             return [audio_frame(event.context_id, event.seq, event.payload), json.dumps(meta)]
         if isinstance(event, ContextDone):
-            return [json.dumps({"type": "done", "context_id": event.context_id, "cancelled": event.cancelled})]
-        return [json.dumps({"type": "error", "context_id": event.context_id, "code": event.code,
-                            "message": event.message})]
+            return [
+                json.dumps({"type": "done", "context_id": event.context_id, "cancelled": event.cancelled})
+            ]
+        return [
+            json.dumps(
+                {
+                    "type": "error",
+                    "context_id": event.context_id,
+                    "code": event.code,
+                    "message": event.message,
+                }
+            )
+        ]

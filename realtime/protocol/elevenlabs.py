@@ -56,8 +56,10 @@ def parse_output_format(output_format: str) -> tuple[int, Encoding]:
         return int(rate), Encoding.PCM_S16LE
     if output_format == "ulaw_8000":
         return 8000, Encoding.MULAW
-    raise ProtocolError("unsupported_encoding", f"output_format {output_format!r} is not supported; use "
-                        "pcm_<rate> or ulaw_8000")
+    raise ProtocolError(
+        "unsupported_encoding",
+        f"output_format {output_format!r} is not supported; use pcm_<rate> or ulaw_8000",
+    )
 
 
 def char_alignment(words: tuple[WordTiming, ...], chunk_start_s: float) -> dict[str, list[Any]]:
@@ -96,8 +98,11 @@ class ElevenLabsDialect:
             raise ProtocolError("invalid_message", "a message needs 'text' (or 'flush')", context_id)
         commands: list[Command] = []
         if not protocol.has_context(context_id):
-            commands.append(StartContext(context_id, voice=self._voice_id, sample_rate=self._rate,
-                                         encoding=self._encoding))
+            commands.append(
+                StartContext(
+                    context_id, voice=self._voice_id, sample_rate=self._rate, encoding=self._encoding
+                )
+            )
         if text:
             commands.append(AppendText(context_id, text))
         if flush:
@@ -108,9 +113,11 @@ class ElevenLabsDialect:
 
     def encode(self, event: Event) -> list[str | bytes]:
         if isinstance(event, AudioOut):
-            message: dict[str, Any] = {"audio": base64.b64encode(event.payload).decode("ascii"), "isFinal": False,
-                                       "alignment": char_alignment(event.words, event.start_s) if event.words
-                                       else None}
+            message: dict[str, Any] = {
+                "audio": base64.b64encode(event.payload).decode("ascii"),
+                "isFinal": False,
+                "alignment": char_alignment(event.words, event.start_s) if event.words else None,
+            }
             return [json.dumps(self._tag(message, event.context_id))]
         if isinstance(event, ContextDone):
             if event.cancelled and not self._multi:

@@ -162,9 +162,16 @@ async def _speech_events(session: Session, response_format: str) -> AsyncIterato
         )
         return
     usage = session.usage
-    yield event({"type": "speech.audio.done", "usage": {
-        "input_tokens": usage.text_tokens, "output_tokens": usage.speech_tokens,
-        "total_tokens": usage.text_tokens + usage.speech_tokens}})
+    yield event(
+        {
+            "type": "speech.audio.done",
+            "usage": {
+                "input_tokens": usage.text_tokens,
+                "output_tokens": usage.speech_tokens,
+                "total_tokens": usage.text_tokens + usage.speech_tokens,
+            },
+        }
+    )
 
 
 def routes(runtime: Runtime) -> list[BaseRoute]:

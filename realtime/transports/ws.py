@@ -83,8 +83,12 @@ class _ContextRunner:
 
     async def _speak_one(self, runtime: Runtime, text: str) -> None:
         start = self._start
-        request = SpeechRequest(text=text, voice=start.voice, speed=start.speed,
-                                sampling=SamplingParams(seed=start.seed, fixed_length=start.fixed_length))
+        request = SpeechRequest(
+            text=text,
+            voice=start.voice,
+            speed=start.speed,
+            sampling=SamplingParams(seed=start.seed, fixed_length=start.fixed_length),
+        )
         resampler = Resampler(start.sample_rate)
         offset_s = self._samples_out / start.sample_rate
         session = runtime.speak(request)
@@ -93,13 +97,23 @@ class _ContextRunner:
                 pcm = resampler.process(chunk.pcm)
                 if chunk.final:
                     pcm = np.concatenate([pcm, resampler.flush()])
-                words = tuple(WordTiming(w.word, w.start_s + offset_s, w.end_s + offset_s, w.estimated)
-                              for w in chunk.words)
-                await self._connection.send(AudioOut(
-                    context_id=start.context_id, seq=self._seq, payload=encode_samples(pcm, start.encoding),
-                    start_s=self._samples_out / start.sample_rate, duration_s=pcm.size / start.sample_rate,
-                    words=words, final=chunk.final, sample_rate=start.sample_rate, encoding=start.encoding,
-                ))
+                words = tuple(
+                    WordTiming(w.word, w.start_s + offset_s, w.end_s + offset_s, w.estimated)
+                    for w in chunk.words
+                )
+                await self._connection.send(
+                    AudioOut(
+                        context_id=start.context_id,
+                        seq=self._seq,
+                        payload=encode_samples(pcm, start.encoding),
+                        start_s=self._samples_out / start.sample_rate,
+                        duration_s=pcm.size / start.sample_rate,
+                        words=words,
+                        final=chunk.final,
+                        sample_rate=start.sample_rate,
+                        encoding=start.encoding,
+                    )
+                )
                 self._seq += 1
                 self._samples_out += pcm.size
         finally:
@@ -115,8 +129,10 @@ class _Connection:
         self.dialect = dialect
         self.id = secrets.token_hex(4)
         self.protocol = AgentProtocol(
-            ProtocolLimits(max_contexts=runtime.config.max_contexts_per_socket,
-                           max_pending_chars=runtime.config.max_text_chars),
+            ProtocolLimits(
+                max_contexts=runtime.config.max_contexts_per_socket,
+                max_pending_chars=runtime.config.max_text_chars,
+            ),
             voice_exists=lambda voice: voice in runtime.voices,
         )
         self._runners: dict[str, _ContextRunner] = {}
@@ -207,14 +223,21 @@ def routes(runtime: Runtime) -> list[BaseRoute]:
 
     def elevenlabs(multi_context: bool) -> Callable[[WebSocket], Dialect]:
         def make(websocket: WebSocket) -> Dialect:
-            return ElevenLabsDialect(websocket.path_params["voice_id"],
-                                     websocket.query_params.get("output_format", "pcm_24000"), multi_context)
+            return ElevenLabsDialect(
+                websocket.path_params["voice_id"],
+                websocket.query_params.get("output_format", "pcm_24000"),
+                multi_context,
+            )
 
         return make
 
     return [
         WebSocketRoute("/v1/ws", endpoint(lambda websocket: NativeDialect())),
         WebSocketRoute("/cartesia/tts/websocket", endpoint(lambda websocket: CartesiaDialect())),
-        WebSocketRoute("/v1/text-to-speech/{voice_id}/stream-input", endpoint(elevenlabs(multi_context=False))),
-        WebSocketRoute("/v1/text-to-speech/{voice_id}/multi-stream-input", endpoint(elevenlabs(multi_context=True))),
+        WebSocketRoute(
+            "/v1/text-to-speech/{voice_id}/stream-input", endpoint(elevenlabs(multi_context=False))
+        ),
+        WebSocketRoute(
+            "/v1/text-to-speech/{voice_id}/multi-stream-input", endpoint(elevenlabs(multi_context=True))
+        ),
     ]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from realtime.admission import Admit, AdmissionPolicy, Load, Refuse
+from realtime.admission import AdmissionPolicy, Admit, Load, Refuse
 
 
 def test_admits_below_the_limit_and_refuses_at_it():

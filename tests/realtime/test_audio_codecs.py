@@ -29,7 +29,7 @@ def tone(seconds: float = 1.0, hz: float = 440.0) -> np.ndarray:
 
 
 def in_pieces(process, flush, pcm: np.ndarray, size: int) -> np.ndarray:
-    return np.concatenate([process(pcm[i:i + size]) for i in range(0, pcm.size, size)] + [flush()])
+    return np.concatenate([process(pcm[i : i + size]) for i in range(0, pcm.size, size)] + [flush()])
 
 
 @pytest.mark.parametrize("rate", SUPPORTED_RATES)
@@ -59,7 +59,7 @@ def test_tempo_changes_duration_not_pitch(speed):
     stretcher = TempoStretcher(speed)
     out = in_pieces(stretcher.process, stretcher.flush, tone(2.0), 4800)
     assert out.size / RATE == pytest.approx(2.0 / speed, rel=0.05)
-    body = out[out.size // 4: 3 * out.size // 4]
+    body = out[out.size // 4 : 3 * out.size // 4]
     spectrum = np.abs(np.fft.rfft(body))
     assert np.fft.rfftfreq(body.size, 1 / RATE)[spectrum.argmax()] == pytest.approx(440, rel=0.03)
 
@@ -83,7 +83,7 @@ def test_mulaw_decodes_with_ffmpeg_and_round_trips_within_quantisation():
 
 def streamed(fmt: str, pcm: np.ndarray) -> bytes:
     encoder = make_stream_encoder(fmt)
-    return b"".join(encoder.encode(pcm[i:i + 2400]) for i in range(0, pcm.size, 2400)) + encoder.finish()
+    return b"".join(encoder.encode(pcm[i : i + 2400]) for i in range(0, pcm.size, 2400)) + encoder.finish()
 
 
 @pytest.mark.parametrize("fmt", ["wav", "flac", "mp3", "opus"])
@@ -94,8 +94,11 @@ def test_streamed_containers_decode_to_the_audio(fmt):
         rate = container.streams.audio[0].rate
     assert decoded.size / rate == pytest.approx(1.0, abs=0.08)
     if fmt in ("wav", "flac"):
-        np.testing.assert_allclose(decoded.astype(np.float32) / (32768.0 if decoded.dtype == np.int16 else 1.0),
-                                   to_pcm16(pcm) / 32768.0, atol=1e-4)
+        np.testing.assert_allclose(
+            decoded.astype(np.float32) / (32768.0 if decoded.dtype == np.int16 else 1.0),
+            to_pcm16(pcm) / 32768.0,
+            atol=1e-4,
+        )
 
 
 def test_streamed_wav_header_comes_first_and_soundfile_reads_it():

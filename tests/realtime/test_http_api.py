@@ -32,7 +32,10 @@ def client(server) -> openai.AsyncOpenAI:
 
 async def test_openai_client_streams_pcm_of_the_expected_length(live_server):
     async with client(live_server).audio.speech.with_streaming_response.create(
-        model="tts-1", voice="default", input="Hello there, streaming world.", response_format="pcm",
+        model="tts-1",
+        voice="default",
+        input="Hello there, streaming world.",
+        response_format="pcm",
         extra_body={"fixed_length": FIXED, "seed": 3},
     ) as response:
         assert response.headers["content-type"] == "audio/pcm"
@@ -45,7 +48,10 @@ async def test_openai_client_streams_pcm_of_the_expected_length(live_server):
 @pytest.mark.parametrize("response_format", ["wav", "mp3", "opus", "flac"])
 async def test_every_container_format_decodes(live_server, response_format):
     async with client(live_server).audio.speech.with_streaming_response.create(
-        model="cosyvoice2", voice="default", input="One format at a time.", response_format=response_format,
+        model="cosyvoice2",
+        voice="default",
+        input="One format at a time.",
+        response_format=response_format,
         extra_body={"fixed_length": FIXED},
     ) as response:
         data = await response.read()
@@ -58,14 +64,24 @@ async def test_every_container_format_decodes(live_server, response_format):
 
 
 async def test_sse_stream_carries_base64_deltas_then_done(live_server):
-    async with httpx.AsyncClient(base_url=live_server.http_url, timeout=60) as http:
-        async with http.stream("POST", "/v1/audio/speech", json={
-            "model": "gpt-4o-mini-tts", "voice": "default", "input": "Events please.", "response_format": "pcm",
-            "stream_format": "sse", "fixed_length": FIXED,
-        }) as response:
-            assert response.headers["content-type"].startswith("text/event-stream")
-            events = [json.loads(line[len("data: "):]) async for line in response.aiter_lines()
-                      if line.startswith("data: ")]
+    async with httpx.AsyncClient(base_url=live_server.http_url, timeout=60) as http, http.stream(
+        "POST",
+        "/v1/audio/speech",
+        json={
+            "model": "gpt-4o-mini-tts",
+            "voice": "default",
+            "input": "Events please.",
+            "response_format": "pcm",
+            "stream_format": "sse",
+            "fixed_length": FIXED,
+        },
+    ) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [
+            json.loads(line[len("data: ") :])
+            async for line in response.aiter_lines()
+            if line.startswith("data: ")
+        ]
     assert [e["type"] for e in events[:-1]] == ["speech.audio.delta"] * (len(events) - 1)
     assert events[-1]["type"] == "speech.audio.done"
     assert events[-1]["usage"]["output_tokens"] == FIXED
@@ -74,23 +90,37 @@ async def test_sse_stream_carries_base64_deltas_then_done(live_server):
 
 
 async def test_long_text_is_spoken_as_segments_without_gaps(live_server):
-    text = " ".join(f"This is sentence number {i} of a long text, spoken in several segments." for i in range(12))
+    text = " ".join(
+        f"This is sentence number {i} of a long text, spoken in several segments." for i in range(12)
+    )
     async with client(live_server).audio.speech.with_streaming_response.create(
-        model="tts-1", voice="default", input=text, response_format="pcm", extra_body={"fixed_length": 20},
+        model="tts-1",
+        voice="default",
+        input=text,
+        response_format="pcm",
+        extra_body={"fixed_length": 20},
     ) as response:
         audio = np.frombuffer(await response.read(), dtype="<i2")
     assert audio.size % (20 * SAMPLES_PER_TOKEN) == 0 and audio.size >= 2 * 20 * SAMPLES_PER_TOKEN
 
 
-@pytest.mark.parametrize(("body", "status", "param", "code"), [
-    ({"model": "tts-1", "voice": "nobody", "input": "hi"}, 404, "voice", "voice_not_found"),
-    ({"model": "tts-1", "input": "   "}, 400, "input", "empty_text"),
-    ({"model": "tts-1", "input": "x" * 3000}, 400, "input", "text_too_long"),
-    ({"model": "tts-1", "input": "hi", "response_format": "aac"}, 400, "response_format", "unsupported_format"),
-    ({"model": "whisper-1", "input": "hi"}, 400, "model", "model_not_found"),
-    ({"model": "tts-1", "input": "hi", "speed": 9}, 400, "speed", "invalid_speed"),
-    ({"model": "tts-1", "input": 5}, 400, "input", "invalid_type"),
-])
+@pytest.mark.parametrize(
+    ("body", "status", "param", "code"),
+    [
+        ({"model": "tts-1", "voice": "nobody", "input": "hi"}, 404, "voice", "voice_not_found"),
+        ({"model": "tts-1", "input": "   "}, 400, "input", "empty_text"),
+        ({"model": "tts-1", "input": "x" * 3000}, 400, "input", "text_too_long"),
+        (
+            {"model": "tts-1", "input": "hi", "response_format": "aac"},
+            400,
+            "response_format",
+            "unsupported_format",
+        ),
+        ({"model": "whisper-1", "input": "hi"}, 400, "model", "model_not_found"),
+        ({"model": "tts-1", "input": "hi", "speed": 9}, 400, "speed", "invalid_speed"),
+        ({"model": "tts-1", "input": 5}, 400, "input", "invalid_type"),
+    ],
+)
 async def test_bad_requests_get_openai_shaped_errors(live_server, body, status, param, code):
     async with httpx.AsyncClient(base_url=live_server.http_url) as http:
         response = await http.post("/v1/audio/speech", json=body)
@@ -101,8 +131,9 @@ async def test_bad_requests_get_openai_shaped_errors(live_server, body, status, 
 
 async def test_malformed_json_body_is_refused(live_server):
     async with httpx.AsyncClient(base_url=live_server.http_url) as http:
-        response = await http.post("/v1/audio/speech", content=b"{not json",
-                                   headers={"content-type": "application/json"})
+        response = await http.post(
+            "/v1/audio/speech", content=b"{not json", headers={"content-type": "application/json"}
+        )
     assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json"
 
 

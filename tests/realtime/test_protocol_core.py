@@ -89,16 +89,19 @@ def test_close_aborts_every_context():
     assert p.handle(CloseSocket()) == [Abort("a"), Abort("b"), Close()]
 
 
-@pytest.mark.parametrize(("command", "code"), [
-    (StartContext("c", voice="nobody"), "voice_not_found"),
-    (StartContext("c", sample_rate=11025), "unsupported_sample_rate"),
-    (StartContext("c", speed=5.0), "invalid_speed"),
-    (StartContext("has space"), "invalid_context_id"),
-    (StartContext("x" * 65), "invalid_context_id"),
-    (AppendText("ghost", "hi"), "unknown_context"),
-    (Flush("ghost"), "unknown_context"),
-    (CancelContext("ghost"), "unknown_context"),
-])
+@pytest.mark.parametrize(
+    ("command", "code"),
+    [
+        (StartContext("c", voice="nobody"), "voice_not_found"),
+        (StartContext("c", sample_rate=11025), "unsupported_sample_rate"),
+        (StartContext("c", speed=5.0), "invalid_speed"),
+        (StartContext("has space"), "invalid_context_id"),
+        (StartContext("x" * 65), "invalid_context_id"),
+        (AppendText("ghost", "hi"), "unknown_context"),
+        (Flush("ghost"), "unknown_context"),
+        (CancelContext("ghost"), "unknown_context"),
+    ],
+)
 def test_refusals(command, code):
     with pytest.raises(ProtocolError) as info:
         protocol().handle(command)
@@ -130,24 +133,36 @@ def test_limits_on_contexts_and_pending_text_and_ended_contexts():
 
 def test_native_dialect_decodes_messages():
     d, p = NativeDialect(), protocol()
-    start = json.dumps({"type": "start", "context_id": "c", "voice": "alice", "sample_rate": 8000,
-                        "encoding": "mulaw", "speed": 1.5, "seed": 4})
+    start = json.dumps(
+        {
+            "type": "start",
+            "context_id": "c",
+            "voice": "alice",
+            "sample_rate": 8000,
+            "encoding": "mulaw",
+            "speed": 1.5,
+            "seed": 4,
+        }
+    )
     assert d.decode(start, p) == [StartContext("c", "alice", 8000, Encoding.MULAW, 1.5, 4)]
     assert d.decode('{"type": "text", "context_id": "c", "text": "hi"}', p) == [AppendText("c", "hi")]
     assert d.decode('{"type": "end", "context_id": "c"}', p) == [EndContext("c")]
     assert d.decode('{"type": "close"}', p) == [CloseSocket()]
 
 
-@pytest.mark.parametrize(("frame", "code"), [
-    ("{oops", "invalid_json"),
-    ("[1, 2]", "invalid_message"),
-    ('{"type": "sing", "context_id": "c"}', "unknown_type"),
-    ('{"type": "text", "text": "hi"}', "invalid_message"),
-    ('{"type": "text", "context_id": "c", "text": 5}', "invalid_message"),
-    ('{"type": "start", "context_id": "c", "sample_rate": true}', "invalid_message"),
-    ('{"type": "start", "context_id": "c", "encoding": "opus"}', "unsupported_encoding"),
-    (b"\x01\x02", "binary_not_accepted"),
-])
+@pytest.mark.parametrize(
+    ("frame", "code"),
+    [
+        ("{oops", "invalid_json"),
+        ("[1, 2]", "invalid_message"),
+        ('{"type": "sing", "context_id": "c"}', "unknown_type"),
+        ('{"type": "text", "text": "hi"}', "invalid_message"),
+        ('{"type": "text", "context_id": "c", "text": 5}', "invalid_message"),
+        ('{"type": "start", "context_id": "c", "sample_rate": true}', "invalid_message"),
+        ('{"type": "start", "context_id": "c", "encoding": "opus"}', "unsupported_encoding"),
+        (b"\x01\x02", "binary_not_accepted"),
+    ],
+)
 def test_native_dialect_refuses_bad_frames(frame, code):
     with pytest.raises(ProtocolError) as info:
         NativeDialect().decode(frame, protocol())
@@ -158,11 +173,23 @@ def test_audio_frames_round_trip_and_carry_metadata():
     assert parse_audio_frame(audio_frame("ctx-1", 7, b"\x01\x02\x03")) == ("ctx-1", 7, b"\x01\x02\x03")
     with pytest.raises(ValueError):
         parse_audio_frame(b"\x02\x00")
-    out = AudioOut("c", 3, b"ab", 1.0, 0.5, (WordTiming("hi", 1.0, 1.2, True),), True, 24000, Encoding.PCM_S16LE)
+    out = AudioOut(
+        "c", 3, b"ab", 1.0, 0.5, (WordTiming("hi", 1.0, 1.2, True),), True, 24000, Encoding.PCM_S16LE
+    )
     binary, meta = NativeDialect().encode(out)
     assert parse_audio_frame(binary) == ("c", 3, b"ab")
-    assert json.loads(meta) == {"type": "chunk", "context_id": "c", "seq": 3, "start_s": 1.0, "duration_s": 0.5,
-                                "words": [{"word": "hi", "start_s": 1.0, "end_s": 1.2, "estimated": True}],
-                                "final": True}
+    assert json.loads(meta) == {
+        "type": "chunk",
+        "context_id": "c",
+        "seq": 3,
+        "start_s": 1.0,
+        "duration_s": 0.5,
+        "words": [{"word": "hi", "start_s": 1.0, "end_s": 1.2, "estimated": True}],
+        "final": True,
+    }
     assert json.loads(NativeDialect().encode(ErrorEvent("x", "y"))[0]) == {
-        "type": "error", "context_id": None, "code": "x", "message": "y"}
+        "type": "error",
+        "context_id": None,
+        "code": "x",
+        "message": "y",
+    }

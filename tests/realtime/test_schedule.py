@@ -35,8 +35,12 @@ def test_exponential_hops_are_15_then_25_doubling():
 
 def test_exponential_chunks_carry_three_lookahead_tokens_and_the_last_flushes():
     chunks = drain(ChunkScheduler(ExponentialHops()), total=100)
-    assert [(c.start, c.end, c.last) for c in chunks] == [(0, 18, False), (15, 43, False), (40, 93, False),
-                                                           (90, 100, True)]
+    assert [(c.start, c.end, c.last) for c in chunks] == [
+        (0, 18, False),
+        (15, 43, False),
+        (40, 93, False),
+        (90, 100, True),
+    ]
     assert sum(c.consumed for c in chunks) == 100
 
 
@@ -65,8 +69,13 @@ def test_short_stream_is_a_single_final_chunk_and_empty_stream_an_empty_one():
 
 def test_many_pending_tokens_at_the_end_still_come_in_bounded_chunks():
     chunks = ended_at_once(ChunkScheduler(EqualHops(10)), total=45)
-    assert [(c.start, c.end, c.last) for c in chunks] == [(0, 13, False), (10, 23, False), (20, 33, False),
-                                                           (30, 43, False), (40, 45, True)]
+    assert [(c.start, c.end, c.last) for c in chunks] == [
+        (0, 13, False),
+        (10, 23, False),
+        (20, 33, False),
+        (30, 43, False),
+        (40, 45, True),
+    ]
 
 
 def test_every_token_is_consumed_exactly_once_for_every_kind():
@@ -97,8 +106,15 @@ def test_scheduler_rejects_tokens_going_backwards_and_stops_after_the_last_chunk
     assert scheduler.finished and scheduler.next_chunk(9, ended=True) is None
 
 
-@pytest.mark.parametrize("bad", [lambda: ExponentialHops(first=0), lambda: EqualHops(0),
-                                 lambda: AdaptiveHops(safety=0), lambda: AdaptiveHops(granule=50, limit=10)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda: ExponentialHops(first=0),
+        lambda: EqualHops(0),
+        lambda: AdaptiveHops(safety=0),
+        lambda: AdaptiveHops(granule=50, limit=10),
+    ],
+)
 def test_invalid_policies_are_refused(bad):
     with pytest.raises(ValueError):
         bad()

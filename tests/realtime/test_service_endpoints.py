@@ -17,13 +17,20 @@ async def test_health_and_readiness(live_server):
 
 async def test_metrics_count_latency_and_errors(live_server):
     async with httpx.AsyncClient(base_url=live_server.http_url, timeout=60) as http:
-        spoken = await http.post("/v1/audio/speech", json={"model": "tts-1", "input": "Measure me.",
-                                                           "response_format": "pcm", "fixed_length": 20})
+        spoken = await http.post(
+            "/v1/audio/speech",
+            json={"model": "tts-1", "input": "Measure me.", "response_format": "pcm", "fixed_length": 20},
+        )
         assert spoken.status_code == 200
-        assert (await http.post("/v1/audio/speech", json={"input": "hi", "voice": "nobody"})).status_code == 404
+        assert (
+            await http.post("/v1/audio/speech", json={"input": "hi", "voice": "nobody"})
+        ).status_code == 404
         text = (await http.get("/metrics")).text
-    samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-               if line and not line.startswith("#")}
+    samples = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
     assert samples["tts_first_chunk_latency_seconds_count"] >= 1
     assert samples["tts_real_time_factor_count"] >= 1
     assert samples["tts_audio_seconds_total"] >= 20 * 0.04

@@ -23,15 +23,30 @@ def wav_bytes(seconds: float, rate: int = 16000) -> bytes:
     return buffer.getvalue()
 
 
-async def upload(http: httpx.AsyncClient, voice_id: str, audio: bytes, transcript: str = "A short clip.",
-                 ) -> httpx.Response:
-    return await http.post("/v1/voices", data={"voice_id": voice_id, "transcript": transcript},
-                           files={"audio": ("clip.wav", audio, "audio/wav")})
+async def upload(
+    http: httpx.AsyncClient,
+    voice_id: str,
+    audio: bytes,
+    transcript: str = "A short clip.",
+) -> httpx.Response:
+    return await http.post(
+        "/v1/voices",
+        data={"voice_id": voice_id, "transcript": transcript},
+        files={"audio": ("clip.wav", audio, "audio/wav")},
+    )
 
 
 async def speak(http: httpx.AsyncClient, voice: str) -> httpx.Response:
-    return await http.post("/v1/audio/speech", json={"model": "tts-1", "voice": voice, "input": "Hi there.",
-                                                     "response_format": "pcm", "fixed_length": FIXED})
+    return await http.post(
+        "/v1/audio/speech",
+        json={
+            "model": "tts-1",
+            "voice": voice,
+            "input": "Hi there.",
+            "response_format": "pcm",
+            "fixed_length": FIXED,
+        },
+    )
 
 
 async def test_add_list_use_delete(live_server):
@@ -51,13 +66,16 @@ async def test_add_list_use_delete(live_server):
         assert protected.status_code == 403 and protected.json()["error"]["code"] == "voice_protected"
 
 
-@pytest.mark.parametrize(("voice_id", "audio", "transcript", "param", "code"), [
-    ("noise", b"this is not audio at all", "text", "audio", "invalid_audio"),
-    ("long", wav_bytes(31.0), "text", "audio", "audio_too_long"),
-    ("short", wav_bytes(0.3), "text", "audio", "audio_too_short"),
-    ("../../etc", wav_bytes(2.0), "text", "voice_id", "invalid_voice_id"),
-    ("quiet", wav_bytes(2.0), "  ", "transcript", "missing_transcript"),
-])
+@pytest.mark.parametrize(
+    ("voice_id", "audio", "transcript", "param", "code"),
+    [
+        ("noise", b"this is not audio at all", "text", "audio", "invalid_audio"),
+        ("long", wav_bytes(31.0), "text", "audio", "audio_too_long"),
+        ("short", wav_bytes(0.3), "text", "audio", "audio_too_short"),
+        ("../../etc", wav_bytes(2.0), "text", "voice_id", "invalid_voice_id"),
+        ("quiet", wav_bytes(2.0), "  ", "transcript", "missing_transcript"),
+    ],
+)
 async def test_bad_uploads_are_refused_clearly(live_server, voice_id, audio, transcript, param, code):
     async with httpx.AsyncClient(base_url=live_server.http_url, timeout=60) as http:
         response = await upload(http, voice_id, audio, transcript)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from realtime.session import SpeechRequest, ServiceError, WordTimer
+from realtime.session import ServiceError, SpeechRequest, WordTimer
 
 
 def test_words_come_out_as_audio_covers_them_and_the_last_waits_for_the_end():

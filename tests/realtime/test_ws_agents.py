@@ -87,7 +87,9 @@ async def test_text_in_pieces_is_spoken_sentence_by_sentence(live_server):
 async def test_two_contexts_on_one_socket_with_their_own_formats(live_server):
     async with connect(f"{live_server.ws_url}/v1/ws") as ws:
         await send(ws, type="start", context_id="pcm16k", sample_rate=16000, fixed_length=FIXED)
-        await send(ws, type="start", context_id="ulaw8k", sample_rate=8000, encoding="mulaw", fixed_length=FIXED)
+        await send(
+            ws, type="start", context_id="ulaw8k", sample_rate=8000, encoding="mulaw", fixed_length=FIXED
+        )
         await send(ws, type="text", context_id="pcm16k", text="First context speaking.")
         await send(ws, type="text", context_id="ulaw8k", text="Second context speaking.")
         await send(ws, type="end", context_id="pcm16k")
@@ -151,9 +153,20 @@ async def test_bad_messages_get_errors_and_the_socket_carries_on(live_server):
                 event = json.loads(await ws.recv())
                 assert event["type"] == "error" and event["message"]
                 codes.append(event["code"])
-        assert codes == ["invalid_json", "unknown_type", "invalid_message", "unknown_context", "voice_not_found",
-                         "unsupported_sample_rate", "unsupported_encoding", "invalid_context_id", "invalid_message",
-                         "binary_not_accepted", "context_exists", "text_too_long"]
+        assert codes == [
+            "invalid_json",
+            "unknown_type",
+            "invalid_message",
+            "unknown_context",
+            "voice_not_found",
+            "unsupported_sample_rate",
+            "unsupported_encoding",
+            "invalid_context_id",
+            "invalid_message",
+            "binary_not_accepted",
+            "context_exists",
+            "text_too_long",
+        ]
         await send(ws, type="text", context_id="ok", text="Works after all that.")
         await send(ws, type="end", context_id="ok")
         got = {"ok": Received()}
@@ -173,8 +186,12 @@ async def test_close_message_closes_the_socket_normally(live_server):
 async def test_busy_server_refuses_with_429_and_retry_after(live_server, eventually):
     limit = live_server.config.max_streams
     async with httpx.AsyncClient(base_url=live_server.http_url, timeout=60) as http:
-        body = {"model": "tts-1", "input": "Keep the engine busy for a while.", "response_format": "pcm",
-                "fixed_length": 400}
+        body = {
+            "model": "tts-1",
+            "input": "Keep the engine busy for a while.",
+            "response_format": "pcm",
+            "fixed_length": 400,
+        }
         streams = [http.stream("POST", "/v1/audio/speech", json=body) for _ in range(limit)]
         responses = [await s.__aenter__() for s in streams]
         try:

@@ -28,9 +28,14 @@ async def messages_until(ws: ClientConnection, done) -> list[dict]:
 
 async def test_cartesia_continuations_stream_audio_timestamps_and_done(live_server):
     url = f"{live_server.ws_url}/cartesia/tts/websocket?api_key=unused&cartesia_version=2024-11-13"
-    base = {"context_id": "turn-1", "model_id": "sonic-2", "language": "en", "add_timestamps": True,
-            "voice": {"mode": "id", "id": "default"},
-            "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 16000}}
+    base = {
+        "context_id": "turn-1",
+        "model_id": "sonic-2",
+        "language": "en",
+        "add_timestamps": True,
+        "voice": {"mode": "id", "id": "default"},
+        "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 16000},
+    }
     async with connect(url) as ws:
         for piece in ("Hi there. ", "Good day."):
             await ws.send(json.dumps({**base, "transcript": piece, "continue": True}))
@@ -47,12 +52,23 @@ async def test_cartesia_continuations_stream_audio_timestamps_and_done(live_serv
 async def test_cartesia_cancel_silences_the_context(live_server, eventually):
     url = f"{live_server.ws_url}/cartesia/tts/websocket"
     async with connect(url) as ws:
-        await ws.send(json.dumps({"context_id": "c", "transcript": "Talking for a while now. ", "continue": True,
-                                  "voice": {"mode": "id", "id": "default"}, "flush": True}))
+        await ws.send(
+            json.dumps(
+                {
+                    "context_id": "c",
+                    "transcript": "Talking for a while now. ",
+                    "continue": True,
+                    "voice": {"mode": "id", "id": "default"},
+                    "flush": True,
+                }
+            )
+        )
         first = json.loads(await ws.recv())
         assert first["type"] == "chunk"
         await ws.send(json.dumps({"context_id": "c", "cancel": True}))
-        await ws.send(json.dumps({"context_id": "other", "transcript": "Hello.", "voice": {"mode": "id", "id": "x"}}))
+        await ws.send(
+            json.dumps({"context_id": "other", "transcript": "Hello.", "voice": {"mode": "id", "id": "x"}})
+        )
         # Chunks already in flight may still arrive; then the next thing is the error about "other".
         received = await messages_until(ws, lambda m: m["type"] == "error")
     assert all(m["type"] == "chunk" and m["context_id"] == "c" for m in received[:-1])
@@ -61,8 +77,10 @@ async def test_cartesia_cancel_silences_the_context(live_server, eventually):
 
 
 async def test_elevenlabs_stream_input_speaks_then_reports_final(live_server):
-    url = (f"{live_server.ws_url}/v1/text-to-speech/default/stream-input"
-           "?model_id=eleven_flash_v2_5&output_format=pcm_22050")
+    url = (
+        f"{live_server.ws_url}/v1/text-to-speech/default/stream-input"
+        "?model_id=eleven_flash_v2_5&output_format=pcm_22050"
+    )
     async with connect(url) as ws:
         await ws.send(json.dumps({"text": " ", "voice_settings": {"stability": 0.5}, "xi_api_key": "unused"}))
         await ws.send(json.dumps({"text": "Hello world. "}))

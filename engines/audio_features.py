@@ -101,7 +101,7 @@ def resample(samples: np.ndarray, orig_rate: int, target_rate: int) -> np.ndarra
     return np.asarray(out, dtype=np.float32)
 
 
-def hz_to_mel_slaney(hz: np.ndarray) -> np.ndarray:
+def hz_to_mel_slaney(hz: np.ndarray | float) -> np.ndarray:
     """Slaney's auditory-toolbox mel scale: linear below 1 kHz, logarithmic above."""
     hz = np.asarray(hz, dtype=np.float64)
     f_sp, min_log_hz = 200.0 / 3, 1000.0
@@ -111,7 +111,7 @@ def hz_to_mel_slaney(hz: np.ndarray) -> np.ndarray:
     return np.where(hz >= min_log_hz, logarithmic, linear)
 
 
-def mel_to_hz_slaney(mel: np.ndarray) -> np.ndarray:
+def mel_to_hz_slaney(mel: np.ndarray | float) -> np.ndarray:
     mel = np.asarray(mel, dtype=np.float64)
     f_sp, min_log_hz = 200.0 / 3, 1000.0
     min_log_mel, log_step = min_log_hz / f_sp, math.log(6.4) / 27.0
@@ -161,7 +161,7 @@ def whisper_log_mel(samples_16k: np.ndarray | torch.Tensor) -> torch.Tensor:
     return (log_mel + 4.0) / 4.0
 
 
-def kaldi_mel_hz_to_mel(hz: np.ndarray) -> np.ndarray:
+def kaldi_mel_hz_to_mel(hz: np.ndarray | float) -> np.ndarray:
     """Kaldi's (HTK) mel scale: 1127 · ln(1 + f / 700)."""
     return 1127.0 * np.log1p(np.asarray(hz, dtype=np.float64) / 700.0)
 

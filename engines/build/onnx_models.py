@@ -10,7 +10,6 @@ deterministic functions of the input features, so different clips give different
 
 from __future__ import annotations
 
-import io
 import math
 import warnings
 from pathlib import Path
@@ -27,6 +26,9 @@ OPSET = 17
 
 
 class SyntheticSpeechTokenizer(nn.Module):
+    projection: torch.Tensor
+    place_values: torch.Tensor
+
     def __init__(self, seed: int) -> None:
         super().__init__()
         generator = torch.Generator().manual_seed(seed)
@@ -61,15 +63,13 @@ class SyntheticCampPlus(nn.Module):
 
 def _export(module: nn.Module, args: tuple[torch.Tensor, ...], path: Path, input_names: list[str],
             output_names: list[str], dynamic_axes: dict[str, dict[int, str]]) -> None:
-    buffer = io.BytesIO()
     with warnings.catch_warnings():
         # The TorchScript exporter is deprecated but needs no onnxscript, which is not a dependency.
         warnings.simplefilter("ignore", DeprecationWarning)
         torch.onnx.export(
-            module.eval(), args, buffer, dynamo=False, opset_version=OPSET, input_names=input_names,
+            module.eval(), args, str(path), dynamo=False, opset_version=OPSET, input_names=input_names,
             output_names=output_names, dynamic_axes=dynamic_axes,
         )
-    path.write_bytes(buffer.getvalue())
 
 
 def export_speech_tokenizer(path: Path, seed: int) -> None:

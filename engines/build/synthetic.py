@@ -13,6 +13,7 @@ import logging
 import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +56,8 @@ class Artifact:
     """One file or directory of the build: how to write it and how to tell that an existing one is valid."""
 
     path: Path
-    write: Callable[[Path], None]
-    check: Callable[[Path], None]
+    write: Callable[[Path], object]  # return values are ignored
+    check: Callable[[Path], object]  # raises when the file is unusable
 
 
 def build_random(
@@ -128,7 +129,7 @@ def synthetic_artifacts(
         Artifact(
             spec.path(paths),
             _checkpoint_writer(spec, cfgs, seed + index, reference_dir),
-            lambda p, spec=spec: verify_checkpoint(p, spec, cfgs),
+            partial(verify_checkpoint, spec=spec, cfgs=cfgs),
         )
         for index, spec in enumerate(CHECKPOINTS)
     ]

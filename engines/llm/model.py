@@ -67,8 +67,9 @@ class CosyVoice2LM(nn.Module):
         return self.speech_embedding(tokens)
 
     def forward(self, x: Tensor, batch: CacheBatch, cache: KVCache) -> Tensor:
-        """Final hidden states of input embeddings `x` [B, T, hidden], filling `cache` (see `Qwen2Model`)."""
-        return self.backbone(x, batch, cache)
+        """Speech logits [B, speech_vocab] at the last position of each row of input embeddings `x`
+        [B, T, hidden]; every position's keys and values go into `cache` (see `Qwen2Model.forward`)."""
+        return self.speech_logits(self.backbone(x, batch, cache)[:, -1])
 
     def speech_logits(self, hidden: Tensor) -> Tensor:
         """Logits over the speech vocabulary (codebook + stop tokens) of hidden states [..., hidden]."""

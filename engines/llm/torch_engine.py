@@ -284,15 +284,15 @@ class _ModelRunner:
     def _prefill_step(self, length: int, kv_len: int) -> None:
         positions = (self.prefill_start + torch.arange(length, device=self.prefill_start.device)).unsqueeze(0)
         batch = CacheBatch(self.prefill_slot, positions, kv_len)
-        hidden = self.model(self.prefill_input[:length].unsqueeze(0), batch, self.cache)
+        hidden = self.model.backbone(self.prefill_input[:length].unsqueeze(0), batch, self.cache)
         self.prefill_logits.copy_(self.model.speech_logits(hidden[0].index_select(0, self.prefill_last)))
 
     def _decode_step(self, size: int, kv_len: int) -> None:
         rows = slice(0, size)
         active = self.active[rows]
         x = self.model.embed_speech(self.next_token[rows]).unsqueeze(1)
-        hidden = self.model(x, CacheBatch(0, self.positions[rows].unsqueeze(1), kv_len), self.cache)
-        tokens = self.sampling.sample(self.model.speech_logits(hidden[:, 0]), rows)
+        logits = self.model(x, CacheBatch(0, self.positions[rows].unsqueeze(1), kv_len), self.cache)
+        tokens = self.sampling.sample(logits, rows)
         self.sampling.record(tokens, rows, active)
         self.next_token[rows] = torch.where(active, tokens, self.next_token[rows])
         self.positions[rows] += active.long()

@@ -128,11 +128,11 @@ def test_cached_decode_equals_a_full_forward() -> None:
     slot, prompt = 2, 12
     # Prefill in two chunks, then one position at a time.
     model(sequence[None, :5], CacheBatch(slot, torch.arange(0, 5)[None], 5), cache)
-    hidden = model(sequence[None, 5:prompt], CacheBatch(slot, torch.arange(5, prompt)[None], prompt), cache)
-    torch.testing.assert_close(model.speech_logits(hidden[0, -1]), expected[prompt - 1], atol=1e-5, rtol=1e-4)
+    logits = model(sequence[None, 5:prompt], CacheBatch(slot, torch.arange(5, prompt)[None], prompt), cache)
+    torch.testing.assert_close(logits[0], expected[prompt - 1], atol=1e-5, rtol=1e-4)
     for pos in range(prompt, 20):
-        hidden = model(sequence[None, pos:pos + 1], CacheBatch(slot, torch.tensor([[pos]]), 32), cache)
-        torch.testing.assert_close(model.speech_logits(hidden[0, 0]), expected[pos], atol=1e-5, rtol=1e-4)
+        logits = model(sequence[None, pos:pos + 1], CacheBatch(slot, torch.tensor([[pos]]), 32), cache)
+        torch.testing.assert_close(logits[0], expected[pos], atol=1e-5, rtol=1e-4)
 
 
 def test_batched_decode_equals_each_sequence_alone() -> None:
@@ -146,10 +146,10 @@ def test_batched_decode_equals_each_sequence_alone() -> None:
     # Slot 3 is idle: its row is computed at an arbitrary position and ignored.
     inputs = torch.stack([seq[n] for seq, n in zip(sequences, lengths, strict=True)] + [sequences[0][0]])
     positions = torch.tensor([[7], [15], [3], [40]])
-    logits = model.speech_logits(model(inputs.unsqueeze(1), CacheBatch(0, positions, 32), batched)[:, 0])
+    logits = model(inputs.unsqueeze(1), CacheBatch(0, positions, 32), batched)
     for slot, (seq, n) in enumerate(zip(sequences, lengths, strict=True)):
         single = model(seq[None, n:n + 1], CacheBatch(slot, torch.tensor([[n]]), 16), alone)
-        torch.testing.assert_close(logits[slot], model.speech_logits(single[0, 0]), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(logits[slot], single[0], atol=1e-5, rtol=1e-4)
         full = model.speech_logits(full_hidden(model.backbone, seq))
         torch.testing.assert_close(logits[slot], full[n], atol=1e-5, rtol=1e-4)
 
@@ -165,13 +165,13 @@ def test_gathered_rows_equal_consecutive_rows_and_padding_is_harmless() -> None:
         padded = torch.zeros(16, TINY.qwen.hidden_size)
         padded[:length] = sequence[start:start + length]
         positions = (start + torch.arange(16)).unsqueeze(0)
-        hidden = model(padded.unsqueeze(0), CacheBatch(slot, positions, 32), cache)[0]
+        hidden = model.backbone(padded.unsqueeze(0), CacheBatch(slot, positions, 32), cache)[0]
         torch.testing.assert_close(model.speech_logits(hidden[:length]), expected[start:start + length],
                                    atol=1e-5, rtol=1e-4)
     # Decode rows gathered by slot id, next to a consecutive-slot view of the same cache.
     for pos in range(20, 30):
-        hidden = model(sequence[None, pos:pos + 1], CacheBatch(slot, torch.tensor([[pos]]), 32), cache)
-        torch.testing.assert_close(model.speech_logits(hidden[0, 0]), expected[pos], atol=1e-5, rtol=1e-4)
+        logits = model(sequence[None, pos:pos + 1], CacheBatch(slot, torch.tensor([[pos]]), 32), cache)
+        torch.testing.assert_close(logits[0], expected[pos], atol=1e-5, rtol=1e-4)
     view_rows = CacheBatch(2, torch.tensor([[29]]), 32)
-    hidden = model(sequence[None, 29:30], view_rows, cache)
-    torch.testing.assert_close(model.speech_logits(hidden[0, 0]), expected[29], atol=1e-5, rtol=1e-4)
+    logits = model(sequence[None, 29:30], view_rows, cache)
+    torch.testing.assert_close(logits[0], expected[29], atol=1e-5, rtol=1e-4)

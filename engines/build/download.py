@@ -18,6 +18,7 @@ from engines.build.synthetic import DEFAULT_VOICE, encode_voice
 from engines.build.verify import verify_models_dir
 from engines.config import ModelConfigs, ModelPaths, ModelSize
 from engines.voice import VoicePrompt
+from engines.voice_encoder import VoiceError
 
 logger = logging.getLogger(__name__)
 
@@ -32,18 +33,22 @@ class DownloadError(RuntimeError):
 class RemoteModel:
     """One released repository and the part of it the service needs, placed under `root / local_dir`."""
 
-    repo_id: str
+    repo_id: str  # on Hugging Face
+    modelscope_id: str
     local_dir: str
     allow_patterns: tuple[str, ...]
 
 
 COSYVOICE2 = RemoteModel(
     "FunAudioLLM/CosyVoice2-0.5B",
+    "iic/CosyVoice2-0.5B",
     "CosyVoice2-0.5B",
     ("llm.pt", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v2.onnx", "cosyvoice2.yaml",
      "CosyVoice-BlankEN/*", "asset/*.wav"),
 )
-STEP_AUDIO2_TOKEN2WAV = RemoteModel("stepfun-ai/Step-Audio-2-mini", "Step-Audio-2-mini", ("token2wav/*",))
+STEP_AUDIO2_TOKEN2WAV = RemoteModel(
+    "stepfun-ai/Step-Audio-2-mini", "stepfun-ai/Step-Audio-2-mini", "Step-Audio-2-mini", ("token2wav/*",)
+)
 REMOTE_MODELS = (COSYVOICE2, STEP_AUDIO2_TOKEN2WAV)
 
 # Reference clips that may ship with CosyVoice2-0.5B, with their transcripts.
@@ -97,9 +102,11 @@ def _fetch_modelscope(model: RemoteModel, target: Path) -> None:
         raise DownloadError("`--source modelscope` needs the modelscope package: "
                             "pip install -e '.[download]'") from exc
     try:
-        snapshot_download(model.repo_id, local_dir=str(target), allow_patterns=list(model.allow_patterns))
+        snapshot_download(
+            model.modelscope_id, local_dir=str(target), allow_patterns=list(model.allow_patterns)
+        )
     except Exception as exc:  # modelscope has no common error base class; report and stop
-        raise DownloadError(f"could not download {model.repo_id} from ModelScope: {exc}\n"
+        raise DownloadError(f"could not download {model.modelscope_id} from ModelScope: {exc}\n"
                             "Check the network; rerun the same command to resume.") from exc
 
 
@@ -123,7 +130,10 @@ def finalize_models_dir(
     if voice_clip is not None or not _is_voice(voice_file):
         clip, text = _default_voice_source(paths, voice_clip, voice_text)
         paths.voices.mkdir(parents=True, exist_ok=True)
-        encode_voice(paths, clip, text).save(voice_file)
+        try:
+            encode_voice(paths, clip, text).save(voice_file)
+        except VoiceError as exc:
+            raise DownloadError(f"cannot make the default voice from {clip}: {exc} ({exc.code})") from exc
         logger.info("made the default voice from %s", clip)
     files = [p for d in (paths.cosyvoice2, paths.step_audio2_token2wav) for p in _model_files(d)]
     write_manifest(root, size, source, [*files, voice_file])

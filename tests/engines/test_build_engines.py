@@ -190,6 +190,9 @@ def test_finalize_needs_a_reference_clip_for_the_default_voice(copy: Path, tmp_p
         finalize_models_dir(copy, "tiny", "test")
     assert not paths.manifest.exists()
     clip = tmp_path / "mine.wav"
+    soundfile.write(clip, voiced_clip(seconds=0.5), 24000)
+    with pytest.raises(DownloadError, match="audio_too_short"):
+        finalize_models_dir(copy, "tiny", "test", voice_clip=clip, voice_text="x")
     soundfile.write(clip, voiced_clip(seconds=3.0, seed=5), 24000)
     finalize_models_dir(copy, "tiny", "test", voice_clip=clip, voice_text="My own voice.")
     assert VoicePrompt.load(paths.voices / "default.safetensors").prompt_text == "My own voice."

@@ -208,7 +208,8 @@ class WebRTCClient {
   close() {
     clearInterval(this.statsTimer);
     const sessionId = rt.webrtc.sessionId;
-    if (sessionId) fetch(`/v1/webrtc/${sessionId}`, { method: "DELETE" }).catch(() => {});
+    // keepalive lets the request outlive the page when this runs on pagehide.
+    if (sessionId) fetch(`/v1/webrtc/${sessionId}`, { method: "DELETE", keepalive: true }).catch(() => {});
     this.pc?.close();
     this.context?.close();
     this.pc = null;

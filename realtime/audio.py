@@ -18,6 +18,7 @@ import av
 import av.filter
 import numpy as np
 from av.audio.fifo import AudioFifo
+from av.audio.stream import AudioStream
 
 from engines.config import SAMPLE_RATE
 
@@ -114,12 +115,14 @@ class TempoStretcher:
         return self._pull()
 
     def _pull(self) -> np.ndarray:
-        frames = []
+        frames: list[av.AudioFrame] = []
         while True:
             try:
-                frames.append(self._graph.pull())
+                frame = self._graph.pull()
             except (av.BlockingIOError, av.EOFError):
                 break
+            if isinstance(frame, av.AudioFrame):
+                frames.append(frame)
         return _frames_to_array(frames)
 
 
@@ -249,11 +252,15 @@ class CodecStreamEncoder(StreamEncoder):
         container_format, codec, self.content_type = self._FORMATS[kind]
         self._sink = _Sink()
         self._container = av.open(self._sink, mode="w", format=container_format)
-        self._stream = self._container.add_stream(codec, rate=SAMPLE_RATE, layout="mono")
+        stream = self._container.add_stream(codec, rate=SAMPLE_RATE, layout="mono")
+        assert isinstance(stream, AudioStream)
+        self._stream = stream
+        # Opening the codec now fixes its sample format and frame size (samples per encoded frame).
+        self._container.start_encoding()
         context = self._stream.codec_context
         self._resampler = av.AudioResampler(format=context.format.name, layout="mono", rate=SAMPLE_RATE)
         self._fifo = AudioFifo()
-        self._frame_size = 0
+        self._frame_size = context.frame_size or SAMPLE_RATE // 50
         self._pts = 0
 
     def encode(self, pcm: np.ndarray) -> bytes:
@@ -275,13 +282,11 @@ class CodecStreamEncoder(StreamEncoder):
         return self._sink.take()
 
     def _drain_fifo(self, partial: bool) -> None:
-        if not self._frame_size:
-            # The codec opens (and fixes its frame size) on the first encode; until then take 20 ms.
-            self._frame_size = self._stream.codec_context.frame_size or SAMPLE_RATE // 50
+        """Encode whole codec frames; with `partial`, also the short last one."""
         while self._fifo.samples >= self._frame_size or (partial and self._fifo.samples):
             frame = self._fifo.read(min(self._frame_size, self._fifo.samples))
-            self._mux(frame)
-            self._frame_size = self._stream.codec_context.frame_size or self._frame_size
+            if frame is not None:
+                self._mux(frame)
 
     def _mux(self, frame: av.AudioFrame | None) -> None:
         for packet in self._stream.encode(frame):

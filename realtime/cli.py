@@ -10,6 +10,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
 from realtime.config import DEFAULT_CACHE_DIR, IceServer, ServiceConfig, WebRTCConfig
 from realtime.schedule import ScheduleKind
 
@@ -73,7 +75,7 @@ def serve(config: ServiceConfig) -> int:
         host=config.host,
         port=config.port,
         loop="uvloop" if sys.platform != "win32" else "asyncio",
-        ws="websockets",
+        ws="websockets-sansio",
         ws_max_size=1 << 20,
         timeout_graceful_shutdown=int(config.drain_timeout_s) + 1,
         log_level="info",
@@ -82,11 +84,7 @@ def serve(config: ServiceConfig) -> int:
     return 0
 
 
-async def synth(config: ServiceConfig, text: str, voice: str, out: Path) -> int:
-    """Speak `text` with the engines in this process and write a 24 kHz WAV."""
-    import numpy as np
-    import soundfile
-
+async def _speak(config: ServiceConfig, text: str, voice: str) -> list[np.ndarray]:
     from realtime.runtime import Runtime
     from realtime.session import SpeechRequest
 
@@ -94,12 +92,20 @@ async def synth(config: ServiceConfig, text: str, voice: str, out: Path) -> int:
     await runtime.start()
     try:
         async with runtime.speak(SpeechRequest(text=text, voice=voice)) as session:
-            pieces = [chunk.pcm async for chunk in session]
+            return [chunk.pcm async for chunk in session]
     finally:
         await runtime.stop(config.drain_timeout_s)
-    audio = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
-    soundfile.write(out, audio, 24000, subtype="PCM_16")
-    logger.info("wrote %s (%.2f s)", out, audio.size / 24000)
+
+
+def synth(config: ServiceConfig, text: str, voice: str, out: Path) -> int:
+    """Speak `text` with the engines in this process and write a 24 kHz 16-bit WAV."""
+    from engines.config import SAMPLE_RATE
+    from realtime.audio import encode_pcm_s16le, wav_header
+
+    pieces = asyncio.run(_speak(config, text, voice))
+    samples = encode_pcm_s16le(np.concatenate(pieces) if pieces else np.zeros(0, np.float32))
+    out.write_bytes(wav_header(SAMPLE_RATE, len(samples)) + samples)
+    logger.info("wrote %s (%.2f s)", out, len(samples) / 2 / SAMPLE_RATE)
     return 0
 
 
@@ -203,4 +209,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.command == "serve":
         return serve(config)
-    return asyncio.run(synth(config, args.text, args.voice, args.out))
+    return synth(config, args.text, args.voice, args.out)

@@ -200,7 +200,7 @@ class WebRTCClient {
       if (report.type === "inbound-rtp" && report.kind === "audio") {
         rt.webrtc.packetsReceived = report.packetsReceived;
         rt.webrtc.bytesReceived = report.bytesReceived;
-        showReceived(`${report.packetsReceived} pkts`);
+        if (rt.transport === "webrtc") showReceived(`${report.packetsReceived} pkts`);
       }
     }
   }
@@ -400,6 +400,7 @@ async function uploadVoice(event) {
     return;
   }
   status.textContent = `added ${voiceId}`;
+  log(`voice ${voiceId} added`);
   await loadVoices(voiceId);
 }
 

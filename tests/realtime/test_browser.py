@@ -1,8 +1,8 @@
 """The web page in real headless Chromium, against the real app over the tiny models, all on loopback.
 
 Chromium is driven through the DevTools protocol on its own websocket (no browser-automation
-packages): the test opens the page, plays speech through WebRTC and then through the websocket player,
-and reads what the page exposes as plain state in ``window.__rt``.
+packages). The test plays speech through WebRTC, uploads a voice through the page's form, plays speech
+in that voice through the websocket player, and reads what the page exposes in ``window.__rt``.
 """
 
 from __future__ import annotations
@@ -19,9 +19,12 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+import soundfile
 import websockets
 from conftest import LiveServer, serve, service_config
 
+from engines.build.synthetic import voiced_clip
+from engines.config import SAMPLE_RATE
 from realtime.config import WebRTCConfig
 
 pytestmark = [pytest.mark.browser, pytest.mark.asyncio(loop_scope="session")]
@@ -97,6 +100,14 @@ class DevTools:
 
     async def navigate(self, url: str) -> None:
         await self.call("Page.navigate", {"url": url}, page=True)
+
+    async def choose_file(self, selector: str, path: Path) -> None:
+        """Put ``path`` into the page's file input at ``selector``, as a user picking it would."""
+        document = await self.call("DOM.getDocument", page=True)
+        node = await self.call(
+            "DOM.querySelector", {"nodeId": document["root"]["nodeId"], "selector": selector}, page=True
+        )
+        await self.call("DOM.setFileInputFiles", {"files": [str(path)], "nodeId": node["nodeId"]}, page=True)
 
     async def wait_for(self, expression: str) -> None:
         """Poll until the expression is truthy in the page."""
@@ -198,7 +209,18 @@ async def test_page_plays_speech_over_webrtc_and_websocket(live: LiveServer, tmp
         await page.evaluate("document.getElementById('stop').click()")
         await page.wait_for("__rt.events.includes('cancelled')")
 
-        # Websocket: PCM frames arrive and the AudioWorklet plays them.
+        # A voice uploaded through the page's form becomes the selected voice.
+        clip = tmp_path / "clip.wav"
+        await asyncio.to_thread(soundfile.write, clip, voiced_clip(seconds=3.0), SAMPLE_RATE)
+        await page.choose_file("#upload-file", clip)
+        await page.evaluate(
+            "document.getElementById('upload-name').value = 'from-the-page';"
+            "document.getElementById('upload-text').value = 'A voice uploaded from the page.';"
+            "document.getElementById('upload-form').requestSubmit()"
+        )
+        await page.wait_for("document.getElementById('voice').value === 'from-the-page'")
+
+        # Websocket, with that voice: PCM frames arrive and the AudioWorklet plays them.
         await page.evaluate("document.querySelector('input[value=ws]').click()")
         await page.evaluate("document.getElementById('speak').click()")
         await page.wait_for("__rt.ws.bytesReceived > 0 && __rt.ws.samplesPlayed > 0")

@@ -310,7 +310,10 @@ class TrtLlmEngine(LLMEngine):
             waiting = sum(1 for s in self._streams.values() if not s.started)
             if waiting >= self.config.max_waiting:
                 raise LLMError("busy", f"{self.config.max_waiting} LLM requests are waiting already")
-            stream.executor_id = self._executor.enqueue_request(self._executor_request(plan))
+            try:
+                stream.executor_id = self._executor.enqueue_request(self._executor_request(plan))
+            except RuntimeError as exc:  # the executor refuses requests it cannot schedule
+                raise LLMError("invalid_request", f"TensorRT-LLM refused the request: {exc}") from exc
             self._streams[stream.executor_id] = stream
         return stream
 

@@ -8,8 +8,9 @@ without blocking the event loop), and returned afterwards.
 
 `TrtDiTEstimator` implements the estimator interface the CFM solver calls (`forward` for whole
 sequences, `forward_chunk` for a chunk after explicit caches, see dit.py), so the DiT flow runs
-unchanged with TensorRT in place of the PyTorch DiT; `TrtToken2Wav` is `TorchToken2Wav` over that flow,
-running the chunks of a batch concurrently, one pool context each.
+unchanged with TensorRT in place of the PyTorch DiT (which it keeps for calls the plans cannot take);
+`TrtToken2Wav` is `TorchToken2Wav` over that flow, running a batch's chunks concurrently, one pool
+context each.
 
 Importing this module does not import `tensorrt`; building a pool without it raises `TensorRTUnavailable`.
 """
@@ -33,6 +34,7 @@ from torch import nn
 
 from engines.config import DiTConfig, ModelPaths, configs_for_models_dir
 from engines.token2wav.base import ChunkJob
+from engines.token2wav.dit import DiT
 from engines.token2wav.flow_dit import DiTFlow, load_dit_flow
 from engines.token2wav.hift import HiFTGenerator, load_hift
 from engines.token2wav.onnx_export import EstimatorShapes
@@ -143,14 +145,14 @@ def offline_profile(cfg: DiTConfig, limits: EstimatorLimits) -> Profile:
     return {name: (low[name], opt[name], high[name]) for name in low}
 
 
-def check_within(profile: Profile, feeds: Mapping[str, torch.Tensor]) -> None:
-    """Raise ValueError naming the first input outside the plan's profile (TensorRT would fail later)."""
+def outside(profile: Profile, feeds: Mapping[str, torch.Tensor]) -> str | None:
+    """The first input of `feeds` outside the plan's profile, described, or None when all fit."""
     for name, (low, _, high) in profile.items():
         shape = tuple(feeds[name].shape)
         bounds = zip(shape, low, high, strict=False)
         if len(shape) != len(low) or any(not lo <= n <= hi for n, lo, hi in bounds):
-            raise ValueError(f"input {name} of shape {shape} is outside the TensorRT profile {low}…{high}; "
-                             "rebuild the plans with larger EstimatorLimits (build_engines.py build-trt)")
+            return f"input {name} of shape {shape} is outside the TensorRT profile {low}…{high}"
+    return None
 
 
 def _torch_dtypes(trt: ModuleType) -> dict[Any, torch.dtype]:
@@ -283,7 +285,9 @@ class TrtContextPool:
         The context's stream waits for the current torch stream before it reads the inputs, and the
         current stream waits for the context's before anything uses the outputs.
         """
-        check_within(self.profile, feeds)
+        problem = outside(self.profile, feeds)
+        if problem is not None:
+            raise ValueError(f"{problem}; rebuild the plans with larger limits (build_engines.py build-trt)")
         current = torch.cuda.current_stream(self.device)
         inputs = {n: feeds[n].to(self.device, dtype).contiguous() for n, dtype in self.inputs.items()}
         context = ctx.context
@@ -314,25 +318,26 @@ class TrtContextPool:
 
 
 class TrtDiTEstimator(nn.Module):
-    """The DiT estimator on TensorRT plans: the `forward`/`forward_chunk` contract of dit.py.
+    """The DiT estimator on TensorRT plans, with the `forward`/`forward_chunk` contract of dit.py.
 
-    Inputs and outputs keep the caller's dtype and device; without an offline plan `forward` raises.
+    Calls the plans cannot take run on `fallback`, the PyTorch DiT: shapes outside the profiles (a very
+    long last chunk or utterance), a per-query offline mask (`DiTFlow.offline` with a chunk layout) or
+    a missing offline plan. Inputs and outputs keep the caller's dtype and device.
     """
 
-    def __init__(self, chunk: TrtContextPool, offline: TrtContextPool | None) -> None:
+    def __init__(self, chunk: TrtContextPool, offline: TrtContextPool | None, fallback: DiT) -> None:
         super().__init__()
         self.chunk_pool = chunk
         self.offline_pool = offline
+        self.fallback = fallback
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor,
                 spks: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        if self.offline_pool is None:
-            raise RuntimeError("no offline DiT plan was built; run build_engines.py build-trt")
-        if mask.dim() != 3 or mask.shape[1] != 1:
-            raise ValueError(f"the offline plan takes a key mask (B, 1, T), got {tuple(mask.shape)}")
         feeds = {"x": x, "mask": mask.bool(), "mu": mu, "t": t.float(), "spks": spks, "cond": cond}
-        out = self.offline_pool(feeds)
-        return out["velocity"].to(x.dtype)
+        pool = self.offline_pool
+        if pool is None or mask.shape[1] != 1 or self._declined(pool, feeds):
+            return self.fallback(x, mask, mu, t, spks, cond)
+        return pool(feeds)["velocity"].to(x.dtype)
 
     def forward_chunk(
         self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
@@ -340,9 +345,18 @@ class TrtDiTEstimator(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         feeds = {"x": x, "mu": mu, "t": t.float(), "spks": spks, "cond": cond, "cnn_cache": cnn_cache,
                  "att_cache": att_cache}
+        if self._declined(self.chunk_pool, feeds):
+            return self.fallback.forward_chunk(x, mu, t, spks, cond, cnn_cache, att_cache)
         out = self.chunk_pool(feeds)
         dtype = x.dtype
         return out["velocity"].to(dtype), out["new_cnn_cache"].to(dtype), out["chunk_att_cache"].to(dtype)
+
+    @staticmethod
+    def _declined(pool: TrtContextPool, feeds: Mapping[str, torch.Tensor]) -> bool:
+        problem = outside(pool.profile, feeds)
+        if problem is not None:
+            logger.warning("%s: %s; running this call in PyTorch", pool.plan.name, problem)
+        return problem is not None
 
 
 class TrtToken2Wav(TorchToken2Wav):
@@ -375,7 +389,7 @@ def load_trt_token2wav(
     chunk = TrtContextPool(artifacts.dit_chunk_plan(precision), pool_size, device)
     offline_plan = artifacts.dit_offline_plan(precision)
     offline = TrtContextPool(offline_plan, 1, device) if offline_plan.is_file() else None
-    flow.decoder.estimator = TrtDiTEstimator(chunk, offline)  # frees the PyTorch DiT weights
+    flow.decoder.estimator = TrtDiTEstimator(chunk, offline, fallback=flow.decoder.estimator)
     hift = load_hift(paths.hift, configs.hift, device)
     logger.info("TensorRT DiT estimator: %s (%d contexts), offline plan: %s", chunk.plan, pool_size,
                 offline.plan if offline else "none")

@@ -24,6 +24,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from engines.build.onnx_models import export_campplus
 from engines.build.tensorrt import (
     StageUnavailable,
     TrtllmBuildOptions,
@@ -49,17 +50,19 @@ from engines.llm.trtllm import (
     speech_codes,
 )
 from engines.token2wav.auto import select_token2wav, tensorrt_unavailable
-from engines.token2wav.flow_dit import DiTFlow
+from engines.token2wav.flow_dit import DiTFlow, load_dit_flow
 from engines.token2wav.onnx_export import CHUNK_INPUTS, OFFLINE_INPUTS, EstimatorShapes
 from engines.token2wav.trt_pool import (
     EstimatorLimits,
     LeasePool,
     TrtArtifacts,
     TrtContextPool,
-    check_within,
+    TrtDiTEstimator,
     chunk_profile,
     offline_profile,
+    outside,
 )
+from engines.voice import VoicePrompt
 
 VOCAB = SpeechVocab(1000)
 LIMITS = EngineLimits(max_batch_size=4, max_input_len=64, max_seq_len=128, vocab_size=VOCAB.padded_size,
@@ -362,6 +365,7 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.save(CosyVoice2LM(configs.llm).state_dict(), paths.llm)
     torch.save(DiTFlow(configs.dit_flow).state_dict(), paths.dit_flow)
     write_qwen2_tokenizer(paths.text_tokenizer)
+    export_campplus(paths.campplus, seed=0)
     return root
 
 
@@ -403,7 +407,6 @@ def test_build_trt_stage_says_what_it_needs(tmp_path: Path, models_dir: Path) ->
     with pytest.raises(StageUnavailable, match="export-onnx"):
         build_trt(tmp_path)
     export_onnx(models_dir)
-    ModelPaths(models_dir).campplus.write_bytes(b"")
     with pytest.raises(StageUnavailable, match="needs TensorRT"):
         build_trt(models_dir)
 
@@ -427,17 +430,15 @@ def test_build_trt_builds_plans_that_run(models_dir: Path) -> None:
     export_onnx(models_dir)
     limits = EstimatorLimits(streams=2, max_frames=64, max_cache_frames=64, max_offline_frames=128,
                              opt_frames=16, opt_cache_frames=16)
-    from engines.build.tensorrt import _plan_jobs, build_plan
-
-    for job in _plan_jobs(models_dir, "fp32", limits)[:2]:
-        build_plan(job.onnx, job.plan, job.profile(), job.precision)
+    assert build_trt(models_dir, "fp32", limits) is True
+    assert build_trt(models_dir, "fp32", limits) is False
     pool = TrtContextPool(TrtArtifacts(models_dir).dit_chunk_plan("fp32"), size=2)
-    dit = DiTFlow(ModelConfigs.tiny().dit_flow)
-    dit.load_state_dict(torch.load(ModelPaths(models_dir).dit_flow))
+    flow = load_dit_flow(ModelPaths(models_dir).dit_flow, ModelConfigs.tiny().dit_flow, "cpu", torch.float32)
     feeds = {n: torch.randn(s) for n, s in EstimatorShapes(DIT).chunk_inputs(2, 8, 5).items()}
     feeds["t"] = torch.rand(2)
     out = pool({n: t.cuda() for n, t in feeds.items()})
-    expected = dit.decoder.estimator.forward_chunk(*feeds.values())
+    with torch.no_grad():
+        expected = flow.decoder.estimator.forward_chunk(*feeds.values())
     for got, want in zip(out.values(), expected, strict=True):
         torch.testing.assert_close(got.cpu(), want, atol=1e-3, rtol=1e-3)
 
@@ -458,14 +459,64 @@ def test_chunk_profile_spans_empty_caches_to_the_limits() -> None:
     assert offline_profile(DIT, limits)["mask"][2] == (6, 1, 3000)
 
 
-def test_inputs_outside_the_profile_are_refused_with_the_limits() -> None:
+def test_inputs_outside_the_profile_are_named_with_the_limits() -> None:
     profile = chunk_profile(DIT, EstimatorLimits(streams=1, max_frames=10, max_cache_frames=10, opt_frames=5,
                                                  opt_cache_frames=5))
     inside = {n: torch.zeros(s) for n, s in EstimatorShapes(DIT).chunk_inputs(2, 10, 0).items()}
-    check_within(profile, inside)
+    assert outside(profile, inside) is None
     too_long = {n: torch.zeros(s) for n, s in EstimatorShapes(DIT).chunk_inputs(2, 11, 0).items()}
-    with pytest.raises(ValueError, match="input x of shape"):
-        check_within(profile, too_long)
+    assert str(outside(profile, too_long)).startswith("input x of shape (2, 80, 11) is outside")
+
+
+@dataclass
+class OrtPool:
+    """Stands in for a `TrtContextPool`: the same exported graph and profile, run by onnxruntime."""
+
+    plan: Path
+    profile: dict[str, Any]
+    calls: int = 0
+
+    def __post_init__(self) -> None:
+        self.session = ort.InferenceSession(str(self.plan), providers=["CPUExecutionProvider"])
+
+    def __call__(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        self.calls += 1
+        names = [o.name for o in self.session.get_outputs()]
+        outputs = self.session.run(None, {n: t.numpy() for n, t in feeds.items()})
+        return {n: torch.from_numpy(o) for n, o in zip(names, outputs, strict=True)}
+
+
+@torch.no_grad()
+def test_flow_on_the_plan_estimator_equals_the_pytorch_flow(models_dir: Path) -> None:
+    """The DiT flow with `TrtDiTEstimator` over the exported graphs streams and renders the same mel;
+    calls outside the profile fall back to the PyTorch DiT."""
+    configs = ModelConfigs.tiny()
+    reference = load_dit_flow(ModelPaths(models_dir).dit_flow, configs.dit_flow, "cpu", torch.float32)
+    flow = load_dit_flow(ModelPaths(models_dir).dit_flow, configs.dit_flow, "cpu", torch.float32)
+    export_onnx(models_dir)
+    limits = EstimatorLimits(streams=1, max_frames=40, max_cache_frames=80, max_offline_frames=120,
+                             opt_frames=20, opt_cache_frames=20)
+    artifacts = TrtArtifacts(models_dir)
+    chunk = OrtPool(artifacts.dit_chunk_onnx, chunk_profile(DIT, limits))
+    offline = OrtPool(artifacts.dit_offline_onnx, offline_profile(DIT, limits))
+    flow.decoder.estimator = TrtDiTEstimator(chunk, offline, fallback=flow.decoder.estimator)  # type: ignore[arg-type]
+
+    generator = torch.Generator().manual_seed(3)
+    voice = VoicePrompt("prompt", torch.randint(0, 6561, (6,), generator=generator),
+                        torch.randn(192, generator=generator), torch.randn(12, 80, generator=generator))
+    tokens = torch.randint(0, 6561, (30,), generator=generator)
+    mels = []
+    for model in (reference, flow):
+        speaker = model.prepare_speaker(voice)
+        stream = model.open_stream(speaker)
+        first = model.chunk(stream, tokens[:8], last=False)  # 10 frames after a 12-frame prompt
+        rest = model.chunk(stream, tokens[5:], last=True)  # 50 frames: beyond the 40-frame profile
+        mels.append((first, rest, model.offline(speaker, tokens[:10])))
+    for got, want in zip(mels[1], mels[0], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    steps = configs.dit_flow.n_timesteps
+    assert chunk.calls == 2 * steps  # the prompt and the first chunk; the long last chunk fell back
+    assert offline.calls == steps
 
 
 def test_lease_pool_lends_each_item_to_one_thread_at_a_time() -> None:

@@ -135,7 +135,10 @@ def check_offer(sdp: str) -> None:
         raise ServiceError("bad_offer", "the offer needs an audio m-line to receive speech on", 400)
     if "application" not in kinds:
         raise ServiceError("bad_offer", "the offer needs a data channel for control messages", 400)
-    if any(media.ice.usernameFragment is None or media.ice.password is None for media in description.media):
+    if any(
+        media.ice is None or media.ice.usernameFragment is None or media.ice.password is None
+        for media in description.media
+    ):
         raise ServiceError("bad_offer", "the offer has no ICE credentials (ice-ufrag/ice-pwd)", 400)
 
 

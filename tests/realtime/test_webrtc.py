@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import aioice.ice
+import av
 import httpx
 import numpy as np
 import pytest
@@ -163,7 +165,7 @@ async def test_track_frames_are_20ms_s16_mono_48k_with_contiguous_pts() -> None:
             "s16",
             "mono",
         )
-        assert frame.time_base.numerator == 1 and frame.time_base.denominator == OPUS_RATE
+        assert frame.time_base == Fraction(1, OPUS_RATE)
     samples = [f.to_ndarray()[0] for f in frames]
     assert (samples[0] == 1000).all()
     assert (samples[1][:10] == 1000).all() and not samples[1][10:].any()
@@ -292,6 +294,7 @@ class Peer:
         try:
             while True:
                 frame = await track.recv()
+                assert isinstance(frame, av.AudioFrame)
                 self.frame_shapes.add((frame.sample_rate, frame.samples))
                 self.peak = max(self.peak, int(np.abs(frame.to_ndarray()).max()))
         except MediaStreamError:

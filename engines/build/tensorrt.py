@@ -28,6 +28,7 @@ import torch
 from engines.config import ModelPaths, configs_for_models_dir
 from engines.llm.hf_export import export_hf, is_exported
 from engines.llm.trtllm import engine_dir
+from engines.token2wav.dit import DiT
 from engines.token2wav.onnx_export import (
     CHUNK_INPUTS,
     OFFLINE_INPUTS,
@@ -167,8 +168,8 @@ def build_trtllm(models_dir: Path, options: TrtllmBuildOptions, force: bool = Fa
         raise StageUnavailable("build-trtllm needs TensorRT-LLM (the tensorrt_llm package and its "
                                "trtllm-build command) on a CUDA host, e.g. the "
                                "nvcr.io/nvidia/tensorrt-llm/release image")
-    from tensorrt_llm.mapping import Mapping
-    from tensorrt_llm.models import QWenForCausalLM
+    from tensorrt_llm.mapping import Mapping  # type: ignore[import-not-found]
+    from tensorrt_llm.models import QWenForCausalLM  # type: ignore[import-not-found]
 
     checkpoint = paths.engines / "trtllm-checkpoint"
     logger.info("build-trtllm: converting %s to a TensorRT-LLM checkpoint (%s)", paths.hf_llm, options.dtype)
@@ -205,6 +206,7 @@ def export_onnx(models_dir: Path, force: bool = False) -> bool:
 
     flow = load_dit_flow(paths.dit_flow, configs_for_models_dir(paths.root).dit_flow, "cpu", torch.float32)
     estimator = flow.decoder.estimator
+    assert isinstance(estimator, DiT), "DiTFlow's estimator is a DiT"
     for path, export in ((artifacts.dit_chunk_onnx, export_chunk_estimator),
                          (artifacts.dit_offline_onnx, export_offline_estimator)):
         logger.info("export-onnx: %s", path)
@@ -216,7 +218,7 @@ def export_onnx(models_dir: Path, force: bool = False) -> bool:
 def _onnx_inputs(path: Path) -> tuple[str, ...] | None:
     """The graph input names of an ONNX file, or None when it is missing or unreadable."""
     import onnx
-    from google.protobuf.message import DecodeError
+    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
     try:
         graph = onnx.load(str(path), load_external_data=False).graph

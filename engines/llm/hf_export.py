@@ -284,4 +284,4 @@ def load_hf_causal_lm(hf_dir: Path, dtype: torch.dtype = torch.float32) -> torch
     model = Qwen2ForCausalLM(config)
     model.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=True)
     model.load_state_dict(load_file(str(Path(hf_dir) / WEIGHTS_FILE)), strict=True)
-    return model.to(dtype).eval()
+    return model.to(dtype).eval()  # type: ignore[arg-type]  # transformers types `to` too narrowly

@@ -52,7 +52,7 @@ class TensorRTLLMUnavailable(RuntimeError):
 def import_executor_bindings() -> ModuleType:
     """`tensorrt_llm.bindings.executor`, or `TensorRTLLMUnavailable` saying how to get it."""
     try:
-        from tensorrt_llm.bindings import executor
+        from tensorrt_llm.bindings import executor  # type: ignore[import-not-found]
     except ImportError as exc:
         raise TensorRTLLMUnavailable(
             f"TensorRT-LLM is not importable ({exc}); the TensorRT-LLM LLM backend needs a CUDA host with "
@@ -149,7 +149,7 @@ def plan_request(request: LLMRequest, vocab: SpeechVocab, limits: EngineLimits, 
 
 def speech_codes(ids: Sequence[int], vocab: SpeechVocab) -> tuple[list[int], bool]:
     """The speech codes at the front of `ids`, and whether a non-speech id (a stop) followed them."""
-    codes = []
+    codes: list[int] = []
     for hf_id in ids:
         code = vocab.to_speech(hf_id)
         if code is None:
@@ -408,5 +408,6 @@ class TrtLlmEngine(LLMEngine):
         with self._lock:
             streams, self._streams = list(self._streams.values()), {}
         failed = LLMError("engine_error", "the LLM engine failed")
-        if streams and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._deliver, [(s, [], True, failed) for s in streams])
+        deliveries: list[_Delivery] = [(stream, [], True, failed) for stream in streams]
+        if deliveries and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._deliver, deliveries)

@@ -54,7 +54,7 @@ class TensorRTUnavailable(RuntimeError):
 def import_tensorrt() -> ModuleType:
     """The `tensorrt` module, or `TensorRTUnavailable` saying how to get it."""
     try:
-        import tensorrt
+        import tensorrt  # type: ignore[import-not-found]
     except ImportError as exc:
         raise TensorRTUnavailable(
             f"TensorRT is not importable ({exc}); the TensorRT token2wav backend needs a CUDA host with the "
@@ -389,7 +389,9 @@ def load_trt_token2wav(
     chunk = TrtContextPool(artifacts.dit_chunk_plan(precision), pool_size, device)
     offline_plan = artifacts.dit_offline_plan(precision)
     offline = TrtContextPool(offline_plan, 1, device) if offline_plan.is_file() else None
-    flow.decoder.estimator = TrtDiTEstimator(chunk, offline, fallback=flow.decoder.estimator)
+    dit = flow.decoder.estimator
+    assert isinstance(dit, DiT), "DiTFlow's estimator is a DiT"
+    flow.decoder.estimator = TrtDiTEstimator(chunk, offline, fallback=dit)
     hift = load_hift(paths.hift, configs.hift, device)
     logger.info("TensorRT DiT estimator: %s (%d contexts), offline plan: %s", chunk.plan, pool_size,
                 offline.plan if offline else "none")

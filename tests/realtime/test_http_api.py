@@ -64,18 +64,21 @@ async def test_every_container_format_decodes(live_server, response_format):
 
 
 async def test_sse_stream_carries_base64_deltas_then_done(live_server):
-    async with httpx.AsyncClient(base_url=live_server.http_url, timeout=60) as http, http.stream(
-        "POST",
-        "/v1/audio/speech",
-        json={
-            "model": "gpt-4o-mini-tts",
-            "voice": "default",
-            "input": "Events please.",
-            "response_format": "pcm",
-            "stream_format": "sse",
-            "fixed_length": FIXED,
-        },
-    ) as response:
+    async with (
+        httpx.AsyncClient(base_url=live_server.http_url, timeout=60) as http,
+        http.stream(
+            "POST",
+            "/v1/audio/speech",
+            json={
+                "model": "gpt-4o-mini-tts",
+                "voice": "default",
+                "input": "Events please.",
+                "response_format": "pcm",
+                "stream_format": "sse",
+                "fixed_length": FIXED,
+            },
+        ) as response,
+    ):
         assert response.headers["content-type"].startswith("text/event-stream")
         events = [
             json.loads(line[len("data: ") :])
@@ -141,3 +144,16 @@ async def test_openai_client_raises_its_own_error_type(live_server):
     with pytest.raises(openai.NotFoundError) as info:
         await client(live_server).audio.speech.create(model="tts-1", voice="nobody", input="hi")
     assert info.value.body["code"] == "voice_not_found"
+
+
+async def test_speed_shortens_the_audio(live_server):
+    async with client(live_server).audio.speech.with_streaming_response.create(
+        model="tts-1",
+        voice="default",
+        input="Faster please.",
+        response_format="pcm",
+        speed=2.0,
+        extra_body={"fixed_length": 50},
+    ) as response:
+        audio = np.frombuffer(await response.read(), dtype="<i2")
+    assert audio.size == pytest.approx(50 * SAMPLES_PER_TOKEN / 2, rel=0.05)

@@ -103,7 +103,7 @@ class WebRTCClient {
     this.channel = null;
     this.ready = null;
     this.statsTimer = null;
-    this.speakSentAt = 0;
+    this.context = null;
   }
 
   connect() {
@@ -162,7 +162,6 @@ class WebRTCClient {
 
   async speak(text, voice) {
     await this.connect();
-    this.speakSentAt = performance.now();
     this.channel.send(JSON.stringify({ type: "speak", text, voice }));
   }
 
@@ -254,6 +253,7 @@ class WebSocketClient {
     this.ready = null;
     this.context = null;
     this.player = null;
+    this.analyser = null;
     this.contextCount = 0;
     this.current = null;
   }
@@ -356,11 +356,13 @@ class WebSocketClient {
     switch (event.type) {
       case "done":
         if (event.context_id !== this.current?.id) return;
+        this.current = null; // the server has closed this context: nothing left to cancel
         setState(event.cancelled ? "cancelled" : "connected", "live");
         setSpeaking(false);
         log(event.cancelled ? "cancelled" : "done");
         break;
       case "error":
+        if (event.context_id && event.context_id !== this.current?.id) return;
         setState("error", "error");
         setSpeaking(false);
         log(`error ${event.code}: ${event.message}`);
@@ -407,7 +409,6 @@ async function uploadVoice(event) {
 // ------------------------------------------------------------------------------------------ wiring
 
 const clients = { webrtc: new WebRTCClient(), ws: new WebSocketClient() };
-window.__rt.clients = clients;
 
 async function speak() {
   const text = $("text").value.trim();

@@ -117,7 +117,7 @@ class DevTools:
             if await self.evaluate(expression):
                 return
             await asyncio.sleep(0.1)
-        state = await self.evaluate("JSON.stringify({...window.__rt, clients: undefined})")
+        state = await self.evaluate("JSON.stringify(window.__rt)")
         raise AssertionError(f"never true: {expression}\npage state: {state}\nconsole: {self.console[-10:]}")
 
     async def close(self) -> None:

@@ -229,6 +229,7 @@ class Session:
         self._created = clock()
         # Output bookkeeping (producer side).
         self._seq = 0
+        self._upcoming: TokenStream | None = None  # the next segment's LLM request, once started
         self._speech_tokens = 0
         self._samples_out = 0
         self._speech_s = 0.0
@@ -295,7 +296,8 @@ class Session:
         started = self._clock()
         try:
             for index, segment in enumerate(self._segments):
-                await self._speak_segment(segment, last_segment=index == len(self._segments) - 1)
+                token_stream, self._upcoming = self._upcoming or self._submit(index), None
+                await self._speak_segment(segment, token_stream, index + 1)
             wall = self._clock() - started
             if self._speech_s > 0:
                 self._metrics.real_time_factor.observe(wall / self._speech_s)
@@ -320,27 +322,37 @@ class Session:
             await self._out.put(
                 ServiceError("internal_error", f"synthesis failed: {type(exc).__name__}", 500)
             )
+        finally:
+            if self._upcoming is not None:
+                self._upcoming.cancel()
+                self._upcoming = None
 
-    async def _speak_segment(self, segment: Segment, last_segment: bool) -> None:
-        sampling = self.request.sampling
-        llm_request = LLMRequest(
-            request_id=f"{self.session_id}-{self._seq}",
-            text_ids=segment.text_ids,
-            prompt_text_ids=self._voice.prompt_text_ids,
-            prompt_speech_tokens=self._voice.prompt_speech_tokens,
-            sampling=sampling,
-        )
-        low, high = sampling.length_bounds(len(segment.text_ids))
+    def _submit(self, index: int) -> TokenStream:
+        """Start the LLM request of segment `index`."""
+        try:
+            return self._engines.submit_llm(
+                LLMRequest(
+                    request_id=f"{self.session_id}-{index}",
+                    text_ids=self._segments[index].text_ids,
+                    prompt_text_ids=self._voice.prompt_text_ids,
+                    prompt_speech_tokens=self._voice.prompt_speech_tokens,
+                    sampling=self.request.sampling,
+                )
+            )
+        except LLMError as exc:
+            raise ServiceError(exc.code, str(exc), 400) from exc
+
+    async def _speak_segment(self, segment: Segment, token_stream: TokenStream, next_index: int) -> None:
+        """Synthesise one segment from its token stream. When its tokens are complete, the next
+        segment's LLM request starts (`self._upcoming`), so its first chunk is ready sooner."""
+        last_segment = next_index == len(self._segments)
+        low, high = self.request.sampling.length_bounds(len(segment.text_ids))
         expected_tokens = min(high, max(low, len(segment.text) * SPEECH_SECONDS_PER_CHAR * TOKEN_RATE_HZ))
         timer = WordTimer(segment.words, expected_tokens / TOKEN_RATE_HZ)
         segment_start_s = self._speech_s
         scheduler = ChunkScheduler(make_policy(self.request.schedule))
         stream: Token2WavStream | None = None
         tokens: list[int] = []
-        try:
-            token_stream = self._engines.submit_llm(llm_request)
-        except LLMError as exc:
-            raise ServiceError(exc.code, str(exc), 400) from exc
         try:
             stream = await self._engines.open_stream(self._voice.speaker)
             decode_started = self._clock()
@@ -352,6 +364,8 @@ class Session:
                         tokens.extend(await anext(token_stream))
                     except StopAsyncIteration:
                         ended = True
+                        if not last_segment:
+                            self._upcoming = self._submit(next_index)
                     except LLMError as exc:
                         raise ServiceError(exc.code, str(exc), 500) from exc
                     continue

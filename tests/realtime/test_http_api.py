@@ -157,3 +157,18 @@ async def test_speed_shortens_the_audio(live_server):
     ) as response:
         audio = np.frombuffer(await response.read(), dtype="<i2")
     assert audio.size == pytest.approx(50 * SAMPLES_PER_TOKEN / 2, rel=0.05)
+
+
+async def test_client_disconnect_mid_stream_frees_engine_resources(live_server, eventually):
+    runtime = live_server.runtime
+    text = " ".join(f"Sentence {i} goes on for a little while." for i in range(20))
+    async with httpx.AsyncClient(base_url=live_server.http_url, timeout=60) as http:
+        body = {"model": "tts-1", "input": text, "response_format": "pcm", "fixed_length": 60}
+        async with http.stream("POST", "/v1/audio/speech", json=body) as response:
+            assert response.status_code == 200
+            async for _ in response.aiter_bytes():
+                break
+            assert runtime.stats().active_streams == 1
+    await eventually(lambda: runtime.stats().active_streams == 0)
+    await eventually(lambda: runtime.stats().llm_active + runtime.stats().llm_waiting == 0)
+    await eventually(lambda: runtime.stats().token2wav_streams == 0)

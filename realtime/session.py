@@ -243,14 +243,18 @@ class Session:
         """Tokens so far (final once the iteration has ended)."""
         return Usage(sum(len(s.text_ids) for s in self._segments), self._speech_tokens)
 
+    def start(self) -> None:
+        """Begin synthesis now rather than at the first iteration (to have audio ready sooner)."""
+        if self._task is None and not self._done:
+            self._task = asyncio.create_task(self._produce(), name=f"tts-session-{self.session_id}")
+
     def __aiter__(self) -> Session:
         return self
 
     async def __anext__(self) -> AudioChunk:
         if self._done:
             raise StopAsyncIteration
-        if self._task is None:
-            self._task = asyncio.create_task(self._produce(), name=f"tts-session-{self.session_id}")
+        self.start()
         item = await self._out.get()
         if item is _END:
             self._done = True

@@ -40,7 +40,7 @@ from realtime.protocol.core import (
 )
 from realtime.protocol.elevenlabs import ElevenLabsDialect
 from realtime.runtime import Runtime
-from realtime.session import ServiceError, SpeechRequest, WordTiming
+from realtime.session import AudioChunk, ServiceError, Session, SpeechRequest, WordTiming
 
 logger = logging.getLogger(__name__)
 
@@ -70,54 +70,60 @@ class _ContextRunner:
             await asyncio.wait_for(self._task, CANCEL_TIMEOUT_S)
 
     async def _run(self) -> None:
+        """Drain one session after another. While one is sent, the next queued text's session is
+        already synthesising (bounded by the session's own queue), so sentences follow without a gap."""
         start = self._start
-        runtime = self._connection.runtime
-        while True:
-            text = await self._texts.get()
-            try:
-                await self._speak_one(runtime, text)
-            except ServiceError as exc:
-                await self._connection.report_failure(start.context_id, exc.code, exc.message)
-                return
-            await self._connection.report_done(start.context_id)
-
-    async def _speak_one(self, runtime: Runtime, text: str) -> None:
-        start = self._start
-        request = SpeechRequest(
-            text=text,
-            voice=start.voice,
-            speed=start.speed,
-            sampling=SamplingParams(seed=start.seed, fixed_length=start.fixed_length),
-        )
-        resampler = Resampler(start.sample_rate)
-        offset_s = self._samples_out / start.sample_rate
-        session = runtime.speak(request)
+        session: Session | None = None
+        upcoming: Session | None = None
         try:
-            async for chunk in session:
-                pcm = resampler.process(chunk.pcm)
-                if chunk.final:
-                    pcm = np.concatenate([pcm, resampler.flush()])
-                words = tuple(
-                    WordTiming(w.word, w.start_s + offset_s, w.end_s + offset_s, w.estimated)
-                    for w in chunk.words
-                )
-                await self._connection.send(
-                    AudioOut(
-                        context_id=start.context_id,
-                        seq=self._seq,
-                        payload=encode_samples(pcm, start.encoding),
-                        start_s=self._samples_out / start.sample_rate,
-                        duration_s=pcm.size / start.sample_rate,
-                        words=words,
-                        final=chunk.final,
-                        sample_rate=start.sample_rate,
-                        encoding=start.encoding,
-                    )
-                )
-                self._seq += 1
-                self._samples_out += pcm.size
+            while True:
+                session, upcoming = upcoming or self._open(await self._texts.get()), None
+                resampler = Resampler(start.sample_rate)
+                offset_s = self._samples_out / start.sample_rate
+                async for chunk in session:
+                    await self._send(chunk, resampler, offset_s)
+                    if upcoming is None and not self._texts.empty():
+                        upcoming = self._open(self._texts.get_nowait())
+                        upcoming.start()
+                await session.aclose()
+                await self._connection.report_done(start.context_id)
+        except ServiceError as exc:
+            await self._connection.report_failure(start.context_id, exc.code, exc.message)
         finally:
-            await session.aclose()
+            for pending in (session, upcoming):
+                if pending is not None:
+                    await pending.aclose()
+
+    def _open(self, text: str) -> Session:
+        start = self._start
+        sampling = SamplingParams(seed=start.seed, fixed_length=start.fixed_length)
+        return self._connection.runtime.speak(
+            SpeechRequest(text=text, voice=start.voice, speed=start.speed, sampling=sampling)
+        )
+
+    async def _send(self, chunk: AudioChunk, resampler: Resampler, offset_s: float) -> None:
+        start = self._start
+        pcm = resampler.process(chunk.pcm)
+        if chunk.final:
+            pcm = np.concatenate([pcm, resampler.flush()])
+        words = tuple(
+            WordTiming(w.word, w.start_s + offset_s, w.end_s + offset_s, w.estimated) for w in chunk.words
+        )
+        await self._connection.send(
+            AudioOut(
+                context_id=start.context_id,
+                seq=self._seq,
+                payload=encode_samples(pcm, start.encoding),
+                start_s=self._samples_out / start.sample_rate,
+                duration_s=pcm.size / start.sample_rate,
+                words=words,
+                final=chunk.final,
+                sample_rate=start.sample_rate,
+                encoding=start.encoding,
+            )
+        )
+        self._seq += 1
+        self._samples_out += pcm.size
 
 
 class _Connection:

@@ -53,6 +53,7 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         port=args.port,
         voices_dir=Path(args.voices) if args.voices else None,
         flow=args.flow,
+        llm_backend=args.llm_backend,
         device=args.device,
         schedule=ScheduleKind(args.schedule),
         max_streams=args.max_streams,
@@ -123,7 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
         )
         sub.add_argument("--voices", help="directory of uploaded voices (default: MODELS/voices)")
         sub.add_argument("--flow", choices=("dit", "unet"), default="dit", help="token2wav flow")
-        sub.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
+        sub.add_argument(
+            "--llm-backend",
+            choices=("auto", "torch", "trtllm"),
+            default="auto",
+            help="LLM engine (auto: TensorRT-LLM when built and importable, else PyTorch)",
+        )
+        sub.add_argument("--device", default="auto", help="torch device: auto, cpu, cuda, cuda:1, ...")
         sub.add_argument(
             "--schedule",
             choices=[k.value for k in ScheduleKind],

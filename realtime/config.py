@@ -11,6 +11,7 @@ from typing import Literal
 from realtime.schedule import ScheduleKind
 
 FlowKind = Literal["dit", "unet"]
+LLMBackend = Literal["auto", "torch", "trtllm"]
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "cosyvoice-realtime"
 
 
@@ -76,6 +77,9 @@ class ServiceConfig:
     max_streams: utterances synthesised at once; beyond that requests are refused as busy.
     max_text_chars: longest text of one request (HTTP input, one websocket context's buffer).
     max_voice_upload_s / max_voice_upload_bytes: limits on a reference clip for `POST /v1/voices`.
+    device: a torch device (`cpu`, `cuda`, `cuda:1`) or `auto` (CUDA when available).
+    llm_backend: `trtllm` (TensorRT-LLM), `torch`, or `auto`: TensorRT-LLM when its engine was built into
+        the models directory and `tensorrt_llm` imports, PyTorch otherwise.
     llm_slots: requests the LLM decodes together (None: `max_streams`; 1 serves one at a time).
     token2wav_batch: most chunks the token2wav worker runs in one call.
     chunk_queue: chunks (per stream) synthesised ahead of a slow consumer before the stream waits.
@@ -89,7 +93,8 @@ class ServiceConfig:
     port: int = 8080
     voices_dir: Path | None = None
     flow: FlowKind = "dit"
-    device: str = "cpu"
+    llm_backend: LLMBackend = "auto"
+    device: str = "auto"
     schedule: ScheduleKind = ScheduleKind.EXPONENTIAL
     max_streams: int = 16
     max_text_chars: int = 4096
@@ -109,6 +114,8 @@ class ServiceConfig:
             object.__setattr__(self, "voices_dir", Path(self.voices_dir))
         if self.flow not in ("dit", "unet"):
             raise ValueError(f"flow must be 'dit' or 'unet', got {self.flow!r}")
+        if self.llm_backend not in ("auto", "torch", "trtllm"):
+            raise ValueError(f"llm_backend must be 'auto', 'torch' or 'trtllm', got {self.llm_backend!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         for name in (
@@ -129,6 +136,15 @@ class ServiceConfig:
         # The speech tokenizer reads at most 30 s in one call.
         if not 1.0 < self.max_voice_upload_s <= 30.0:
             raise ValueError(f"max_voice_upload_s must be in (1, 30], got {self.max_voice_upload_s}")
+
+    @property
+    def torch_device(self) -> str:
+        """`device` with `auto` resolved."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
 
     @property
     def voice_store(self) -> Path:

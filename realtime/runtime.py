@@ -212,20 +212,36 @@ class LoadedEngines:
     voice_encoder: VoiceEncoder
 
 
-def load_engines(config: ServiceConfig) -> LoadedEngines:
-    """The PyTorch engines over `config.models_dir` (blocking: call it off the event loop)."""
+def load_llm(config: ServiceConfig) -> LLMEngine:
+    """The LLM engine `config.llm_backend` names; `auto` prefers a built TensorRT-LLM engine."""
     from engines.llm.torch_engine import TorchLLMEngine
+    from engines.llm.trtllm import TensorRTLLMUnavailable, TrtLlmEngine, engine_dir
+
+    if config.llm_backend == "trtllm" or (
+        config.llm_backend == "auto" and engine_dir(config.models_dir).is_dir()
+    ):
+        try:
+            return TrtLlmEngine.from_models_dir(config.models_dir)
+        except TensorRTLLMUnavailable as exc:
+            if config.llm_backend == "trtllm":
+                raise
+            logger.info("not using the TensorRT-LLM engine: %s", exc)
+    slots = config.llm_slots or config.max_streams
+    return TorchLLMEngine.from_models_dir(config.models_dir, device=config.torch_device, max_slots=slots)
+
+
+def load_engines(config: ServiceConfig) -> LoadedEngines:
+    """The engines over `config.models_dir` (blocking: call it off the event loop)."""
     from engines.token2wav.torch_backend import TorchToken2Wav
 
     paths = ModelPaths(config.models_dir)
-    slots = config.llm_slots or config.max_streams
-    llm = TorchLLMEngine.from_models_dir(config.models_dir, device=config.device, max_slots=slots)
-    token2wav = TorchToken2Wav.from_models_dir(config.models_dir, config.flow, config.device)
+    llm = load_llm(config)
+    token2wav = TorchToken2Wav.from_models_dir(config.models_dir, config.flow, config.torch_device)
     text = TextFrontend(paths.text_tokenizer, max_text_chars=config.max_text_chars)
     encoder = VoiceEncoder(
         paths.speech_tokenizer,
         paths.campplus,
-        device="cpu" if config.device == "cpu" else "auto",
+        device="cpu" if config.torch_device == "cpu" else "auto",
         limits=VoiceLimits(max_seconds=config.max_voice_upload_s),
     )
     return LoadedEngines(llm, token2wav, text, encoder)

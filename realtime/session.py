@@ -9,8 +9,9 @@ Contract (transports code against this):
   synthesising are raised from the iteration as `ServiceError`.
 - Always end a session with `await session.aclose()` (or `async with session:`); that (or cancelling
   the task iterating it) stops synthesis within one chunk and frees the LLM slot and the token2wav
-  stream at once. Synthesis runs ahead of the consumer by at most `chunk_queue` chunks, so a slow
-  consumer slows only its own stream.
+  stream at once. Synthesis starts at the first iteration (or at `session.start()`, to prepare audio
+  ahead) and runs ahead of the consumer by at most `chunk_queue` chunks, so a slow consumer slows
+  only its own stream.
 
 Long text is synthesised as several segments (one LLM request and one token2wav stream each) whose
 audio follows without a gap. Word timings are exact at segment boundaries and estimated within a
@@ -257,11 +258,9 @@ class Session:
         self.start()
         item = await self._out.get()
         if item is _END:
-            self._done = True
             await self.aclose()
             raise StopAsyncIteration
         if isinstance(item, ServiceError):
-            self._done = True
             await self.aclose()
             raise item
         assert isinstance(item, AudioChunk)

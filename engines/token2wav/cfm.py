@@ -6,11 +6,16 @@ unconditional half (x, 0, 0, 0); the velocity is (1 + r)·v_cond − r·v_uncond
 The starting noise comes from one fixed Gaussian buffer per instance, drawn from a seeded generator, and
 frame f of an utterance (prompt included) always uses column f (mod the buffer length): offline and
 streaming runs start from the same noise, and runs are reproducible.
+
+`solve_ragged` solves the chunks of many streams at once (`RaggedInputs`, built by batching.py): all 10
+steps, no host synchronisation and no shape that depends on tensor values, so one call can be captured
+as a CUDA graph (graphs.py) and write into caller-owned output buffers.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -33,6 +38,58 @@ class CachedEstimator(Protocol):
         cnn_cache: torch.Tensor,
         att_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+@runtime_checkable
+class RaggedEstimator(Protocol):
+    """An estimator that runs a padded batch of chunks with split prompt/own caches (dit.DiT)."""
+
+    def forward_ragged(
+        self,
+        x: torch.Tensor,
+        mu: torch.Tensor,
+        t: torch.Tensor,
+        spks: torch.Tensor,
+        lengths: torch.Tensor,
+        cnn_cache: torch.Tensor,
+        prompt_kv: torch.Tensor,
+        own_kv: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class RaggedInputs:
+    """Chunks of B streams, right-padded to T frames (cond = 0: the prompts condition via the caches).
+
+    mu (B, 80, T); spks (B, 80); offsets (B,) int64: utterance frame of each row's first frame (its
+    noise column); lengths (B,) int64: real frames per row (≥ 1);
+    cnn_cache (steps, depth, 2B, 2·hidden, 2); prompt_kv (steps, depth, 2, heads, K_p, 2·hd): the voices'
+    prompt caches side by side; own_kv (steps, depth, 2B, heads, T_own, 2·hd): each row's own cached
+    frames at the end (left padding); mask (2B, K_p + T_own + T) bool over [prompt, own, chunk] keys.
+    Guidance rows: conditional rows 0..B−1, then the unconditional ones in the same order.
+    """
+
+    mu: torch.Tensor
+    spks: torch.Tensor
+    offsets: torch.Tensor
+    lengths: torch.Tensor
+    cnn_cache: torch.Tensor
+    prompt_kv: torch.Tensor
+    own_kv: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass(frozen=True)
+class RaggedOutputs:
+    """mel (B, 80, T) right-padded; cnn_cache (steps, depth, 2B, 2·hidden, 2) after each row's last
+    real frame; recent_kv (steps, depth, 2B, heads, R, 2·hd): the last R frames of each row's
+    [own cache, chunk] keys|values ending at its last real frame (a row with fewer than R real frames
+    has filler first)."""
+
+    mel: torch.Tensor
+    cnn_cache: torch.Tensor
+    recent_kv: torch.Tensor
 
 
 def cosine_time_grid(n_timesteps: int) -> tuple[float, ...]:
@@ -128,3 +185,45 @@ class ConditionalCFM(nn.Module):
             chunk_kv.append(kv)
             x = x + (self.t_grid[step + 1] - self.t_grid[step]) * self._guided(v)
         return x, torch.stack(new_cnn), torch.stack(chunk_kv)
+
+    def solve_ragged(
+        self, inputs: RaggedInputs, recent: int, out: RaggedOutputs | None = None
+    ) -> RaggedOutputs:
+        """Mel of every row's chunk and the rows' new caches (see `RaggedInputs`, `RaggedOutputs`).
+
+        recent: R, the own-cache frames kept per row. `out`: buffers to write into (e.g. a CUDA graph's
+        static outputs); None allocates them.
+        """
+        estimator = self.estimator
+        if not isinstance(estimator, RaggedEstimator):
+            raise TypeError(f"{type(estimator).__name__} has no ragged batch mode")
+        mu, device = inputs.mu, inputs.mu.device
+        batch, _, frames = mu.shape
+        columns = (inputs.offsets[:, None] + torch.arange(frames, device=device)) % self.noise.shape[2]
+        x = self.noise[0][:, columns].transpose(0, 1).to(mu.dtype)
+        mu2 = torch.cat([mu, torch.zeros_like(mu)])
+        spks2 = torch.cat([inputs.spks, torch.zeros_like(inputs.spks)])
+        lengths2 = torch.cat([inputs.lengths, inputs.lengths])
+        # Each row's last R frames of [own cache (left-padded), chunk]; clamped into the padding when short.
+        ends = inputs.own_kv.shape[4] + lengths2[:, None]
+        keep = (ends - recent + torch.arange(recent, device=device)).clamp_min(0)
+        new_cnn, recent_kv = [], []
+        for step in range(self.n_timesteps):
+            t = torch.full((2 * batch,), self.t_grid[step], device=device)
+            own = inputs.own_kv[step]
+            v, cnn, kv = estimator.forward_ragged(
+                torch.cat([x, x]), mu2, t, spks2, lengths2, inputs.cnn_cache[step], inputs.prompt_kv[step],
+                own, inputs.mask,
+            )
+            history = torch.cat([own, kv], dim=3)
+            depth, _, heads, _, width = history.shape
+            index = keep[None, :, None, :, None].expand(depth, -1, heads, -1, width)
+            new_cnn.append(cnn)
+            recent_kv.append(history.gather(3, index))
+            x = x + (self.t_grid[step + 1] - self.t_grid[step]) * self._guided(v)
+        if out is None:
+            return RaggedOutputs(x, torch.stack(new_cnn), torch.stack(recent_kv))
+        out.mel.copy_(x)
+        torch.stack(new_cnn, out=out.cnn_cache)
+        torch.stack(recent_kv, out=out.recent_kv)
+        return out

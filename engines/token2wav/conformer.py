@@ -10,6 +10,8 @@ Two ways to run it:
 - `forward_chunk`: one chunk with a `ConformerCache` holding the conv contexts and every layer's keys and
   values of the frames seen so far (Step-Audio2 streaming). Chunk mode equals `forward` with a
   block-causal mask over the same chunks (`blocks_attention_mask`).
+- `forward_chunks`: chunks of several streams at once, padded as batching.py lays them out; each row
+  equals its own `forward_chunk`.
 
 Cache layout (chosen for clarity; only the DiT estimator needs an exportable tensor layout): the token
 layers' keys|values stacked as (num_blocks, B, H, T_tokens, 2·head_dim) and the mel layers' as
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.config import ConformerConfig
+from engines.token2wav.batching import frames_before, span_mask
 
 PRE_LOOKAHEAD_LEFT = 2  # conv2 of PreLookahead: kernel 3, causal
 UPSAMPLE_KERNEL_GROWTH = 2  # Upsample1D conv kernel = 2·stride + 1, left context 2·stride
@@ -175,15 +178,20 @@ class PreLookaheadLayer(nn.Module):
         self.conv2 = nn.Conv1d(d_model, d_model, kernel_size=PRE_LOOKAHEAD_LEFT + 1)
 
     def forward(
-        self, x: torch.Tensor, right: torch.Tensor, left: torch.Tensor
+        self, x: torch.Tensor, right: torch.Tensor, left: torch.Tensor, lengths: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x (B, T, D), right (B, lookahead, D) frames after x, left (B, D, 2) conv2 context.
 
-        Returns (B, T, D) and the new conv2 context (its last 2 input frames).
+        Returns (B, T, D) and the new conv2 context (its last 2 input frames; with `lengths` (B,), the
+        last 2 before each row's padding).
         """
         h = F.leaky_relu(self.conv1(torch.cat([x, right], dim=1).transpose(1, 2)))
         h = torch.cat([left, h], dim=2)
-        return self.conv2(h).transpose(1, 2) + x, h[:, :, -PRE_LOOKAHEAD_LEFT:]
+        if lengths is None:
+            context = h[:, :, -PRE_LOOKAHEAD_LEFT:]
+        else:
+            context = frames_before(h, lengths + PRE_LOOKAHEAD_LEFT, PRE_LOOKAHEAD_LEFT)
+        return self.conv2(h).transpose(1, 2) + x, context
 
 
 class Upsample1D(nn.Module):
@@ -195,10 +203,17 @@ class Upsample1D(nn.Module):
         self.context = UPSAMPLE_KERNEL_GROWTH * stride
         self.conv = nn.Conv1d(d_model, d_model, kernel_size=self.context + 1)
 
-    def forward(self, x: torch.Tensor, left: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (B, D, T), left (B, D, 2·stride) context → (B, D, stride·T) and the new context."""
+    def forward(
+        self, x: torch.Tensor, left: torch.Tensor, lengths: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, D, T), left (B, D, 2·stride) context → (B, D, stride·T) and the new context (taken
+        before each row's padding when `lengths` (B,) gives its real frames)."""
         h = torch.cat([left, x.repeat_interleave(self.stride, dim=2)], dim=2)
-        return self.conv(h), h[:, :, -self.context :]
+        if lengths is None:
+            context = h[:, :, -self.context :]
+        else:
+            context = frames_before(h, self.stride * lengths + self.context, self.context)
+        return self.conv(h), context
 
 
 @dataclass(frozen=True)
@@ -345,6 +360,47 @@ class UpsampleConformerEncoder(nn.Module):
         frame_kv = []
         for layer, past in zip(self.up_encoders, cache.frame_kv, strict=True):
             x, kv = layer(x, pos, None, past)
+            frame_kv.append(kv)
+        update = ConformerCache(lookahead, upsample, torch.stack(token_kv), torch.stack(frame_kv))
+        return self.after_norm(x), update
+
+    def forward_chunks(
+        self,
+        xs: torch.Tensor,
+        token_lengths: torch.Tensor,
+        out_lengths: torch.Tensor,
+        cache: ConformerCache,
+        cache_lengths: torch.Tensor,
+    ) -> tuple[torch.Tensor, ConformerCache]:
+        """`forward_chunk` for B streams at once (batching.py: padded layout).
+
+        xs: (B, M + lookahead, D) embedded tokens, the first token_lengths[i] of row i real; out_lengths
+        (B,): tokens each row encodes (its token count minus the lookahead, or all of them for a final
+        chunk), at most M. cache: the rows' conv contexts and histories left-padded to a common length,
+        cache_lengths[i] real tokens in row i. Returns (B, stride·M, D), row i's first stride·m_i frames
+        real, and the update: each row's new conv contexts and the keys/values of its M tokens (real
+        ones first).
+        """
+        cfg, stride = self.cfg, self.cfg.up_stride
+        tokens = xs.shape[1] - cfg.pre_lookahead
+        valid = torch.arange(xs.shape[1], device=xs.device) < token_lengths[:, None]
+        # Zeroed padding is a final chunk's zero right context.
+        x = self.embed(xs) * valid[:, :, None]
+        x, lookahead = self.pre_lookahead_layer(x[:, :tokens], x[:, tokens:], cache.lookahead, out_lengths)
+        history = cache.num_tokens
+        mask = span_mask(history, tokens, cache_lengths, out_lengths)[:, None, :]
+        pos = self.positions(history + tokens)
+        token_kv = []
+        for layer, past in zip(self.encoders, cache.token_kv, strict=True):
+            x, kv = layer(x, pos, mask, past)
+            token_kv.append(kv)
+        upsampled, upsample = self.up_layer(x.transpose(1, 2), cache.upsample, out_lengths)
+        x = self.up_embed(upsampled.transpose(1, 2))
+        mask = span_mask(stride * history, stride * tokens, stride * cache_lengths, stride * out_lengths)
+        pos = self.positions(stride * (history + tokens))
+        frame_kv = []
+        for layer, past in zip(self.up_encoders, cache.frame_kv, strict=True):
+            x, kv = layer(x, pos, mask[:, None, :], past)
             frame_kv.append(kv)
         update = ConformerCache(lookahead, upsample, torch.stack(token_kv), torch.stack(frame_kv))
         return self.after_norm(x), update

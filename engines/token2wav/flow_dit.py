@@ -15,11 +15,17 @@ Bounded memory (the reference's rules, with their intent made explicit):
 - encoder keys/values: the reference never trims them and fails past the relative-position table
   (100 s at full size); we keep the prompt and the most recent frames within half the table's span,
   so the other half stays free for the next chunk.
+
+`chunks` runs the chunks of many streams as one padded batch (batching.py): one encoder pass, one
+10-step solve whose DiT calls cover every stream and both guidance halves, the shared prompt caches read
+in place by attention split into a prompt part and a per-stream part (dit.SplitKeys). On CUDA the solve
+replays a CUDA graph per bucketed shape (graphs.py). `chunk` remains the one-stream path through the
+estimator's `forward_chunk`, which exported estimators (TensorRT) implement.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,10 +35,12 @@ from torch import nn
 
 from engines.checkpoints import load_checkpoint, load_strict
 from engines.config import MEL_BINS, FlowConfig
-from engines.token2wav.cfm import ConditionalCFM
+from engines.token2wav.batching import Buckets, RowSpec, SolveShape, plan_batches, span_mask
+from engines.token2wav.cfm import ConditionalCFM, RaggedEstimator
 from engines.token2wav.conformer import ConformerCache, UpsampleConformerEncoder, blocks_attention_mask
 from engines.token2wav.dit import DiT
 from engines.token2wav.flow_base import FlowModel, FlowSpeaker, FlowStream
+from engines.token2wav.graphs import EagerSolver, GraphedSolver, RaggedSolver, SolverLayout
 from engines.voice import VoicePrompt
 
 NOISE_FRAMES = 30000  # 600 s at 50 Hz, the reference's noise buffer
@@ -103,6 +111,19 @@ class DiTStream(FlowStream):
         del self.speaker, self.encoder, self.estimator_cnn, self.estimator_kv
 
 
+@dataclass(frozen=True)
+class _Row:
+    """One stream's chunk inside a batch: `tokens` on the CPU, `out_tokens` of them encoded."""
+
+    stream: DiTStream
+    tokens: torch.Tensor
+    out_tokens: int
+
+    @property
+    def speaker(self) -> DiTSpeaker:
+        return self.stream.speaker
+
+
 class DiTFlow(FlowModel):
     """`CausalMaskedDiffWithXvec` with the Step-Audio2 DiT; state dict = Step-Audio-2-mini `flow.pt`."""
 
@@ -116,6 +137,8 @@ class DiTFlow(FlowModel):
         self.encoder = UpsampleConformerEncoder(cfg.encoder)
         self.encoder_proj = nn.Linear(cfg.encoder.d_model, cfg.output_size)
         self.decoder = ConditionalCFM(DiT(cfg.dit), cfg.n_timesteps, cfg.cfg_rate, NOISE_FRAMES)
+        self.buckets = Buckets()
+        self._graphs: GraphedSolver | None = None
 
     # -- shared pieces ----------------------------------------------------------------------------------
 
@@ -190,6 +213,191 @@ class DiTFlow(FlowModel):
         stream.estimator_kv = torch.cat([stream.estimator_kv, kv], dim=4)[:, :, :, :, -recent:]
         stream.encoder = stream.encoder.extend(update).keep_recent(self._encoder_recent_tokens(speaker))
         return mel
+
+    # -- batches of streams -----------------------------------------------------------------------------
+
+    @property
+    def batches_streams(self) -> bool:
+        """Whether `chunks` batches streams: the estimator is the PyTorch DiT (not an exported one)."""
+        return isinstance(self.decoder.estimator, RaggedEstimator)
+
+    @property
+    def graphs(self) -> GraphedSolver | None:
+        return self._graphs
+
+    def enable_cuda_graphs(self, buckets: Buckets | None = None) -> GraphedSolver:
+        """Solve batches whose shapes fit `buckets` with CUDA graphs (captured on first use or by
+        `capture_graphs`); other shapes stay eager. Needs the flow on a CUDA device."""
+        if buckets is not None:
+            self.buckets = buckets
+        if self._graphs is None:
+            self._graphs = GraphedSolver(self.decoder, SolverLayout.of(self.cfg, self.dtype, self.device))
+        return self._graphs
+
+    @torch.inference_mode()
+    def capture_graphs(self, prompt_frames: int, hops: Iterable[int], batches: Iterable[int]) -> None:
+        """Capture now the graphs of chunks of `hops` tokens (plus lookahead) for voices of up to
+        `prompt_frames` prompt frames at the given batch sizes: first chunks (no own cache) and later
+        ones (a full own cache)."""
+        graphs = self.enable_cuda_graphs()
+        recent = self.cfg.att_cache_recent_frames
+        shapes = []
+        for batch in batches:
+            for hop in hops:
+                for own in (0, recent):
+                    exact = SolveShape(batch, self.cfg.token_mel_ratio * hop, own, prompt_frames)
+                    shape = self.buckets.shape(exact, recent)
+                    if shape is None:
+                        raise ValueError(f"{exact} is beyond the graph buckets {self.buckets}")
+                    shapes.append(shape)
+        graphs.capture(sorted(set(shapes), key=lambda s: (s.batch, s.frames, s.own_frames)))
+
+    @torch.inference_mode()
+    def chunks(
+        self, streams: Sequence[FlowStream], tokens: Sequence[torch.Tensor], lasts: Sequence[bool]
+    ) -> list[torch.Tensor]:
+        """`chunk` for distinct streams at once: one mel (1, 80, F_i) per stream, equal to running each
+        stream alone up to float rounding (padding is masked; see batching.py)."""
+        if not self.batches_streams:
+            raise TypeError(f"{type(self.decoder.estimator).__name__} cannot batch streams; use chunk()")
+        if not len(streams) == len(tokens) == len(lasts):
+            raise ValueError(f"{len(streams)} streams, {len(tokens)} token tensors, {len(lasts)} flags")
+        if len({id(s) for s in streams}) != len(streams):
+            raise ValueError("a batch holds at most one chunk per stream")
+        lookahead = self.cfg.encoder.pre_lookahead
+        mels: list[torch.Tensor | None] = [None] * len(streams)
+        rows: list[_Row] = []
+        positions: list[int] = []
+        for index, (stream, ids, last) in enumerate(zip(streams, tokens, lasts, strict=True)):
+            if not isinstance(stream, DiTStream) or stream.closed:
+                raise ValueError("chunks() needs open DiTStreams")
+            if not last and ids.numel() <= lookahead:
+                raise ValueError(f"a non-final chunk needs more than {lookahead} tokens, got {ids.numel()}")
+            if ids.numel() == 0:
+                mels[index] = torch.zeros(1, MEL_BINS, 0, device=self.device, dtype=self.dtype)
+                continue
+            rows.append(_Row(stream, ids.cpu(), ids.numel() - (0 if last else lookahead)))
+            positions.append(index)
+        voices: dict[DiTSpeaker, int] = {}
+        ratio = self.cfg.token_mel_ratio
+        specs = [RowSpec(ratio * row.out_tokens, voices.setdefault(row.speaker, len(voices)),
+                         row.speaker.prompt_frames) for row in rows]
+        for batch in plan_batches(specs, self.buckets):
+            batch_rows = [rows[i] for i in batch]
+            solved = self._solve_batch(batch_rows, self._encode_batch(batch_rows))
+            for i, mel in zip(batch, solved, strict=True):
+                mels[positions[i]] = mel
+        return [mel for mel in mels if mel is not None]
+
+    def _encode_batch(self, rows: Sequence[_Row]) -> torch.Tensor:
+        """Encode the rows' chunks (updating their encoder caches); mu (B, 80, 2·M), right-padded."""
+        enc, device = self.cfg.encoder, self.device
+        width = max(row.out_tokens for row in rows) + enc.pre_lookahead
+        ids = torch.zeros(len(rows), width, dtype=torch.int64)
+        for i, row in enumerate(rows):
+            ids[i, : row.tokens.numel()] = row.tokens
+        history = [row.speaker.encoder.num_tokens + row.stream.encoder.num_tokens for row in rows]
+        counts = [[row.tokens.numel() for row in rows], [row.out_tokens for row in rows], history]
+        token_lengths, out_lengths, cache_lengths = torch.tensor(counts).to(device).unbind()
+        embedded = self.input_embedding(ids.to(device).clamp_min(0))
+        cache = self._encoder_history(rows, max(history))
+        encoded, update = self.encoder.forward_chunks(
+            embedded, token_lengths, out_lengths, cache, cache_lengths)
+        stride = enc.up_stride
+        for i, row in enumerate(rows):
+            own = ConformerCache(update.lookahead[i : i + 1], update.upsample[i : i + 1],
+                                 update.token_kv[:, i : i + 1, :, : row.out_tokens],
+                                 update.frame_kv[:, i : i + 1, :, : stride * row.out_tokens])
+            kept = self._encoder_recent_tokens(row.speaker)
+            row.stream.encoder = row.stream.encoder.extend(own).keep_recent(kept)
+        return self._mu(encoded)
+
+    @staticmethod
+    def _encoder_history(rows: Sequence[_Row], tokens: int) -> ConformerCache:
+        """The rows' conv contexts and [prompt, own] keys/values, left-padded to `tokens` tokens."""
+        prompt = rows[0].speaker.encoder
+        stride = prompt.frame_kv.shape[3] // prompt.num_tokens
+        layers, _, heads, _, width = prompt.token_kv.shape
+        token_kv = prompt.token_kv.new_zeros(layers, len(rows), heads, tokens, width)
+        layers, _, heads, _, width = prompt.frame_kv.shape
+        frame_kv = prompt.frame_kv.new_zeros(layers, len(rows), heads, stride * tokens, width)
+        for i, row in enumerate(rows):
+            for target, parts in ((token_kv, (row.speaker.encoder.token_kv, row.stream.encoder.token_kv)),
+                                  (frame_kv, (row.speaker.encoder.frame_kv, row.stream.encoder.frame_kv))):
+                end = target.shape[3]
+                for part in reversed(parts):
+                    target[:, i, :, end - part.shape[3] : end] = part[:, 0]
+                    end -= part.shape[3]
+        return ConformerCache(
+            lookahead=torch.cat([row.stream.encoder.lookahead for row in rows]),
+            upsample=torch.cat([row.stream.encoder.upsample for row in rows]),
+            token_kv=token_kv,
+            frame_kv=frame_kv,
+        )
+
+    def _solver(self, exact: SolveShape) -> tuple[RaggedSolver, SolveShape]:
+        """The graph solver at the bucket holding `exact`, or the eager one at `exact`."""
+        if self._graphs is not None:
+            shape = self.buckets.shape(exact, self.cfg.att_cache_recent_frames)
+            if shape is not None:
+                return self._graphs, shape
+        return EagerSolver(self.decoder, SolverLayout.of(self.cfg, self.dtype, self.device)), exact
+
+    def _solve_batch(self, rows: Sequence[_Row], mu: torch.Tensor) -> list[torch.Tensor]:
+        """Run the CFM over the rows' encoded chunks mu (B, 80, T); update their estimator caches."""
+        real, _, frames = mu.shape
+        lengths = [self.cfg.token_mel_ratio * row.out_tokens for row in rows]
+        own_lengths = [row.stream.estimator_kv.shape[4] for row in rows]
+        speakers = list(dict.fromkeys(row.speaker for row in rows))
+        exact = SolveShape(real, frames, max(own_lengths), sum(sp.prompt_frames for sp in speakers))
+        solver, shape = self._solver(exact)
+        inputs = solver.buffers(shape)
+        batch, own_frames = shape.batch, shape.own_frames
+
+        # Host-built index data, one copy each; padded rows: one real frame, no history.
+        row_lengths = torch.ones(batch, dtype=torch.int64)
+        row_lengths[:real] = torch.tensor(lengths)
+        own = torch.zeros(batch, dtype=torch.int64)
+        own[:real] = torch.tensor(own_lengths)
+        offsets = torch.zeros(batch, dtype=torch.int64)
+        offsets[:real] = torch.tensor([row.speaker.prompt_frames + row.stream.frames for row in rows])
+        prompt_mask = torch.zeros(batch, shape.prompt_frames, dtype=torch.bool)
+        starts: dict[DiTSpeaker, int] = {}
+        for speaker in speakers:
+            starts[speaker] = sum(sp.prompt_frames for sp in starts)
+        for i, row in enumerate(rows):
+            prompt_mask[i, starts[row.speaker] : starts[row.speaker] + row.speaker.prompt_frames] = True
+        mask = torch.cat([prompt_mask, span_mask(own_frames, shape.frames, own, row_lengths)], dim=1)
+        inputs.lengths.copy_(row_lengths)
+        inputs.offsets.copy_(offsets)
+        inputs.mask.copy_(torch.cat([mask, mask]))
+
+        inputs.mu.zero_()
+        inputs.mu[:real, :, :frames] = mu
+        inputs.spks.zero_()
+        inputs.spks[:real] = torch.cat([row.speaker.spks for row in rows])
+        for speaker, start in starts.items():
+            inputs.prompt_kv[..., start : start + speaker.prompt_frames, :] = speaker.estimator_kv
+        steps, depth = inputs.cnn_cache.shape[:2]
+        cnn = inputs.cnn_cache.view(steps, depth, 2, batch, *inputs.cnn_cache.shape[3:])
+        cnn[:, :, :, :real] = torch.stack([row.stream.estimator_cnn for row in rows], dim=3)
+        own_kv = inputs.own_kv.view(steps, depth, 2, batch, *inputs.own_kv.shape[3:])
+        for i, (row, cached) in enumerate(zip(rows, own_lengths, strict=True)):
+            if cached:
+                own_kv[:, :, :, i, :, own_frames - cached :] = row.stream.estimator_kv
+
+        out = solver.run(shape)
+        recent = out.recent_kv.shape[4]
+        new_kv = out.recent_kv.view(steps, depth, 2, batch, *out.recent_kv.shape[3:])
+        new_cnn = out.cnn_cache.view(steps, depth, 2, batch, *out.cnn_cache.shape[3:])
+        mels = []
+        for i, (row, length, cached) in enumerate(zip(rows, lengths, own_lengths, strict=True)):
+            keep = min(self.cfg.att_cache_recent_frames, cached + length)
+            row.stream.estimator_kv = new_kv[:, :, :, i, :, recent - keep :].clone()
+            row.stream.estimator_cnn = new_cnn[:, :, :, i].clone()
+            row.stream.frames += length
+            mels.append(out.mel[i : i + 1, :, :length].clone())
+        return mels
 
     def _encoder_recent_tokens(self, speaker: DiTSpeaker) -> int:
         """Stream tokens whose encoder keys/values are kept: with the prompt, half the position table."""

@@ -2,12 +2,15 @@
 
 Mel (B, 80, T) at 50 Hz → 24 kHz speech (B, 480·T). Parameter names follow the released `hift.pt`,
 whose weight-normed convolutions are stored as `<conv>.parametrizations.weight.original0/1`.
+
+`vocode_streams` vocodes the chunks of several streams with one generator call per group of equal
+shapes (HiFT's convolutions are not causal, so rows are batched only when no padding is needed).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -96,6 +99,10 @@ class HarmonicSource(nn.Module):
         return torch.tanh(self.l_linear(excitation)).transpose(1, 2)
 
 
+# NSF noise source: one generator, one per batch row, or the device's global RNG (None).
+Noise = torch.Generator | Sequence[torch.Generator] | None
+
+
 class Vocoded(NamedTuple):
     """One vocoder call: speech (B, L), source (B, 1, L), and the harmonic phases (B, H) in cycles at the
     last mel frame, which a streaming caller hands to the next call to keep the sines continuous."""
@@ -156,18 +163,18 @@ class HiFTGenerator(nn.Module):
         return self.cfg.hop_samples
 
     def forward(self, mel: Tensor, cache_source: Tensor | None = None, *,
-                generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+                generator: Noise = None) -> tuple[Tensor, Tensor]:
         """mel (B, 80, T) → speech (B, 480T) in [-0.99, 0.99] and source (B, 1, 480T).
 
         `cache_source` (B, 1, S) replaces the first S source samples (streaming continuity). The sine
-        phases start at zero at frame 0. `generator` (any device) draws the NSF noise; None uses the
-        global RNG of the mel's device.
+        phases start at zero at frame 0. `generator` (any device) draws the NSF noise, or one generator
+        per row draws that row's; None uses the global RNG of the mel's device.
         """
         out = self.vocode(mel, cache_source, generator=generator)
         return out.speech, out.source
 
     def vocode(self, mel: Tensor, cache_source: Tensor | None = None, cache_phase: Tensor | None = None, *,
-               generator: torch.Generator | None = None) -> Vocoded:
+               generator: Noise = None) -> Vocoded:
         """Like `forward`, plus phase carry: with `cache_phase` (B, H) = the `end_phase` of the call that
         produced `cache_source`, the sines continue from that phase at the end of the cached frames."""
         f0 = self.f0_predictor(mel)
@@ -196,8 +203,7 @@ class HiFTGenerator(nn.Module):
             phase = phase + (cache_phase / self.hop_samples - phase[:, cached_frames - 1]).unsqueeze(1)
         return phase
 
-    def _excitation(self, f0: Tensor, phase: Tensor, cached: int,
-                    generator: torch.Generator | None) -> Tensor:
+    def _excitation(self, f0: Tensor, phase: Tensor, cached: int, generator: Noise) -> Tensor:
         """Harmonic sines where voiced plus Gaussian noise, (B, L, H) at the sample rate.
 
         Noise is drawn only for samples after the cache (the cache overwrites the rest), in sample-major
@@ -212,8 +218,14 @@ class HiFTGenerator(nn.Module):
         voiced = voiced.repeat_interleave(hop, dim=1).unsqueeze(-1)
         noise_scale = voiced * self.cfg.nsf_sigma + (1 - voiced) * (self.cfg.nsf_alpha / 3)
         batch, samples, harmonics = sines.shape
-        noise_device = sines.device if generator is None else generator.device
-        noise = torch.randn((batch, samples - cached, harmonics), generator=generator, device=noise_device)
+        if isinstance(generator, Sequence):
+            if len(generator) != batch:
+                raise ValueError(f"{len(generator)} noise generators for {batch} rows")
+            noise = torch.stack([torch.randn((samples - cached, harmonics), generator=g, device=g.device)
+                                 .to(sines.device) for g in generator])
+        else:
+            device = sines.device if generator is None else generator.device
+            noise = torch.randn((batch, samples - cached, harmonics), generator=generator, device=device)
         noise = F.pad(noise.to(sines.device, sines.dtype), (0, 0, cached, 0))
         return sines * voiced + noise_scale * noise
 
@@ -315,20 +327,39 @@ class HiFTStream:
     @torch.inference_mode()
     def process(self, mel: Tensor, last: bool) -> Tensor:
         """mel (1, 80, F) → float32 (samples,) on the CPU; 480·F samples in total over the stream."""
-        hift = self._hift
-        if hift is None:
+        return vocode_streams([self], [mel], [last])[0]
+
+    @property
+    def generator(self) -> HiFTGenerator:
+        """The vocoder this stream runs on; raises once the stream is closed."""
+        if self._hift is None:
             raise RuntimeError("HiFTStream is closed")
+        return self._hift
+
+    def _cache(self) -> tuple[Tensor, Tensor] | None:
+        """The source samples and sine phases the next call continues from, if any."""
+        if self._source is None or self._phase is None:
+            return None
+        return self._source, self._phase
+
+    def _next_input(self, mel: Tensor, last: bool) -> Tensor | None:
+        """[cached frames, mel] to vocode now, or None (and the stream closed) when there is nothing."""
+        hift = self.generator
         cfg = hift.cfg
         mel = mel.to(hift.stft_window.device, torch.float32)
         if self._mel is not None:
             mel = torch.cat([self._mel, mel], dim=2)
         if mel.shape[2] == 0:
             self.close()
-            return torch.zeros(0)
+            return None
         if not last and mel.shape[2] < cfg.mel_cache_frames:
             raise ValueError(f"a non-final chunk needs at least {cfg.mel_cache_frames} mel frames "
                              f"with the cache, got {mel.shape[2]}")
-        out = hift.vocode(mel, self._source, self._phase, generator=self._noise)
+        return mel
+
+    def _emit(self, mel: Tensor, out: Vocoded, last: bool) -> Tensor:
+        """The final audio of one vocoded row (on the vocoder's device); keeps the caches unless `last`."""
+        cfg = self.generator.cfg
         speech = out.speech[0]
         overlap = cfg.source_cache_samples
         if self._speech_tail is not None:
@@ -336,14 +367,49 @@ class HiFTStream:
                                 speech[overlap:]])
         if last:
             self.close()
-            return speech.float().cpu()
+            return speech
         self._mel = mel[:, :, -cfg.mel_cache_frames:]
         self._source = out.source[:, :, -overlap:]
         self._phase = out.end_phase
         self._speech_tail = speech[-overlap:]
-        return speech[:-overlap].float().cpu()
+        return speech[:-overlap]
 
     def close(self) -> None:
         """Drop the caches; later `process` calls raise. Idempotent."""
         self._hift = None
         self._mel = self._source = self._phase = self._speech_tail = None
+
+
+@torch.inference_mode()
+def vocode_streams(
+    streams: Sequence[HiFTStream], mels: Sequence[Tensor], lasts: Sequence[bool]
+) -> list[Tensor]:
+    """`HiFTStream.process` for distinct streams of one generator: float32 (samples,) CPU audio each.
+
+    Streams whose inputs have equal shapes (chunk length with the cached frames, and whether a source
+    cache exists) share one batched generator call; each row draws its noise from its own stream's
+    generator, so every stream gets exactly what it would alone.
+    """
+    if not len(streams) == len(mels) == len(lasts):
+        raise ValueError(f"{len(streams)} streams, {len(mels)} mels, {len(lasts)} flags")
+    pending: dict[int, Tensor] = {}
+    groups: dict[tuple[int, bool], list[int]] = {}
+    for index, (stream, mel, last) in enumerate(zip(streams, mels, lasts, strict=True)):
+        mel_in = stream._next_input(mel, last)
+        if mel_in is not None:
+            pending[index] = mel_in
+            groups.setdefault((mel_in.shape[2], stream._cache() is not None), []).append(index)
+    speech: list[Tensor] = [torch.zeros(0) for _ in streams]
+    for indices in groups.values():
+        members = [streams[i] for i in indices]
+        mel = torch.cat([pending[i] for i in indices])
+        caches = [cache for s in members if (cache := s._cache()) is not None]
+        source = torch.cat([c[0] for c in caches]) if caches else None
+        phase = torch.cat([c[1] for c in caches]) if caches else None
+        out = members[0].generator.vocode(mel, source, phase, generator=[s._noise for s in members])
+        for row, index in enumerate(indices):
+            rows = slice(row, row + 1)
+            row_out = Vocoded(out.speech[rows], out.source[rows], out.end_phase[rows])
+            speech[index] = streams[index]._emit(mel[rows], row_out, lasts[index])
+    sizes = [piece.numel() for piece in speech]
+    return list(torch.cat([piece.float() for piece in speech]).cpu().split(sizes))

@@ -2,25 +2,33 @@
 
 Each stream pairs the flow's stream (its caches) with a `HiFTStream` (mel/source cache and cross-fade,
 MODEL_FACTS §5.6); a chunk runs the flow on its tokens and vocodes the mel it returns. The flow runs in
-the requested dtype, HiFT in fp32 as in the reference. After its last chunk a stream frees its tensors.
+the requested dtype (fp16 on CUDA by default, as the reference), HiFT in fp32. After its last chunk a
+stream frees its tensors.
+
+`run_chunks` batches: the DiT flow solves all the chunks as padded batches (flow_dit.DiTFlow.chunks,
+CUDA graphs on CUDA) and HiFT vocodes equal-shaped chunks together (hift.vocode_streams). `warmup`
+captures the graphs of the usual shapes before traffic.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
 
-from engines.config import ModelPaths, configs_for_models_dir
+from engines.config import PRE_LOOKAHEAD, ModelPaths, configs_for_models_dir
 from engines.token2wav.base import ChunkJob, SpeakerState, Token2Wav, Token2WavStream
 from engines.token2wav.flow_base import FlowModel, FlowSpeaker, FlowStream
-from engines.token2wav.flow_dit import load_dit_flow
-from engines.token2wav.hift import HiFTGenerator, HiFTStream, load_hift
+from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker, load_dit_flow
+from engines.token2wav.hift import HiFTGenerator, HiFTStream, load_hift, vocode_streams
 from engines.voice import VoicePrompt
 
 FlowVariant = Literal["dit", "unet"]
+WARMUP_HOPS = (15, 25, 50, 100)  # the exponential schedule's hops before the 200-token ones
+WARMUP_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,24 +59,35 @@ class TorchStream(Token2WavStream):
 
 
 class TorchToken2Wav(Token2Wav):
-    """`flow` and `hift` on the same device; `vocoder_seed` fixes HiFT's noise (None: fresh per stream)."""
+    """`flow` and `hift` on the same device; `vocoder_seed` fixes HiFT's noise (None: fresh per stream).
+
+    cuda_graphs: on CUDA, solve batched DiT chunks with CUDA graphs (captured on first use of a shape,
+    or ahead by `warmup`).
+    """
 
     def __init__(self, flow: FlowModel, hift: HiFTGenerator, name: str = "torch",
-                 vocoder_seed: int | None = None) -> None:
+                 vocoder_seed: int | None = None, cuda_graphs: bool = True) -> None:
         self.flow = flow.eval()
         self.hift = hift.eval()
         self.name = name
         self.vocoder_seed = vocoder_seed
+        if cuda_graphs and self.device.type == "cuda" and isinstance(flow, DiTFlow) and flow.batches_streams:
+            flow.enable_cuda_graphs()
 
     @staticmethod
     def from_models_dir(
         models_dir: Path,
         variant: FlowVariant,
         device: torch.device | str,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
     ) -> TorchToken2Wav:
         """Load the `variant` flow of a models directory with its HiFT (Step-Audio2's for the DiT flow,
-        CosyVoice2's for the UNet flow); the architecture comes from the directory's manifest."""
+        CosyVoice2's for the UNet flow); the architecture comes from the directory's manifest.
+
+        dtype: the flow's (None: fp16 on CUDA as the reference runs it, fp32 elsewhere); HiFT is fp32.
+        """
+        if dtype is None:
+            dtype = torch.float16 if torch.device(device).type == "cuda" else torch.float32
         paths = ModelPaths(Path(models_dir))
         configs = configs_for_models_dir(paths.root)
         flow: FlowModel
@@ -98,14 +117,45 @@ class TorchToken2Wav(Token2Wav):
         return TorchStream(self.flow.open_stream(speaker.flow), HiFTStream(self.hift, seed=self.vocoder_seed))
 
     def run_chunk(self, job: ChunkJob) -> torch.Tensor:
-        stream = job.stream
-        if not isinstance(stream, TorchStream):
-            raise TypeError(f"{self.name} needs a TorchStream, got {type(stream).__name__}")
-        mel = self.flow.chunk(stream.flow, job.tokens, job.last)
-        audio = stream.vocoder.process(mel, job.last)
-        if job.last:
-            stream.close()
+        return self._synthesize([job])[0]
+
+    def run_chunks(self, jobs: Sequence[ChunkJob]) -> list[torch.Tensor]:
+        """Chunks of distinct streams, batched (see the module docstring); audio in the jobs' order."""
+        return self._synthesize(jobs)
+
+    def _synthesize(self, jobs: Sequence[ChunkJob]) -> list[torch.Tensor]:
+        streams = []
+        for job in jobs:
+            if not isinstance(job.stream, TorchStream):
+                raise TypeError(f"{self.name} needs a TorchStream, got {type(job.stream).__name__}")
+            streams.append(job.stream)
+        lasts = [job.last for job in jobs]
+        flow = self.flow
+        if isinstance(flow, DiTFlow) and flow.batches_streams:
+            mels = flow.chunks([s.flow for s in streams], [job.tokens for job in jobs], lasts)
+        else:
+            mels = [flow.chunk(s.flow, job.tokens, job.last) for s, job in zip(streams, jobs, strict=True)]
+        audio = vocode_streams([s.vocoder for s in streams], mels, lasts)
+        for stream, last in zip(streams, lasts, strict=True):
+            if last:
+                stream.close()
         return audio
+
+    def warmup(self, speaker: SpeakerState, hops: Iterable[int] = WARMUP_HOPS,
+               batches: Iterable[int] = WARMUP_BATCHES) -> None:
+        """Before traffic: capture the CUDA graphs of chunks of `hops` tokens at `batches` streams for
+        voices with prompts up to `speaker`'s (first chunks and later ones), then synthesise one short
+        utterance so that every kernel has run once. Without graphs only the utterance runs."""
+        if not isinstance(speaker, TorchSpeaker):
+            raise TypeError(f"{self.name} needs a TorchSpeaker, got {type(speaker).__name__}")
+        flow = self.flow
+        if isinstance(flow, DiTFlow) and flow.graphs is not None and isinstance(speaker.flow, DiTSpeaker):
+            flow.capture_graphs(speaker.flow.prompt_frames, hops, batches)
+        hop = min(hops)
+        tokens = torch.zeros(2 * hop + PRE_LOOKAHEAD, dtype=torch.int64)
+        stream = self.open_stream(speaker)
+        self.run_chunk(ChunkJob(stream, tokens[: hop + PRE_LOOKAHEAD], last=False))
+        self.run_chunk(ChunkJob(stream, tokens[hop:], last=True))
 
     @torch.inference_mode()
     def offline(self, speaker: SpeakerState, tokens: torch.Tensor) -> torch.Tensor:

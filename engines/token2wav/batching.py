@@ -1,0 +1,114 @@
+"""Padded batches of ragged rows: the helpers and the bucketing policy behind `run_chunks`.
+
+Streams' chunks differ in length and their caches in size. A batch lays them out so that one padded
+computation serves all rows exactly:
+- chunk frames are right-padded: real frames first, so causal convs never read padding, and each row's
+  new conv context is gathered at its real end (`frames_before`);
+- cached history is left-padded: real frames end where the chunk starts, so relative distances between
+  a row's chunk and its history are those of the row alone (the conformer's relative positions);
+- padded keys are masked (`span_mask`), padded queries produce rows nobody reads.
+
+`Buckets` rounds shapes up to a few sizes so that CUDA graphs (graphs.py) can be captured ahead of time.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+def frames_before(h: torch.Tensor, ends: torch.Tensor, count: int) -> torch.Tensor:
+    """Frames [ends − count, ends) of every row of h (B, C, T); ends (B,) int64 ≥ count. → (B, C, count)."""
+    index = ends[:, None] + torch.arange(-count, 0, device=h.device)
+    return h.gather(2, index[:, None, :].expand(-1, h.shape[1], -1))
+
+
+def span_mask(history: int, chunk: int, history_lengths: torch.Tensor, chunk_lengths: torch.Tensor,
+              ) -> torch.Tensor:
+    """Bool (B, history + chunk): the keys of rows laid out as [left-padded history, right-padded chunk].
+
+    Row i's real keys are the contiguous span [history − history_lengths[i], history + chunk_lengths[i]).
+    """
+    position = torch.arange(history + chunk, device=history_lengths.device)
+    return (position >= history - history_lengths[:, None]) & (position < history + chunk_lengths[:, None])
+
+
+def round_up(value: int, sizes: Sequence[int]) -> int | None:
+    """The smallest of the ascending `sizes` ≥ value, or None when value exceeds them all."""
+    index = bisect.bisect_left(sizes, value)
+    return sizes[index] if index < len(sizes) else None
+
+
+@dataclass(frozen=True)
+class SolveShape:
+    """The padded shape of one batched CFM solve: rows, chunk frames, own-cache frames, prompt frames."""
+
+    batch: int
+    frames: int
+    own_frames: int
+    prompt_frames: int
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """Shapes rounded up for CUDA graphs; a dimension beyond its largest size runs eagerly at its exact size.
+
+    batch: row counts; frames: chunk mel frames (2 per token: 30 = the first 15-token hop, 50, 100, …);
+    prompt_frames: the summed prompt frames of a batch's voices. Own-cache frames round to 0 (first
+    chunks) or to the cache bound.
+    """
+
+    batch: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    frames: tuple[int, ...] = (30, 50, 100, 200, 400)
+    prompt_frames: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
+
+    def shape(self, exact: SolveShape, own_bound: int) -> SolveShape | None:
+        """The bucket holding `exact`, or None when a dimension is beyond every bucket."""
+        batch = round_up(exact.batch, self.batch)
+        frames = round_up(exact.frames, self.frames)
+        prompt = round_up(exact.prompt_frames, self.prompt_frames)
+        if batch is None or frames is None or prompt is None or exact.own_frames > own_bound:
+            return None
+        return SolveShape(batch, frames, 0 if exact.own_frames == 0 else own_bound, prompt)
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """What batch planning needs to know about one chunk: its mel frames and its voice's prompt."""
+
+    frames: int
+    voice: int  # index of the row's voice among the distinct voices of the call
+    prompt_frames: int
+
+
+def plan_batches(rows: Sequence[RowSpec], buckets: Buckets) -> list[list[int]]:
+    """Row indices grouped into batches: equal frame bucket, at most the largest batch bucket, and voices
+    whose prompts fit the largest prompt bucket side by side. Rows keep their order within a batch.
+
+    Chunks of very different lengths are not mixed: padding a 15-token first chunk to a 200-token later
+    one would multiply its cost, while separate batches cost one more graph replay.
+    """
+    by_frames: dict[int, list[int]] = {}
+    for index, row in enumerate(rows):
+        key = round_up(row.frames, buckets.frames) or row.frames
+        by_frames.setdefault(key, []).append(index)
+    batches: list[list[int]] = []
+    max_batch, max_prompt = buckets.batch[-1], buckets.prompt_frames[-1]
+    for indices in by_frames.values():
+        batch: list[int] = []
+        voices: set[int] = set()
+        prompt = 0
+        for index in indices:
+            row = rows[index]
+            extra = 0 if row.voice in voices else row.prompt_frames
+            if batch and (len(batch) == max_batch or prompt + extra > max_prompt):
+                batches.append(batch)
+                batch, voices, prompt, extra = [], set(), 0, row.prompt_frames
+            batch.append(index)
+            voices.add(row.voice)
+            prompt += extra
+        batches.append(batch)
+    return batches

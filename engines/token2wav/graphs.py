@@ -1,0 +1,203 @@
+"""Solvers of batched streaming chunks: eager, and CUDA graphs per bucketed shape.
+
+Both run `ConditionalCFM.solve_ragged` (all Euler steps, all DiT blocks, guidance) behind one interface:
+`buffers(shape)` hands out the input tensors for a padded `SolveShape`, the caller fills them, `run(shape)`
+solves and returns the outputs. The eager solver allocates fresh tensors per call (any shape, any device).
+The graph solver captures one CUDA graph per shape, lazily or in `capture()`, and replays it: all graphs
+share one memory pool for their intermediates, and their static inputs and outputs are views of shared
+flat arenas, so memory grows with the largest shape rather than with the number of graphs. Outputs are
+valid until the next `run`; inputs keep whatever was written last (callers write every row they read).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engines.config import MEL_BINS, FlowConfig
+from engines.token2wav.batching import SolveShape
+from engines.token2wav.cfm import ConditionalCFM, RaggedInputs, RaggedOutputs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SolverLayout:
+    """Tensor shapes of a solve: Euler steps, DiT dims, own-cache bound; dtype of the flow."""
+
+    steps: int
+    depth: int
+    heads: int
+    head_dim: int
+    hidden: int
+    recent: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @staticmethod
+    def of(cfg: FlowConfig, dtype: torch.dtype, device: torch.device) -> SolverLayout:
+        dit = cfg.dit
+        return SolverLayout(cfg.n_timesteps, dit.depth, dit.num_heads, dit.head_dim, dit.hidden_size,
+                            cfg.att_cache_recent_frames, dtype, device)
+
+    def recent_frames(self, shape: SolveShape) -> int:
+        """R of `RaggedOutputs.recent_kv` for `shape`: the own cache after the chunk, at most `recent`."""
+        return min(self.recent, shape.own_frames + shape.frames)
+
+    def input_specs(self, shape: SolveShape) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        b, kv = shape.batch, 2 * self.head_dim
+        lead = (self.steps, self.depth)
+        return {
+            "mu": ((b, MEL_BINS, shape.frames), self.dtype),
+            "spks": ((b, MEL_BINS), self.dtype),
+            "offsets": ((b,), torch.int64),
+            "lengths": ((b,), torch.int64),
+            "cnn_cache": ((*lead, 2 * b, 2 * self.hidden, 2), self.dtype),
+            "prompt_kv": ((*lead, 2, self.heads, shape.prompt_frames, kv), self.dtype),
+            "own_kv": ((*lead, 2 * b, self.heads, shape.own_frames, kv), self.dtype),
+            "mask": ((2 * b, shape.prompt_frames + shape.own_frames + shape.frames), torch.bool),
+        }
+
+    def output_specs(self, shape: SolveShape) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        b, lead = shape.batch, (self.steps, self.depth)
+        recent = self.recent_frames(shape)
+        return {
+            "mel": ((b, MEL_BINS, shape.frames), self.dtype),
+            "cnn_cache": ((*lead, 2 * b, 2 * self.hidden, 2), self.dtype),
+            "recent_kv": ((*lead, 2 * b, self.heads, recent, 2 * self.head_dim), self.dtype),
+        }
+
+
+class RaggedSolver(Protocol):
+    def buffers(self, shape: SolveShape) -> RaggedInputs:
+        """Input tensors of `shape` to fill before `run(shape)`."""
+        ...
+
+    def run(self, shape: SolveShape) -> RaggedOutputs:
+        """Solve the inputs last handed out for `shape`."""
+        ...
+
+
+class EagerSolver:
+    """Fresh zeroed inputs per call; `run` calls the solver directly. Works on every device."""
+
+    def __init__(self, cfm: ConditionalCFM, layout: SolverLayout) -> None:
+        self.cfm = cfm
+        self.layout = layout
+        self._pending: tuple[SolveShape, RaggedInputs] | None = None
+
+    def buffers(self, shape: SolveShape) -> RaggedInputs:
+        device = self.layout.device
+        tensors = {name: torch.zeros(size, dtype=dtype, device=device)
+                   for name, (size, dtype) in self.layout.input_specs(shape).items()}
+        inputs = RaggedInputs(**tensors)
+        self._pending = (shape, inputs)
+        return inputs
+
+    def run(self, shape: SolveShape) -> RaggedOutputs:
+        if self._pending is None or self._pending[0] != shape:
+            raise RuntimeError(f"run({shape}) without buffers({shape}) first")
+        inputs = self._pending[1]
+        self._pending = None
+        return self.cfm.solve_ragged(inputs, self.layout.recent_frames(shape))
+
+
+class _Arena:
+    """Flat storage per (name, dtype), handed out as views; grows by reallocating (old views stay valid)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._flat: dict[str, torch.Tensor] = {}
+
+    def view(self, name: str, size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = math.prod(size)
+        flat = self._flat.get(name)
+        if flat is None or flat.numel() < numel or flat.dtype != dtype:
+            flat = torch.zeros(numel, dtype=dtype, device=self.device)
+            self._flat[name] = flat
+        return flat[:numel].view(size)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._flat.values())
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: RaggedInputs
+    outputs: RaggedOutputs
+
+
+class GraphedSolver:
+    """One CUDA graph per `SolveShape`, captured on first use (or by `capture`), then replayed."""
+
+    def __init__(self, cfm: ConditionalCFM, layout: SolverLayout) -> None:
+        if layout.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {layout.device}")
+        self.cfm = cfm
+        self.layout = layout
+        self._pool = torch.cuda.graph_pool_handle()
+        self._arena = _Arena(layout.device)
+        self._graphs: dict[SolveShape, _Graph] = {}
+
+    @property
+    def shapes(self) -> list[SolveShape]:
+        return list(self._graphs)
+
+    @property
+    def static_nbytes(self) -> int:
+        """Bytes of the shared static input/output arenas (the pool's intermediates not included)."""
+        return self._arena.nbytes
+
+    def buffers(self, shape: SolveShape) -> RaggedInputs:
+        return self._graph(shape).inputs
+
+    def run(self, shape: SolveShape) -> RaggedOutputs:
+        entry = self._graph(shape)
+        entry.graph.replay()
+        return entry.outputs
+
+    def capture(self, shapes: list[SolveShape]) -> None:
+        """Capture `shapes` now, largest first so that the arenas are allocated once."""
+        for shape in sorted(shapes, key=_size, reverse=True):
+            self._graph(shape)
+
+    def _graph(self, shape: SolveShape) -> _Graph:
+        entry = self._graphs.get(shape)
+        if entry is None:
+            entry = self._capture(shape)
+            self._graphs[shape] = entry
+        return entry
+
+    def _capture(self, shape: SolveShape) -> _Graph:
+        inputs = RaggedInputs(**dict(self._views("in", self.layout.input_specs(shape))))
+        outputs = RaggedOutputs(**dict(self._views("out", self.layout.output_specs(shape))))
+        # Valid rows for the warm-up run: one real frame, which attends to itself.
+        inputs.lengths.fill_(1)
+        inputs.mask.fill_(True)
+        recent = self.layout.recent_frames(shape)
+        side = torch.cuda.Stream(self.layout.device)
+        side.wait_stream(torch.cuda.current_stream(self.layout.device))
+        with torch.cuda.stream(side):  # warm-up off the default stream, as capture requires
+            self.cfm.solve_ragged(inputs, recent, outputs)
+        torch.cuda.current_stream(self.layout.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self.cfm.solve_ragged(inputs, recent, outputs)
+        logger.info("captured token2wav solve graph %s", shape)
+        return _Graph(graph, inputs, outputs)
+
+    def _views(self, role: str, specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, (size, dtype) in specs.items():
+            yield name, self._arena.view(f"{role}.{name}", size, dtype)
+
+
+def _size(shape: SolveShape) -> int:
+    return shape.batch * (shape.frames + shape.own_frames + shape.prompt_frames)

@@ -6,12 +6,16 @@ position each, every row at its own position). The same code runs both, eagerly 
 shapes depend only on the number of rows, the query length and `kv_len`.
 
 Module names follow Hugging Face's `Qwen2Model`, so a state dict of `embed_tokens`, `layers.N.*` and
-`norm` loads unchanged.
+`norm` loads unchanged. Inside, the q/k/v projections and the gate/up projections are each one fused
+linear layer (fewer, larger kernels per decode step); state-dict hooks store them as the checkpoint's
+separate tensors.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -86,9 +90,45 @@ class _LayerInputs:
     """Per-forward tensors every layer shares."""
 
     rope: tuple[Tensor, Tensor]
-    mask: Tensor  # [B, 1, T, kv_len], True = attend
+    mask: Tensor  # [B, 1, group * T, kv_len] additive (0 or -inf), query heads folded as in grouped_attention
     batch: CacheBatch
     row_index: Tensor
+
+
+def store_as_parts(module: nn.Module, fused: str, parts: Sequence[tuple[str, int]]) -> None:
+    """Make `module`'s state dict hold its fused linear child `fused` as the separate linear layers
+    `parts` (name, output features), in that order, and load it back from them.
+
+    Saved parts are views of the fused tensors. Loading concatenates the parts when all of them are
+    present; otherwise they stay as they are, so a strict load names what is missing.
+    """
+    names = [name for name, _ in parts]
+    sizes = [size for _, size in parts]
+
+    def save(_module: nn.Module, state: dict[str, Any], prefix: str, _metadata: Any) -> None:
+        # This module's entries are the newest ones; rebuild them with the parts in the fused tensor's place.
+        fused_prefix = f"{prefix}{fused}."
+        entries = [(key, state.pop(key)) for key in [key for key in state if key.startswith(prefix)]]
+        fields = {key.removeprefix(fused_prefix): value
+                  for key, value in entries if key.startswith(fused_prefix)}
+        written = False
+        for key, value in entries:
+            if not key.startswith(fused_prefix):
+                state[key] = value
+            elif not written:  # the parts take the place of the first fused tensor
+                written = True
+                for index, name in enumerate(names):
+                    for field_name, tensor in fields.items():
+                        state[f"{prefix}{name}.{field_name}"] = tensor.split(sizes)[index]
+
+    def load(_module: nn.Module, state: dict[str, Any], prefix: str, *_args: Any) -> None:
+        for field_name in ("weight", "bias"):
+            keys = [f"{prefix}{name}.{field_name}" for name in names]
+            if all(key in state for key in keys):
+                state[f"{prefix}{fused}.{field_name}"] = torch.cat([state.pop(key) for key in keys])
+
+    module.register_state_dict_post_hook(save)
+    module.register_load_state_dict_pre_hook(load)
 
 
 class RMSNorm(nn.Module):
@@ -98,76 +138,90 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        # Normalise in fp32, scale in the model dtype (Hugging Face's numerics).
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # One fused kernel on CUDA; it accumulates in fp32 like Hugging Face's implementation.
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_tables(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos and sin [B, 1, T, head_dim] for the half-split rotary layout, computed in fp32."""
+    """cos and signed sin [B, T, 1, head_dim] for the half-split rotary layout, computed in fp32.
+
+    The first half of the sin table is negated, so `apply_rope` needs no negation of its own.
+    """
     exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
     inv_freq = 1.0 / (theta**exponents)
     angles = positions.float().unsqueeze(-1) * inv_freq  # [B, T, head_dim / 2]
-    angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    sin = angles.sin()
+    cos = torch.cat((angles.cos(), angles.cos()), dim=-1).unsqueeze(2)
+    return cos.to(dtype), torch.cat((-sin, sin), dim=-1).unsqueeze(2).to(dtype)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """Rotate heads `x` [B, T, H, D] by the tables of `rope_tables`."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + swapped * signed_sin
+
+
+def attention_mask(positions: Tensor, kv_len: int, group: int, dtype: torch.dtype) -> Tensor:
+    """Additive causal mask [B, 1, group * T, kv_len] for queries at `positions` [B, T], laid out for
+    `grouped_attention` (the `group` query heads of a KV head stacked along the query axis)."""
+    key_positions = torch.arange(kv_len, device=positions.device)
+    allowed = key_positions <= positions.unsqueeze(-1)  # [B, T, kv_len]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=positions.device)
+    mask.masked_fill_(~allowed, float("-inf"))
+    batch, length = positions.shape
+    return mask.unsqueeze(1).expand(batch, group, length, kv_len).reshape(batch, 1, group * length, kv_len)
 
 
 def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """SDPA with grouped KV heads: q [B, Hq, T, D], k/v [B, Hkv, L, D], mask [B, 1, T, L] (True = attend).
+    """SDPA with grouped KV heads: q [B, Hq, T, D], k/v [B, Hkv, L, D], mask from `attention_mask`.
 
     The query heads sharing a KV head are folded into the query-length axis, so keys and values are read
     once per KV head instead of being repeated.
     """
     batch, q_heads, length, head_dim = q.shape
-    kv_heads = k.shape[1]
-    group = q_heads // kv_heads
-    q = q.reshape(batch, kv_heads, group * length, head_dim)
-    kv_len = mask.shape[-1]
-    mask = mask.unsqueeze(2).expand(batch, 1, group, length, kv_len).reshape(batch, 1, group * length, kv_len)
+    q = q.reshape(batch, k.shape[1], -1, head_dim)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return out.reshape(batch, q_heads, length, head_dim)
 
 
 class Qwen2Attention(nn.Module):
+    """Self-attention; `qkv_proj` is the checkpoint's `q_proj`, `k_proj` and `v_proj` stacked."""
+
     def __init__(self, cfg: Qwen2Config) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=True)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=True)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=True)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=True)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        store_as_parts(self, "qkv_proj", (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)))
 
     def forward(self, x: Tensor, inputs: _LayerInputs, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         rows, length, _ = x.shape
-        q = self.q_proj(x).view(rows, length, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(rows, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(rows, length, self.num_kv_heads, self.head_dim)
-        q = apply_rope(q, *inputs.rope)
-        k = apply_rope(k, *inputs.rope)
-        keys = inputs.batch.update(k_cache, k.transpose(1, 2), inputs.row_index)
-        values = inputs.batch.update(v_cache, v, inputs.row_index)
-        out = grouped_attention(q, keys, values, inputs.mask)
+        qkv = self.qkv_proj(x).view(rows, length, -1, self.head_dim)  # [B, T, Hq + 2 Hkv, D]
+        rotated = self.num_heads + self.num_kv_heads
+        q, k = apply_rope(qkv[:, :, :rotated], *inputs.rope).split((self.num_heads, self.num_kv_heads), dim=2)
+        keys = inputs.batch.update(k_cache, k, inputs.row_index)
+        values = inputs.batch.update(v_cache, qkv[:, :, rotated:], inputs.row_index)
+        out = grouped_attention(q.transpose(1, 2), keys, values, inputs.mask)
         return self.o_proj(out.transpose(1, 2).reshape(rows, length, -1))
 
 
 class Qwen2MLP(nn.Module):
+    """SwiGLU feed-forward; `gate_up_proj` is the checkpoint's `gate_proj` and `up_proj` stacked."""
+
     def __init__(self, cfg: Qwen2Config) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        size = cfg.intermediate_size
+        store_as_parts(self, "gate_up_proj", (("gate_proj", size), ("up_proj", size)))
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Qwen2DecoderLayer(nn.Module):
@@ -198,11 +252,10 @@ class Qwen2Model(nn.Module):
 
         Writes the keys and values of every query position into `cache` at `batch.positions`.
         """
-        positions = batch.positions
-        key_positions = torch.arange(batch.kv_len, device=x.device)
+        positions, cfg = batch.positions, self.cfg
         inputs = _LayerInputs(
-            rope=rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype),
-            mask=(key_positions <= positions.unsqueeze(-1)).unsqueeze(1),
+            rope=rope_tables(positions, cfg.head_dim, cfg.rope_theta, x.dtype),
+            mask=attention_mask(positions, batch.kv_len, cfg.num_heads // cfg.num_kv_heads, x.dtype),
             batch=batch,
             row_index=batch.row_index(),
         )

@@ -4,7 +4,8 @@ Per row, in order: repetition penalty over the tokens the request has generated,
 while below the minimum length; every stop token for fixed-length requests), temperature, then either
 plain top-k/top-p sampling or RAS: a nucleus candidate that already occurs `ras_window * ras_tau` times
 among the last `ras_window` generated tokens is masked and the token is drawn from the full
-distribution instead.
+distribution instead. The nucleus is looked for among a fixed number of most probable tokens (at least
+every row's top_k), found with `topk` rather than a sort of the whole vocabulary.
 
 Randomness is counter-based: a row's uniforms are a hash of (seed, step), so a seeded request samples the
 same tokens alone or in any batch, and sampling needs no generator state (it can live in a CUDA graph).
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
@@ -24,6 +25,10 @@ from engines.llm.base import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
 _EMPTY = -1  # history entry before any token was generated
+_ID_BITS = 16  # token ids fit below 2^_ID_BITS; they fill the low bits of the candidate sort keys
+_ID_MASK = (1 << _ID_BITS) - 1
+
+RowIndex = slice | Tensor  # consecutive slots (views of the state) or an int64 tensor of slot ids
 
 
 def _mix32(x: Tensor) -> Tensor:
@@ -77,8 +82,25 @@ def _inverse_cdf(weights: Tensor, u: Tensor) -> Tensor:
     return index.clamp(max=weights.shape[-1] - 1).squeeze(1)
 
 
-def sample(logits: Tensor, rows: SamplingRows, is_stop: Tensor, eos: int) -> Tensor:
-    """One token per row of `logits` [B, V] (int64 [B]); `is_stop` [V] (bool) marks the stop tokens."""
+def top_candidates(probs: Tensor, count: int) -> tuple[Tensor, Tensor]:
+    """The `count` most probable tokens of each row of `probs` [B, V] (fp32, non-negative): probabilities
+    and ids [B, count], most probable first and equal probabilities by ascending id, which is the order
+    a stable descending sort gives."""
+    ids = torch.arange(probs.shape[-1], device=probs.device)
+    # Non-negative floats order like their bit patterns; the inverted id in the low bits breaks ties.
+    keys = (probs.view(torch.int32).long() << _ID_BITS) | (_ID_MASK - ids)
+    top_ids = _ID_MASK - (keys.topk(count, dim=-1).values & _ID_MASK)
+    return probs.gather(1, top_ids), top_ids
+
+
+def sample(
+    logits: Tensor, rows: SamplingRows, is_stop: Tensor, eos: int, candidates: int | None = None
+) -> Tensor:
+    """One token per row of `logits` [B, V] (int64 [B]); `is_stop` [V] (bool) marks the stop tokens.
+
+    The nucleus is drawn from the `candidates` most probable tokens (the whole vocabulary if None), which
+    must be at least every row's top_k.
+    """
     scores = logits.float()
     penalised = torch.where(scores > 0, scores / rows.repetition_penalty[:, None],
                             scores * rows.repetition_penalty[:, None])
@@ -91,14 +113,16 @@ def sample(logits: Tensor, rows: SamplingRows, is_stop: Tensor, eos: int) -> Ten
     scores = scores / rows.temperature[:, None]
     probs = scores.softmax(dim=-1)
 
-    # Nucleus walk: keep sorted tokens while the mass before them is below top_p and fewer than top_k
+    # Nucleus walk: keep ranked tokens while the mass before them is below top_p and fewer than top_k
     # are kept, so the token that crosses top_p is included; sample among them unrenormalised.
-    sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True, stable=True)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep = (mass_before < rows.top_p[:, None]) & (vocab < rows.top_k[:, None])
+    count = scores.shape[-1] if candidates is None else min(candidates, scores.shape[-1])
+    top_probs, top_ids = top_candidates(probs, count)
+    rank = torch.arange(count, device=scores.device)
+    mass_before = top_probs.cumsum(dim=-1) - top_probs
+    keep = (mass_before < rows.top_p[:, None]) & (rank < rows.top_k[:, None])
     uniforms = draw_uniforms(rows.seed, rows.step)
-    picked = _inverse_cdf(sorted_probs * keep, uniforms[:, 0])
-    candidate = sorted_ids.gather(1, picked.unsqueeze(1))  # [B, 1]
+    picked = _inverse_cdf(top_probs * keep, uniforms[:, 0])
+    candidate = top_ids.gather(1, picked.unsqueeze(1))  # [B, 1]
 
     # RAS: a candidate repeated too often within the window is masked; draw from the full distribution.
     history_len = rows.history.shape[1]
@@ -112,16 +136,21 @@ def sample(logits: Tensor, rows: SamplingRows, is_stop: Tensor, eos: int) -> Ten
 class SamplingSlots:
     """Sampling parameters and state of every engine slot, as static device tensors.
 
-    `rows(rows)` views a range of slots for `sample`; `record` appends sampled tokens to the rows that are
-    active and leaves the others untouched, so it can run over a fixed batch that contains idle slots.
+    `rows(index)` selects slots for `sample`: a slice gives views, a tensor of slot ids gives copies.
+    `record` appends sampled tokens to the rows that are active and leaves the others untouched, so it
+    can run over a fixed batch that contains idle slots. Every call is free of host synchronisation.
     """
 
     def __init__(self, slots: int, vocab: int, history: int, stop_tokens: Sequence[int], eos: int,
-                 device: torch.device) -> None:
+                 device: torch.device, candidates: int | None = None) -> None:
+        if vocab > _ID_MASK + 1:
+            raise ValueError(f"vocabulary of {vocab} is above the sampler's limit of {_ID_MASK + 1}")
         self.history_len = history
         self.eos = eos
+        self.candidates = vocab if candidates is None else min(candidates, vocab)
         self.is_stop = torch.zeros(vocab, dtype=torch.bool, device=device)
         self.is_stop[list(stop_tokens)] = True
+        self._slot_ids = torch.arange(slots, device=device)
 
         def zeros(*shape: int, dtype: torch.dtype) -> Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
@@ -145,6 +174,8 @@ class SamplingSlots:
         """Reset `slot` for a new request (a few small host-to-device writes)."""
         if params.use_ras and params.ras_window > self.history_len:
             raise ValueError(f"ras_window {params.ras_window} exceeds the sampler history {self.history_len}")
+        if params.top_k > self.candidates:
+            raise ValueError(f"top_k {params.top_k} exceeds the sampler's {self.candidates} candidates")
         state = self._state
         state.temperature[slot] = params.temperature
         state.top_k[slot] = params.top_k
@@ -159,23 +190,23 @@ class SamplingSlots:
         state.history[slot] = _EMPTY
         state.seen[slot] = False
 
-    def rows(self, rows: slice) -> SamplingRows:
-        s = self._state
-        return SamplingRows(
-            temperature=s.temperature[rows], top_k=s.top_k[rows], top_p=s.top_p[rows],
-            repetition_penalty=s.repetition_penalty[rows], ras_threshold=s.ras_threshold[rows],
-            ras_window=s.ras_window[rows], min_len=s.min_len[rows], ignore_stop=s.ignore_stop[rows],
-            seed=s.seed[rows], step=s.step[rows], history=s.history[rows], seen=s.seen[rows],
-        )
+    def rows(self, rows: RowIndex) -> SamplingRows:
+        state = self._state
+        return SamplingRows(**{f.name: getattr(state, f.name)[rows] for f in fields(SamplingRows)})
 
-    def sample(self, logits: Tensor, rows: slice) -> Tensor:
-        return sample(logits, self.rows(rows), self.is_stop, self.eos)
+    def sample(self, logits: Tensor, rows: RowIndex) -> Tensor:
+        return sample(logits, self.rows(rows), self.is_stop, self.eos, self.candidates)
 
-    def record(self, tokens: Tensor, rows: slice, active: Tensor) -> None:
-        """Append `tokens` [B] to the state of the `active` [B] (bool) rows among `rows`, in place."""
-        state = self.rows(rows)
-        state.step.add_(active.long())
-        shifted = torch.cat((state.history[:, 1:], tokens.unsqueeze(1)), dim=1)
-        state.history.copy_(torch.where(active.unsqueeze(1), shifted, state.history))
-        index = tokens.unsqueeze(1)
-        state.seen.scatter_(1, index, state.seen.gather(1, index) | active.unsqueeze(1))
+    def record(self, tokens: Tensor, rows: RowIndex, active: Tensor) -> None:
+        """Append `tokens` [B] to the state of the `active` [B] (bool) rows among `rows`, in place.
+
+        A slot may appear more than once in `rows` only in inactive rows (padding rows on a scratch slot):
+        an inactive row writes back what it read.
+        """
+        state = self._state
+        step, history = state.step[rows], state.history[rows]
+        state.step[rows] = step + active.long()
+        shifted = torch.cat((history[:, 1:], tokens.unsqueeze(1)), dim=1)
+        state.history[rows] = torch.where(active.unsqueeze(1), shifted, history)
+        slot_ids, token_ids = self._slot_ids[rows].unsqueeze(1), tokens.unsqueeze(1)
+        state.seen[slot_ids, token_ids] = state.seen[slot_ids, token_ids] | active.unsqueeze(1)

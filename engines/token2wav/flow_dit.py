@@ -138,7 +138,7 @@ class DiTFlow(FlowModel):
         self.encoder_proj = nn.Linear(cfg.encoder.d_model, cfg.output_size)
         self.decoder = ConditionalCFM(DiT(cfg.dit), cfg.n_timesteps, cfg.cfg_rate, NOISE_FRAMES)
         self.buckets = Buckets()
-        self._graphs: GraphedSolver | None = None
+        self._bucketed: RaggedSolver | None = None
 
     # -- shared pieces ----------------------------------------------------------------------------------
 
@@ -223,16 +223,24 @@ class DiTFlow(FlowModel):
 
     @property
     def graphs(self) -> GraphedSolver | None:
-        return self._graphs
+        return self._bucketed if isinstance(self._bucketed, GraphedSolver) else None
 
-    def enable_cuda_graphs(self, buckets: Buckets | None = None) -> GraphedSolver:
-        """Solve batches whose shapes fit `buckets` with CUDA graphs (captured on first use or by
-        `capture_graphs`); other shapes stay eager. Needs the flow on a CUDA device."""
+    def use_bucketed_solver(self, solver: RaggedSolver | None, buckets: Buckets | None = None) -> None:
+        """Solve batches that fit `buckets` with `solver` at their bucket's shape (a `GraphedSolver`:
+        see `enable_cuda_graphs`); other batches, and all of them when `solver` is None, run eagerly at
+        their exact shape."""
+        self._bucketed = solver
         if buckets is not None:
             self.buckets = buckets
-        if self._graphs is None:
-            self._graphs = GraphedSolver(self.decoder, SolverLayout.of(self.cfg, self.dtype, self.device))
-        return self._graphs
+
+    def enable_cuda_graphs(self, buckets: Buckets | None = None) -> GraphedSolver:
+        """Solve batches that fit the buckets with CUDA graphs (captured on first use of a shape or by
+        `capture_graphs`). Needs the flow on a CUDA device, in its final dtype."""
+        graphs = self.graphs
+        if graphs is None:
+            graphs = GraphedSolver(self.decoder, SolverLayout.of(self.cfg, self.dtype, self.device))
+        self.use_bucketed_solver(graphs, buckets)
+        return graphs
 
     @torch.inference_mode()
     def capture_graphs(self, prompt_frames: int, hops: Iterable[int], batches: Iterable[int]) -> None:
@@ -336,11 +344,11 @@ class DiTFlow(FlowModel):
         )
 
     def _solver(self, exact: SolveShape) -> tuple[RaggedSolver, SolveShape]:
-        """The graph solver at the bucket holding `exact`, or the eager one at `exact`."""
-        if self._graphs is not None:
+        """The bucketed solver at the bucket holding `exact`, or the eager one at `exact`."""
+        if self._bucketed is not None:
             shape = self.buckets.shape(exact, self.cfg.att_cache_recent_frames)
             if shape is not None:
-                return self._graphs, shape
+                return self._bucketed, shape
         return EagerSolver(self.decoder, SolverLayout.of(self.cfg, self.dtype, self.device)), exact
 
     def _solve_batch(self, rows: Sequence[_Row], mu: torch.Tensor) -> list[torch.Tensor]:

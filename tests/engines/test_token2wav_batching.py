@@ -1,0 +1,262 @@
+"""Batched token2wav: chunks of many streams in one padded computation equal each stream run alone.
+
+Streams differ in chunk length, cache length, voice (prompt length) and phase (first, middle, last and
+empty last chunks). Batched and alone runs share the weights, noise columns and vocoder seeds, so they
+differ only by float reassociation: padded matmuls and a softmax over extra masked keys sum in another
+order. Over 10 Euler steps that stays ~1e-6 on mel values ~1 in fp32; 1e-4 leaves room for other BLAS
+builds while any leak of padding (magnitude 100 in the stale-buffer test) would be orders larger.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from engines.config import PRE_LOOKAHEAD, SAMPLES_PER_TOKEN, ModelConfigs
+from engines.token2wav.base import ChunkJob
+from engines.token2wav.batching import Buckets, RowSpec, SolveShape, plan_batches, span_mask
+from engines.token2wav.cfm import RaggedInputs, RaggedOutputs
+from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker
+from engines.token2wav.graphs import SolverLayout
+from engines.token2wav.hift import HiFTGenerator
+from engines.token2wav.torch_backend import TorchToken2Wav
+from engines.voice import VoicePrompt
+
+CONFIGS = ModelConfigs.tiny()
+TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}
+
+
+def lively(module: torch.nn.Module, seed: int) -> None:
+    """Weights large enough that every attention and conv visibly moves the output."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            noise = torch.randn(p.shape, generator=generator)
+            if p.dim() >= 2:
+                p.copy_(noise / p[0].numel() ** 0.5)
+            elif "norm" in name and name.endswith("weight"):
+                p.copy_(1 + 0.1 * noise)
+            else:
+                p.copy_(0.1 * noise)
+
+
+def make_voice(seed: int, tokens: int) -> VoicePrompt:
+    generator = torch.Generator().manual_seed(seed)
+    return VoicePrompt(
+        prompt_text="prompt",
+        speech_tokens=torch.randint(0, CONFIGS.dit_flow.vocab_size, (tokens,), generator=generator),
+        speaker_embedding=torch.randn(192, generator=generator),
+        prompt_mel=torch.randn(2 * tokens, 80, generator=generator),
+    )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One stream: its voice, its tokens and its hops (then a last chunk with the rest)."""
+
+    voice: int
+    tokens: torch.Tensor
+    hops: tuple[int, ...]
+
+    def chunks(self) -> list[tuple[torch.Tensor, bool]]:
+        pieces, start = [], 0
+        for hop in self.hops:
+            pieces.append((self.tokens[start : start + hop + PRE_LOOKAHEAD], False))
+            start += hop
+        pieces.append((self.tokens[start:], True))
+        return pieces
+
+
+def plans() -> list[Plan]:
+    """Mixed chunk lengths, cache lengths, voices and phases; two streams with equal shapes throughout
+    (so that HiFT batches them) and an utterance without tokens (one empty final chunk)."""
+    generator = torch.Generator().manual_seed(7)
+
+    def tokens(n: int) -> torch.Tensor:
+        return torch.randint(0, CONFIGS.dit_flow.vocab_size, (n,), generator=generator)
+
+    return [
+        Plan(0, tokens(31), (8, 5)),
+        Plan(1, tokens(23), (15,)),
+        Plan(0, tokens(9), ()),
+        Plan(1, tokens(15), (4, 4, 4)),
+        Plan(0, tokens(24), (10,)),
+        Plan(1, tokens(24), (10,)),
+        Plan(0, tokens(0), ()),
+    ]
+
+
+def rounds(items: list[list[tuple[torch.Tensor, bool]]]) -> Iterator[list[int]]:
+    """Indices of the streams with a chunk in each round (round k = every stream's k-th chunk)."""
+    for k in range(max(len(chunks) for chunks in items)):
+        yield [i for i, chunks in enumerate(items) if k < len(chunks)]
+
+
+@pytest.fixture(scope="module")
+def flow() -> DiTFlow:
+    model = DiTFlow(CONFIGS.dit_flow).eval()
+    lively(model, seed=0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def speakers(flow: DiTFlow) -> list[DiTSpeaker]:
+    return [flow.prepare_speaker(make_voice(1, 12)), flow.prepare_speaker(make_voice(2, 7))]
+
+
+def alone_mels(flow: DiTFlow, speakers: list[DiTSpeaker], plan: Plan) -> list[torch.Tensor]:
+    """The one-stream path (the estimator's forward_chunk)."""
+    stream = flow.open_stream(speakers[plan.voice])
+    return [flow.chunk(stream, tokens, last) for tokens, last in plan.chunks()]
+
+
+def batched_mels(flow: DiTFlow, speakers: list[DiTSpeaker], streams: list[Plan]) -> list[list[torch.Tensor]]:
+    opened = [flow.open_stream(speakers[plan.voice]) for plan in streams]
+    chunks = [plan.chunks() for plan in streams]
+    mels: list[list[torch.Tensor]] = [[] for _ in streams]
+    for active in rounds(chunks):
+        k = len(mels[active[0]])
+        out = flow.chunks([opened[i] for i in active], [chunks[i][k][0] for i in active],
+                          [chunks[i][k][1] for i in active])
+        for i, mel in zip(active, out, strict=True):
+            mels[i].append(mel)
+    return mels
+
+
+def assert_streams_match(flow: DiTFlow, speakers: list[DiTSpeaker], streams: list[Plan]) -> None:
+    batched = batched_mels(flow, speakers, streams)
+    for plan, got in zip(streams, batched, strict=True):
+        want = alone_mels(flow, speakers, plan)
+        assert [m.shape for m in got] == [m.shape for m in want]
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, **TOLERANCE)
+
+
+def test_batched_flow_chunks_equal_each_stream_alone(flow: DiTFlow, speakers: list[DiTSpeaker]) -> None:
+    assert_streams_match(flow, speakers, plans())
+
+
+class PersistentSolver:
+    """What CUDA graphs impose, on the CPU: one set of input buffers per shape, kept across calls and
+    starting as large garbage, so any padding the batch fails to mask or overwrite would show."""
+
+    def __init__(self, flow: DiTFlow) -> None:
+        self.flow = flow
+        self.layout = SolverLayout.of(flow.cfg, flow.dtype, flow.device)
+        self.inputs: dict[SolveShape, RaggedInputs] = {}
+        self.runs: list[SolveShape] = []
+
+    def buffers(self, shape: SolveShape) -> RaggedInputs:
+        if shape not in self.inputs:
+            generator = torch.Generator().manual_seed(len(self.inputs))
+            garbage = {name: (100 * torch.randn(size, generator=generator)).to(dtype)
+                       for name, (size, dtype) in self.layout.input_specs(shape).items()}
+            self.inputs[shape] = RaggedInputs(**garbage)
+        return self.inputs[shape]
+
+    def run(self, shape: SolveShape) -> RaggedOutputs:
+        self.runs.append(shape)
+        return self.flow.decoder.solve_ragged(self.inputs[shape], self.layout.recent_frames(shape))
+
+
+def test_bucketed_shapes_with_stale_buffers_equal_each_stream_alone(speakers: list[DiTSpeaker]) -> None:
+    """Padded rows, frames, own caches and prompt frames, on buffers reused between calls."""
+    flow = DiTFlow(CONFIGS.dit_flow).eval()
+    lively(flow, seed=0)
+    solver = PersistentSolver(flow)
+    flow.use_bucketed_solver(solver, Buckets(batch=(4, 8), frames=(20, 40, 80), prompt_frames=(64,)))
+    assert_streams_match(flow, speakers, plans())
+    recent = CONFIGS.dit_flow.att_cache_recent_frames
+    assert {s.prompt_frames for s in solver.runs} == {64}
+    assert {s.own_frames for s in solver.runs} == {0, recent}
+    assert {s.batch for s in solver.runs} >= {4, 8}
+    assert len(solver.inputs) < len(solver.runs)  # buffers were reused
+
+
+def test_backend_run_chunks_equal_run_chunk() -> None:
+    """End to end with HiFT: batched flow and batched vocoding give each stream its own audio."""
+    torch.manual_seed(0)
+    flow = DiTFlow(CONFIGS.dit_flow).eval()
+    lively(flow, seed=3)
+    backend = TorchToken2Wav(flow, HiFTGenerator(CONFIGS.hift).eval(), vocoder_seed=5)
+    voices = [backend.prepare_speaker(make_voice(1, 12)), backend.prepare_speaker(make_voice(2, 7))]
+    streams = plans()
+    chunks = [plan.chunks() for plan in streams]
+    alone = []
+    for plan, pieces in zip(streams, chunks, strict=True):
+        stream = backend.open_stream(voices[plan.voice])
+        alone.append([backend.run_chunk(ChunkJob(stream, tokens, last)) for tokens, last in pieces])
+    opened = [backend.open_stream(voices[plan.voice]) for plan in streams]
+    batched: list[list[torch.Tensor]] = [[] for _ in streams]
+    for active in rounds(chunks):
+        k = len(batched[active[0]])
+        jobs = [ChunkJob(opened[i], *chunks[i][k]) for i in active]
+        for i, audio in zip(active, backend.run_chunks(jobs), strict=True):
+            batched[i].append(audio)
+    for plan, got, want, stream in zip(streams, batched, alone, opened, strict=True):
+        assert torch.cat(got).numel() == SAMPLES_PER_TOKEN * plan.tokens.numel()
+        torch.testing.assert_close(torch.cat(got), torch.cat(want), **TOLERANCE)
+        assert stream.nbytes == 0  # closed after its last chunk
+
+
+def test_a_batch_takes_one_chunk_per_stream(flow: DiTFlow, speakers: list[DiTSpeaker]) -> None:
+    stream = flow.open_stream(speakers[0])
+    tokens = torch.zeros(8, dtype=torch.int64)
+    with pytest.raises(ValueError, match="one chunk per stream"):
+        flow.chunks([stream, stream], [tokens, tokens], [False, False])
+    with pytest.raises(ValueError, match="more than 3 tokens"):
+        flow.chunks([stream], [tokens[:3]], [False])
+
+
+def test_span_mask_marks_left_padded_history_and_right_padded_chunk() -> None:
+    mask = span_mask(3, 2, torch.tensor([0, 2, 3]), torch.tensor([1, 2, 1]))
+    assert mask.int().tolist() == [[0, 0, 0, 1, 0], [0, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
+
+
+def test_buckets_round_up_and_refuse_what_is_beyond() -> None:
+    buckets = Buckets(batch=(1, 4), frames=(30, 50), prompt_frames=(256,))
+    assert buckets.shape(SolveShape(3, 31, 20, 200), own_bound=100) == SolveShape(4, 50, 100, 256)
+    assert buckets.shape(SolveShape(1, 30, 0, 256), own_bound=100) == SolveShape(1, 30, 0, 256)
+    assert buckets.shape(SolveShape(5, 30, 0, 100), own_bound=100) is None
+    assert buckets.shape(SolveShape(1, 51, 0, 100), own_bound=100) is None
+    assert buckets.shape(SolveShape(1, 30, 0, 300), own_bound=100) is None
+
+
+def test_plan_batches_groups_by_frames_and_bounds_batch_and_prompts() -> None:
+    buckets = Buckets(batch=(1, 2, 4), frames=(30, 100), prompt_frames=(300,))
+    rows = [
+        RowSpec(frames=30, voice=0, prompt_frames=200),
+        RowSpec(frames=100, voice=0, prompt_frames=200),
+        RowSpec(frames=20, voice=1, prompt_frames=200),  # a second prompt would exceed 300 frames
+        RowSpec(frames=24, voice=0, prompt_frames=200),
+        RowSpec(frames=30, voice=0, prompt_frames=200),
+        RowSpec(frames=30, voice=0, prompt_frames=200),
+        RowSpec(frames=30, voice=0, prompt_frames=200),  # fifth of its bucket: beyond 4 rows
+        RowSpec(frames=500, voice=0, prompt_frames=200),  # beyond every frame bucket: alone
+    ]
+    assert plan_batches(rows, buckets) == [[0], [2], [3, 4, 5, 6], [1], [7]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphs_equal_the_eager_solve() -> None:
+    """Graph replays (fp32 here, to compare tightly) equal eager batched runs on the same device."""
+    device = torch.device("cuda")
+    streams = plans()
+    results = []
+    for graphs in (False, True):
+        flow = DiTFlow(CONFIGS.dit_flow).eval()
+        lively(flow, seed=0)
+        flow.to(device)
+        if graphs:
+            flow.enable_cuda_graphs(Buckets(batch=(4, 8), frames=(20, 40, 80), prompt_frames=(64,)))
+        voices = [flow.prepare_speaker(make_voice(1, 12)), flow.prepare_speaker(make_voice(2, 7))]
+        results.append(batched_mels(flow, voices, streams))
+        if graphs:
+            assert flow.graphs is not None and flow.graphs.shapes
+    for eager, graphed in zip(*results, strict=True):
+        for e, g in zip(eager, graphed, strict=True):
+            torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)

@@ -9,8 +9,10 @@ slot for that request at the next step boundary.
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Sequence
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Self
 
 
 class LLMError(RuntimeError):
@@ -102,6 +104,58 @@ class TokenStream(AsyncIterator[list[int]], abc.ABC):
 
     def __aiter__(self) -> TokenStream:
         return self
+
+
+class QueuedTokenStream(TokenStream):
+    """A `TokenStream` an engine thread feeds through the event loop.
+
+    Every method runs on the event loop thread: the engine hands tokens over with
+    `loop.call_soon_threadsafe(stream.deliver, ...)`. `on_cancel(stream)` runs once when the consumer
+    cancels before the stream finished; the engine then frees the request. Deliveries after the end
+    (done, or cancelled) are dropped.
+    """
+
+    def __init__(self, request_id: str, on_cancel: Callable[[Self], None]) -> None:
+        self.request_id = request_id
+        self._on_cancel = on_cancel
+        self._pending: list[int] = []
+        self._finished = False
+        self._error: LLMError | None = None
+        self._ready = asyncio.Event()
+
+    def deliver(self, tokens: list[int], done: bool, error: LLMError | None) -> None:
+        """Queue `tokens`; `done` ends the stream, with `error` raised to the consumer if given."""
+        if self._finished:
+            return
+        self._pending.extend(tokens)
+        if done:
+            self._finished = True
+            self._error = error
+        self._ready.set()
+
+    def cancel(self: Self) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        self._pending.clear()
+        self._ready.set()
+        self._on_cancel(self)
+
+    async def __anext__(self) -> list[int]:
+        while not self._pending and not self._finished:
+            self._ready.clear()
+            try:
+                await self._ready.wait()
+            except asyncio.CancelledError:
+                self.cancel()
+                raise
+        if self._pending:
+            tokens, self._pending = self._pending, []
+            return tokens
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        raise StopAsyncIteration
 
 
 class LLMEngine(abc.ABC):

@@ -36,7 +36,15 @@ from typing import Any
 import torch
 
 from engines.config import ModelPaths
-from engines.llm.base import LLMEngine, LLMError, LLMRequest, LLMStats, SamplingParams, TokenStream
+from engines.llm.base import (
+    LLMEngine,
+    LLMError,
+    LLMRequest,
+    LLMStats,
+    QueuedTokenStream,
+    SamplingParams,
+    TokenStream,
+)
 from engines.llm.hf_export import SpeechVocab, read_lm_head_bias
 
 logger = logging.getLogger(__name__)
@@ -193,51 +201,13 @@ class TrtLlmConfig:
         return TrtLlmConfig(engine_dir(models_dir), ModelPaths(Path(models_dir)).hf_llm, **options)
 
 
-class _ExecutorStream(TokenStream):
-    """The consumer's side of one request; every method runs on the event loop thread."""
+class _ExecutorStream(QueuedTokenStream):
+    """A queued token stream that remembers its executor request."""
 
     def __init__(self, request_id: str, on_cancel: Callable[[_ExecutorStream], None]) -> None:
-        self.request_id = request_id
+        super().__init__(request_id, on_cancel)
         self.executor_id: int | None = None
         self.started = False  # a first response arrived (it is decoding, not waiting)
-        self._on_cancel = on_cancel
-        self._pending: list[int] = []
-        self._finished = False
-        self._error: LLMError | None = None
-        self._ready = asyncio.Event()
-
-    def deliver(self, tokens: list[int], done: bool, error: LLMError | None) -> None:
-        if self._finished:
-            return
-        self._pending.extend(tokens)
-        if done:
-            self._finished = True
-            self._error = error
-        self._ready.set()
-
-    def cancel(self) -> None:
-        if self._finished:
-            return
-        self._finished = True
-        self._pending.clear()
-        self._ready.set()
-        self._on_cancel(self)
-
-    async def __anext__(self) -> list[int]:
-        while not self._pending and not self._finished:
-            self._ready.clear()
-            try:
-                await self._ready.wait()
-            except asyncio.CancelledError:
-                self.cancel()
-                raise
-        if self._pending:
-            tokens, self._pending = self._pending, []
-            return tokens
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
-        raise StopAsyncIteration
 
 
 _Delivery = tuple[_ExecutorStream, list[int], bool, "LLMError | None"]

@@ -1,14 +1,18 @@
 """In-flight batching engine for the CosyVoice2 LM in PyTorch.
 
 One engine thread owns every tensor. Each step it drains cancellations, admits waiting requests into
-free cache slots, prefills prompts (at most `prefill_chunk` positions per step, so running streams keep
-flowing while a long prompt is read), runs one batched decode over the slots in use and hands the new
-tokens to the asyncio loop with `call_soon_threadsafe`.
+free cache slots, launches one batched prefill call over the next chunks of the prompts in line (several
+prompts share one padded call, at most `prefill_chunk` positions of each), launches one batched decode
+step over the slots in use, and only then reads back the tokens of the previous step and hands them to
+the asyncio loop with `call_soon_threadsafe`. The GPU therefore computes step N while the host handles
+step N - 1; a sequence that stopped at step N - 1 had a row in step N, whose token is dropped.
 
-The decode batch is always slots `0..n` with `n` a bucketed size (new requests take the lowest free
-slot); idle slots inside the batch are computed and ignored. Attention reads a bucketed prefix of the
-cache. Each (batch size, cache length) pair is one static shape, captured as a CUDA graph on CUDA and
-run eagerly on the CPU; the only host synchronisation per decode step is reading the sampled tokens.
+Sampling runs on the device inside both calls and the sampled tokens feed the next decode step there,
+so the host never waits for the device except once per step, for the previous step's tokens (copied
+into pinned memory). The decode batch is always slots `0..n` with `n` a bucketed size (new requests take
+the lowest free slot); idle slots inside the batch are computed and ignored. Attention reads a bucketed
+prefix of the cache. Each call shape is static, captured as a CUDA graph on CUDA and run eagerly on the
+CPU.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import heapq
 import logging
 import secrets
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -49,21 +53,28 @@ class TorchLLMConfig:
     max_slots: int = 64
     max_context: int = 2048  # prompt + generated positions per request
     max_waiting: int = 256
-    prefill_chunk: int = 512  # prompt positions prefilled per engine step
+    prefill_chunk: int = 512  # positions of one prompt prefilled per engine step
+    prefill_tokens: int = 2048  # padded positions (rows x chunk length) of one prefill call
+    prefill_rows: tuple[int, ...] = (1, 2, 4, 8)  # prompts per prefill call (padded up to one of these)
     cuda_graphs: bool = True  # only used on CUDA
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     min_kv_bucket: int = 256  # attended cache lengths: doubling from here up to max_context
     min_prefill_bucket: int = 32  # prefill chunk lengths: doubling from here up to prefill_chunk
     ras_history: int = 32  # longest RAS window a request may ask for
+    max_top_k: int = 64  # largest top_k a request may ask for (the sampler's candidate count)
 
     def __post_init__(self) -> None:
-        sizes = ("max_slots", "max_context", "max_waiting", "prefill_chunk", "min_kv_bucket",
-                 "min_prefill_bucket", "ras_history")
+        sizes = ("max_slots", "max_context", "max_waiting", "prefill_chunk", "prefill_tokens",
+                 "min_kv_bucket", "min_prefill_bucket", "ras_history", "max_top_k")
         for name in sizes:
             if getattr(self, name) < 1:
                 raise ValueError(f"TorchLLMConfig.{name} must be positive, got {getattr(self, name)}")
-        if not self.decode_buckets or min(self.decode_buckets) < 1:
-            raise ValueError(f"decode_buckets must be positive sizes, got {self.decode_buckets}")
+        for name in ("decode_buckets", "prefill_rows"):
+            if not getattr(self, name) or min(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be positive sizes, got {getattr(self, name)}")
+        if self.prefill_lengths[-1] > self.prefill_tokens:
+            raise ValueError(f"prefill_tokens {self.prefill_tokens} must hold one chunk of "
+                             f"{self.prefill_lengths[-1]}")
 
     @property
     def torch_device(self) -> torch.device:
@@ -89,6 +100,16 @@ class TorchLLMConfig:
     def prefill_lengths(self) -> tuple[int, ...]:
         """Padded prefill chunk lengths, ascending; the largest is `prefill_chunk`."""
         return _doubling(self.min_prefill_bucket, self.prefill_chunk)
+
+    @property
+    def prefill_shapes(self) -> tuple[tuple[int, int], ...]:
+        """(rows, chunk length) of every prefill call: the padded positions stay within `prefill_tokens`."""
+        return tuple((rows, length) for rows in sorted(set(self.prefill_rows))
+                     for length in self.prefill_lengths if rows * length <= self.prefill_tokens)
+
+    def prefill_shape(self, rows: int, longest: int) -> tuple[int, int] | None:
+        """The smallest prefill call shape for `rows` chunks of at most `longest` positions, if any."""
+        return next(((r, n) for r, n in self.prefill_shapes if r >= rows and n >= longest), None)
 
 
 def _doubling(smallest: int, largest: int) -> tuple[int, ...]:
@@ -116,29 +137,63 @@ class _Sequence:
     slot: int = -1
     prompt: Tensor | None = None  # prompt embeddings while the prefill is incomplete
     prefilled: int = 0
-    generated: int = 0
+    launched: int = 0  # tokens whose sampling was launched on the device
+    generated: int = 0  # tokens read back and accepted
+    finished: bool = False  # tokens still in flight for it are dropped
 
     @property
     def decoding(self) -> bool:
-        return self.prefilled == self.prompt_len
+        """Its prompt is prefilled and more tokens may be launched."""
+        return self.prefilled == self.prompt_len and self.launched < self.max_len
 
     @property
     def kv_tokens(self) -> int:
         return self.prefilled + self.generated
 
 
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Prompt embeddings [T, hidden] for positions start..start+T of `slot`; `last` ends the prompt."""
+
+    slot: int
+    embeddings: Tensor
+    start: int
+    last: bool
+
+
+class _Readback:
+    """Device tensors copied into host memory without blocking the host; `lists()` waits for the copy."""
+
+    def __init__(self, sources: Sequence[Tensor]) -> None:
+        cuda = sources[0].is_cuda
+        self._host = [torch.empty(src.shape, dtype=src.dtype, pin_memory=cuda) for src in sources]
+        for host, src in zip(self._host, sources, strict=True):
+            host.copy_(src, non_blocking=cuda)
+        self._event = torch.cuda.Event() if cuda else None
+        if self._event is not None:
+            self._event.record()
+
+    def lists(self) -> list[list[int]]:
+        if self._event is not None:
+            self._event.synchronize()
+        return [host.tolist() for host in self._host]
+
+
 class _ModelRunner:
     """The model, its slot KV cache, static input/output buffers and the CUDA graphs (device work only).
 
     Every model call has a bucketed static shape and reads its inputs from static buffers, so the same
-    code runs eagerly (CPU) or as a replayed CUDA graph. Prefill chunks are padded to a bucket length;
-    the padding queries write scratch keys/values just past the chunk (the cache has `prefill_chunk`
-    spare positions for that), which the next chunk or decode step overwrites before anything reads them.
+    code runs eagerly (CPU) or as a replayed CUDA graph. No method waits for the device.
+
+    Prefill calls take up to a bucketed number of rows, one prompt chunk each, padded to a bucket
+    length. Padding queries write scratch keys/values just past their chunk (the cache has
+    `prefill_chunk` spare positions for that), which the next chunk or decode step overwrites before
+    anything reads them; padding rows use a scratch slot past the last real one.
 
     Slot invariants: `positions[s]` is where the slot's next input goes (its prompt length right after
-    admission) and `active[s]` is set once its prefill has sampled the first token. Decode advances only
-    active slots; idle slots in a decode batch write scratch keys/values at their position, which is past
-    anything their sequence has stored.
+    admission) and `active[s]` is set once its prefill has sampled the first token, until its last
+    token is launched or it is released. Decode advances only active slots; idle slots in a decode
+    batch write scratch keys/values at their position, which is past anything their sequence has stored.
     """
 
     def __init__(self, model: CosyVoice2LM, config: TorchLLMConfig) -> None:
@@ -146,24 +201,26 @@ class _ModelRunner:
         self.config = config
         device, dtype, slots = config.torch_device, config.torch_dtype, config.max_slots
         llm = model.cfg
+        self.scratch_slot = slots
 
         def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
         cache_len = config.max_context + config.prefill_chunk
-        self.cache = KVCache.allocate(llm.qwen, slots, cache_len, device, dtype)
-        self.sampling = SamplingSlots(
-            slots, llm.speech_vocab, config.ras_history, llm.stop_tokens, llm.eos_token, device
-        )
+        self.cache = KVCache.allocate(llm.qwen, slots + 1, cache_len, device, dtype)
+        self.sampling = SamplingSlots(slots + 1, llm.speech_vocab, config.ras_history, llm.stop_tokens,
+                                      llm.eos_token, device, candidates=config.max_top_k)
         # Decode: per-slot input token and position, output token.
-        self.next_token, self.positions, self.sampled = zeros(slots), zeros(slots), zeros(slots)
-        self.active = zeros(slots, dtype=torch.bool)
-        # Prefill: one chunk of one slot.
-        self.prefill_input = zeros(config.prefill_chunk, llm.qwen.hidden_size, dtype=dtype)
-        self.prefill_slot, self.prefill_start, self.prefill_last = zeros(1), zeros(1), zeros(1)
-        self.prefill_logits = zeros(1, llm.speech_vocab, dtype=dtype)
+        self.next_token, self.positions, self.sampled = zeros(slots + 1), zeros(slots + 1), zeros(slots)
+        self.active = zeros(slots + 1, dtype=torch.bool)
+        # Prefill: one chunk per row; per row its slot, start position, index of its last real position and
+        # whether it ends the prompt (then its first token is sampled).
+        max_rows = max(config.prefill_rows)
+        self.prefill_input = zeros(max_rows, config.prefill_chunk, llm.qwen.hidden_size, dtype=dtype)
+        self.prefill_rows = zeros(4, max_rows)
+        self.prefill_sampled = zeros(max_rows)
         self.decode_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.prefill_graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
 
     @torch.no_grad()
     def capture_graphs(self) -> None:
@@ -179,19 +236,25 @@ class _ModelRunner:
             pool = graph.pool()
             return graph
 
+        self.prefill_rows[0] = self.scratch_slot  # capture on the scratch slot, like padding rows
         for kv_len in reversed(self.config.kv_lengths):
             for size in reversed(self.config.batch_sizes):
                 self.decode_graphs[size, kv_len] = capture(partial(self._decode_step, size, kv_len))
-            for length in reversed(self.config.prefill_lengths):
-                self.prefill_graphs[length, kv_len] = capture(partial(self._prefill_step, length, kv_len))
+            for rows, length in reversed(self.config.prefill_shapes):
+                self.prefill_graphs[rows, length, kv_len] = capture(
+                    partial(self._prefill_step, rows, length, kv_len))
         torch.cuda.synchronize()
 
     @torch.no_grad()
     def embed_prompt(self, request: LLMRequest) -> Tensor:
-        device = self.config.torch_device
-        text = torch.tensor([*request.prompt_text_ids, *request.text_ids], dtype=torch.int64, device=device)
-        speech = torch.tensor(list(request.prompt_speech_tokens), dtype=torch.int64, device=device)
-        return self.model.prompt_embeddings(text, speech)
+        def on_device(ids: list[int]) -> Tensor:
+            ids_tensor = torch.tensor(ids, dtype=torch.int64)
+            if self.config.torch_device.type == "cuda":  # a pinned copy does not wait for running steps
+                return ids_tensor.pin_memory().to(self.config.torch_device, non_blocking=True)
+            return ids_tensor.to(self.config.torch_device)
+
+        text = on_device([*request.prompt_text_ids, *request.text_ids])
+        return self.model.prompt_embeddings(text, on_device(list(request.prompt_speech_tokens)))
 
     def begin(self, seq: _Sequence) -> None:
         self.sampling.configure(seq.slot, seq.request.sampling, seq.min_len, seq.seed)
@@ -202,45 +265,60 @@ class _ModelRunner:
         self.active[slot] = False
 
     @torch.no_grad()
-    def prefill(self, slot: int, chunk: Tensor, start: int, last: bool) -> int | None:
-        """Write `chunk` [T, hidden] at positions start..start+T of `slot`; on the `last` chunk, sample
-        and return the first generated token and make the slot active."""
-        length = chunk.shape[0]
-        self.prefill_input[:length] = chunk
-        self.prefill_slot.fill_(slot)
-        self.prefill_start.fill_(start)
-        self.prefill_last.fill_(length - 1)
-        config = self.config
-        shape = (_bucket(config.prefill_lengths, length), _bucket(config.kv_lengths, start + length))
-        graph = self.prefill_graphs.get(shape)
+    def prefill(self, chunks: Sequence[PrefillChunk]) -> None:
+        """Launch one prefill call over `chunks`, one row each; a row whose chunk is the `last` of its
+        prompt samples the slot's first token (into `prefill_sampled[row]`) and makes the slot active."""
+        shape = self.config.prefill_shape(len(chunks), max(chunk.embeddings.shape[0] for chunk in chunks))
+        if shape is None:
+            raise ValueError(f"no prefill shape holds {len(chunks)} chunks")
+        rows, length = shape
+        padding = [(self.scratch_slot, 0, 0, False)] * (rows - len(chunks))
+        meta = [(c.slot, c.start, c.embeddings.shape[0] - 1, c.last) for c in chunks] + padding
+        self._upload(self.prefill_rows[:, :rows], torch.tensor(meta, dtype=torch.int64).T)
+        for row, chunk in enumerate(chunks):
+            self.prefill_input[row, : chunk.embeddings.shape[0]] = chunk.embeddings
+        kv_len = _bucket(self.config.kv_lengths, max(c.start + c.embeddings.shape[0] for c in chunks))
+        graph = self.prefill_graphs.get((rows, length, kv_len))
         if graph is not None:
             graph.replay()
         else:
-            self._prefill_step(*shape)
-        if not last:
-            return None
-        rows = slice(slot, slot + 1)
-        token = self.sampling.sample(self.prefill_logits, rows)
-        self.sampling.record(token, rows, torch.ones_like(token, dtype=torch.bool))
-        self.next_token[rows] = token
-        self.active[slot] = True
-        return int(token.item())
+            self._prefill_step(rows, length, kv_len)
 
     @torch.no_grad()
-    def decode(self, size: int, kv_len: int) -> list[int]:
-        """One decode step over slots 0..size; the sampled token of every slot in that range."""
+    def decode(self, size: int, kv_len: int) -> None:
+        """Launch one decode step over slots 0..size; each slot's token goes to `sampled[slot]`."""
         graph = self.decode_graphs.get((size, kv_len))
         if graph is not None:
             graph.replay()
         else:
             self._decode_step(size, kv_len)
-        return self.sampled[:size].tolist()
 
-    def _prefill_step(self, length: int, kv_len: int) -> None:
-        positions = (self.prefill_start + torch.arange(length, device=self.prefill_start.device)).unsqueeze(0)
-        batch = CacheBatch(self.prefill_slot, positions, kv_len)
-        hidden = self.model.backbone(self.prefill_input[:length].unsqueeze(0), batch, self.cache)
-        self.prefill_logits.copy_(self.model.speech_logits(hidden[0].index_select(0, self.prefill_last)))
+    def read_back(self, prefill_rows: int, decode_rows: int) -> _Readback:
+        """Start copying the tokens of the calls launched so far to the host."""
+        return _Readback((self.prefill_sampled[:prefill_rows], self.sampled[:decode_rows]))
+
+    def synchronize(self) -> None:
+        if self.config.torch_device.type == "cuda":
+            torch.cuda.synchronize(self.config.torch_device)
+
+    def _upload(self, target: Tensor, values: Tensor) -> None:
+        if target.is_cuda:
+            target.copy_(values.pin_memory(), non_blocking=True)
+        else:
+            target.copy_(values)
+
+    def _prefill_step(self, rows: int, length: int, kv_len: int) -> None:
+        slots, start, last, ends_prompt = self.prefill_rows[:, :rows]
+        positions = start.unsqueeze(1) + torch.arange(length, device=start.device)
+        batch = CacheBatch(slots, positions, kv_len)
+        hidden = self.model.backbone(self.prefill_input[:rows, :length], batch, self.cache)
+        logits = self.model.speech_logits(hidden[torch.arange(rows, device=start.device), last])
+        tokens = self.sampling.sample(logits, slots)
+        done = ends_prompt.bool()
+        self.sampling.record(tokens, slots, done)
+        self.next_token[slots] = torch.where(done, tokens, self.next_token[slots])
+        self.active[slots] = self.active[slots] | done
+        self.prefill_sampled[:rows] = tokens
 
     def _decode_step(self, size: int, kv_len: int) -> None:
         rows = slice(0, size)
@@ -265,9 +343,19 @@ class _EngineState:
     free: list[int]  # heap: the lowest free slot is taken first, which keeps decode batches small
     prefilling: collections.deque[_Sequence] = field(default_factory=collections.deque)
     outbox: list[_Delivery] = field(default_factory=list)
+    in_flight: _Launch | None = None  # the last step's calls, whose tokens are not read back yet
 
     def held(self) -> Iterator[_Sequence]:
         return (seq for seq in self.slots if seq is not None)
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """One engine step's device calls: which sequence owns which row of the tokens being read back."""
+
+    first_tokens: list[tuple[_Sequence, int]]  # prefill row of the sequences whose prompt it completed
+    next_tokens: list[tuple[_Sequence, int]]  # decode row (= slot) of every decoded sequence
+    readback: _Readback
 
 
 class TorchLLMEngine(LLMEngine):
@@ -362,6 +450,9 @@ class TorchLLMEngine(LLMEngine):
         if params.use_ras and params.ras_window > self.config.ras_history:
             raise LLMError("invalid_request", f"ras_window {params.ras_window} is above this engine's limit "
                                               f"of {self.config.ras_history}")
+        if params.top_k > self.config.max_top_k:
+            raise LLMError("invalid_request", f"top_k {params.top_k} is above this engine's limit of "
+                                              f"{self.config.max_top_k}")
         min_len, max_len = params.length_bounds(len(request.text_ids))
         if max_len < 1:
             raise LLMError("invalid_request", "the length bounds allow no speech token for this text")
@@ -397,23 +488,27 @@ class TorchLLMEngine(LLMEngine):
     def _run(self) -> None:
         state = self._state
         while not self._stopping:
-            if not (self._waiting or self._cancelled or any(state.held())):
+            if not (self._waiting or self._cancelled or state.in_flight or any(state.held())):
                 self._wake.wait()
             self._wake.clear()
             try:
                 self._step()
             except Exception:
                 logger.exception("LLM engine step failed")
+                state.in_flight = None
                 for seq in list(state.held()):
                     self._finish(seq, LLMError("engine_error", "the LLM engine failed"))
             self._flush()
         self._shut_down()
 
     def _step(self) -> None:
+        """Launch this step's calls, then read back the previous step's tokens while these run."""
         self._drain_cancellations()
         self._admit()
-        self._prefill()
-        self._decode()
+        launch = self._launch()
+        previous, self._state.in_flight = self._state.in_flight, launch
+        if previous is not None:
+            self._complete(previous)
         self._active = sum(1 for _ in self._state.held())
         self._kv_used = sum(seq.kv_tokens for seq in self._state.held())
 
@@ -447,49 +542,96 @@ class TorchLLMEngine(LLMEngine):
                 continue
             state.prefilling.append(seq)
 
-    def _prefill(self) -> None:
-        state, runner = self._state, self._runner
+    def _launch(self) -> _Launch | None:
+        runner = self._runner
         assert runner is not None
-        budget = self.config.prefill_chunk
-        while state.prefilling and budget > 0:
-            seq = state.prefilling[0]
-            assert seq.prompt is not None
-            end = min(seq.prefilled + budget, seq.prompt_len)
-            last = end == seq.prompt_len
-            try:
-                token = runner.prefill(seq.slot, seq.prompt[seq.prefilled:end], seq.prefilled, last)
-            except Exception:
-                logger.exception("prefill of LLM request %s failed", seq.request.request_id)
-                state.prefilling.popleft()
-                self._finish(seq, LLMError("engine_error", "the LLM engine failed while reading the prompt"))
-                continue
-            budget -= end - seq.prefilled
-            seq.prefilled = end
-            if token is not None:
-                state.prefilling.popleft()
-                seq.prompt = None
-                self._accept(seq, token)
+        first_tokens = self._launch_prefill()
+        next_tokens = self._launch_decode()
+        if not (first_tokens or next_tokens):
+            return None
+        prefill_rows = max((row + 1 for _, row in first_tokens), default=0)
+        decode_rows = max((slot + 1 for _, slot in next_tokens), default=0)
+        return _Launch(first_tokens, next_tokens, runner.read_back(prefill_rows, decode_rows))
 
-    def _decode(self) -> None:
+    def _plan_prefill(self) -> list[tuple[_Sequence, int]]:
+        """The prompts at the head of the line that one prefill call takes, with the end of each chunk."""
+        plan: list[tuple[_Sequence, int]] = []
+        longest = 0
+        for seq in self._state.prefilling:
+            end = min(seq.prompt_len, seq.prefilled + self.config.prefill_chunk)
+            longest = max(longest, end - seq.prefilled)
+            if plan and self.config.prefill_shape(len(plan) + 1, longest) is None:
+                break
+            plan.append((seq, end))
+        return plan
+
+    def _launch_prefill(self) -> list[tuple[_Sequence, int]]:
+        """Prefill the next chunks; the sequences whose prompt this completes, with their row."""
+        runner = self._runner
+        assert runner is not None
+        plan = self._plan_prefill()
+        if not plan:
+            return []
+        chunks = []
+        for seq, end in plan:
+            assert seq.prompt is not None
+            last = end == seq.prompt_len
+            chunks.append(PrefillChunk(seq.slot, seq.prompt[seq.prefilled:end], seq.prefilled, last))
+        try:
+            runner.prefill(chunks)
+        except Exception:
+            logger.exception("prefill of %d LLM requests failed", len(plan))
+            for seq, _ in plan:
+                self._finish(seq, LLMError("engine_error", "the LLM engine failed while reading the prompt"))
+            return []
+        completed = []
+        for row, (seq, end) in enumerate(plan):
+            seq.prefilled = end
+            if end == seq.prompt_len:
+                self._state.prefilling.remove(seq)
+                seq.prompt = None
+                self._launched_token(seq)
+                completed.append((seq, row))
+        return completed
+
+    def _launch_decode(self) -> list[tuple[_Sequence, int]]:
         runner = self._runner
         assert runner is not None
         decoding = [seq for seq in self._state.held() if seq.decoding]
         if not decoding:
-            return
+            return []
         size = _bucket(self.config.batch_sizes, max(seq.slot for seq in decoding) + 1)
-        kv_len = _bucket(self.config.kv_lengths, max(seq.prompt_len + seq.generated for seq in decoding))
+        # A sequence's input goes to position prompt_len + launched - 1.
+        kv_len = _bucket(self.config.kv_lengths, max(seq.prompt_len + seq.launched for seq in decoding))
         try:
-            tokens = runner.decode(size, kv_len)
+            runner.decode(size, kv_len)
         except Exception:
             logger.exception("LLM decode step failed")
             for seq in decoding:
                 self._finish(seq, LLMError("engine_error", "the LLM engine failed while decoding"))
-            return
+            return []
         for seq in decoding:
-            self._accept(seq, tokens[seq.slot])
+            self._launched_token(seq)
+        return [(seq, seq.slot) for seq in decoding]
+
+    def _launched_token(self, seq: _Sequence) -> None:
+        seq.launched += 1
+        if seq.launched == seq.max_len:  # its last token is on its way: the device stops advancing it
+            assert self._runner is not None
+            self._runner.release(seq.slot)
+
+    def _complete(self, launch: _Launch) -> None:
+        """Wait for `launch`'s tokens and hand them to their sequences, first tokens first."""
+        first_tokens, next_tokens = launch.readback.lists()
+        for seq, row in launch.first_tokens:
+            self._accept(seq, first_tokens[row])
+        for seq, slot in launch.next_tokens:
+            self._accept(seq, next_tokens[slot])
 
     def _accept(self, seq: _Sequence, token: int) -> None:
         """Apply the stop rules to a freshly sampled token and queue it for the consumer."""
+        if seq.finished:  # stopped, cancelled or failed while this token was in flight
+            return
         seq.generated += 1
         if token in self._stop_tokens:
             self._finish(seq, None)
@@ -506,6 +648,7 @@ class TorchLLMEngine(LLMEngine):
 
     def _free(self, seq: _Sequence) -> None:
         seq.prompt = None
+        seq.finished = True
         state = self._state
         if seq.slot >= 0 and state.slots[seq.slot] is seq:
             state.slots[seq.slot] = None
@@ -526,5 +669,8 @@ class TorchLLMEngine(LLMEngine):
             waiting, self._waiting = list(self._waiting), collections.deque()
         for seq in (*waiting, *self._state.held()):
             self._finish(seq, stopped)
+        self._state.in_flight = None
+        assert self._runner is not None
+        self._runner.synchronize()  # nothing may still run on the device once the engine is stopped
         self._active = self._kv_used = 0
         self._flush()

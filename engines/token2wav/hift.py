@@ -293,9 +293,11 @@ class HiFTStream:
     holds back the last 3840 samples unless `last`. Concatenating the outputs gives the utterance.
 
     One deliberate difference from the reference: it restarts the sine phases at every call, so the
-    excitation jumps where the restored source ends; here they continue (`HiFTGenerator.vocode`). With
-    the noise drawn in order from the stream's seeded CPU generator, a stream then reproduces the
-    offline output with the same seed everywhere but near the chunk joins.
+    excitation jumps where the restored source ends; here they continue (`HiFTGenerator.vocode`). The
+    noise comes from the stream's own generator on the vocoder's device, so a stream's audio does not
+    depend on which streams share its batch. On the CPU, whose draws concatenate exactly, a seeded
+    stream reproduces the offline output with the same seed everywhere but near the chunk joins (a CUDA
+    generator rounds its offset per call, so there the noise differs from offline's).
     """
 
     def __init__(self, hift: HiFTGenerator, *, seed: int | None = None) -> None:
@@ -305,8 +307,8 @@ class HiFTStream:
                              f"{cfg.mel_cache_frames} × {hift.hop_samples}")
         self._hift: HiFTGenerator | None = hift
         device = hift.stft_window.device
-        # CPU noise keeps a seeded stream reproducible on any device, and the draws concatenate exactly.
-        self._noise = torch.Generator()
+        # On the vocoder's device: batches of many streams draw their noise without host work.
+        self._noise = torch.Generator(device)
         if seed is None:
             self._noise.seed()
         else:

@@ -1,0 +1,124 @@
+"""Batched streaming token2wav: wall time of one `run_chunks` call over N streams' chunks.
+
+    python benchmarks/token2wav_batch.py --size full --device cuda --batches 1 4 16 64
+    python benchmarks/token2wav_batch.py --size tiny --device cpu --batches 1 4 --repeats 1
+
+Builds (or reuses) synthetic checkpoints of the requested size, warms up (on CUDA: captures the graphs
+of the measured shapes), then for each batch size N opens N streams of one voice and times the calls of
+the exponential schedule with all N streams in step: every stream's first chunk (15 + 3 tokens) in one
+call, then every stream's second chunk (25 + 3), and so on. Prints, per call, the wall time (median over
+repeats) and the real-time factor: seconds of audio the call yields per second of wall time, which is
+how many streams at that chunk size one GPU could keep playing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engines.build.synthetic import build_random  # noqa: E402
+from engines.config import PRE_LOOKAHEAD, SAMPLE_RATE, TOKEN_RATE_HZ, ModelPaths  # noqa: E402
+from engines.token2wav.base import ChunkJob, SpeakerState  # noqa: E402
+from engines.token2wav.torch_backend import TorchToken2Wav  # noqa: E402
+from engines.voice import VoicePrompt  # noqa: E402
+
+
+def time_schedule(t2w: TorchToken2Wav, speaker: SpeakerState, batch: int, hops: list[int],
+                  tokens: torch.Tensor) -> list[float]:
+    """ms of each call: chunk k of `batch` streams at once, for every hop k; the streams then end."""
+    streams = [t2w.open_stream(speaker) for _ in range(batch)]
+    times, start = [], 0
+    for hop in hops:
+        piece = tokens[start : start + hop + PRE_LOOKAHEAD]
+        jobs = [ChunkJob(stream, piece, last=False) for stream in streams]
+        began = time.perf_counter()
+        t2w.run_chunks(jobs)  # returns CPU audio: the device has finished
+        times.append((time.perf_counter() - began) * 1000)
+        start += hop
+    for stream in streams:
+        stream.close()
+    return times
+
+
+def profile_call(t2w: TorchToken2Wav, speaker: SpeakerState, batch: int, hop: int,
+                 tokens: torch.Tensor) -> None:
+    """Top operators of one call of `batch` first chunks (CPU time: Python and launch overhead)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if t2w.device.type == "cuda" else [])
+    streams = [t2w.open_stream(speaker) for _ in range(batch)]
+    jobs = [ChunkJob(stream, tokens[: hop + PRE_LOOKAHEAD], last=False) for stream in streams]
+    with profile(activities=activities) as prof:
+        t2w.run_chunks(jobs)
+    print(f"\nprofile: {batch} first chunks of {hop}+{PRE_LOOKAHEAD} tokens")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=40))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", type=Path, help="models directory (default: build synthetic ones)")
+    parser.add_argument("--size", choices=("tiny", "full"), default="tiny")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--hops", type=int, nargs="+", default=[15, 25, 50, 100])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--profile", action="store_true", help="print the top operators of two calls")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    device = torch.device(args.device)
+    models = args.models or Path(tempfile.gettempdir()) / f"cosyvoice-synthetic-{args.size}"
+    if args.models is None:
+        build_random(models, args.size)
+    t2w = TorchToken2Wav.from_models_dir(models, "dit", device)
+    if args.eager:
+        t2w.flow.use_bucketed_solver(None)  # type: ignore[operator]
+    speaker = t2w.prepare_speaker(VoicePrompt.load(ModelPaths(models).voices / "default.safetensors"))
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 6561, (sum(args.hops) + PRE_LOOKAHEAD,), generator=generator)
+
+    began = time.perf_counter()
+    t2w.warmup(speaker, hops=args.hops, batches=[] if args.eager else args.batches)
+    warmup_s = time.perf_counter() - began
+    rows = []
+    for batch in args.batches:
+        time_schedule(t2w, speaker, batch, args.hops, tokens)  # first use of every kernel and shape
+        runs = [time_schedule(t2w, speaker, batch, args.hops, tokens) for _ in range(args.repeats)]
+        for hop, times in zip(args.hops, zip(*runs, strict=True), strict=True):
+            ms = statistics.median(times)
+            audio_s = batch * hop / TOKEN_RATE_HZ
+            rows.append({"batch": batch, "hop": hop, "ms": ms, "ms_per_stream": ms / batch,
+                         "realtime_x": audio_s / (ms / 1000)})
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    mode = "eager" if args.eager or device.type != "cuda" else "CUDA graphs"
+    print(f"\ntoken2wav run_chunks: {args.size} synthetic DiT flow ({t2w.flow.dtype}, {mode}), HiFT fp32, "
+          f"{name}, torch {torch.__version__}; warm-up {warmup_s:.1f} s; {SAMPLE_RATE} Hz")
+    print(f"{'streams':>7} {'chunk (tokens)':>15} {'ms / call':>10} {'ms / stream':>12} {'x real time':>12}")
+    for row in rows:
+        chunk = f"{'first ' if row['hop'] == args.hops[0] else ''}{row['hop']}+{PRE_LOOKAHEAD}"
+        print(f"{row['batch']:>7} {chunk:>15} {row['ms']:>10.1f} {row['ms_per_stream']:>12.2f} "
+              f"{row['realtime_x']:>12.1f}")
+    if device.type == "cuda":
+        print(f"peak GPU memory: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
+    if args.profile:
+        profile_call(t2w, speaker, 1, args.hops[0], tokens)
+        profile_call(t2w, speaker, max(args.batches), args.hops[0], tokens)
+    if args.json:
+        report = {"device": name, "size": args.size, "mode": mode, "rows": rows}
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

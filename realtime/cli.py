@@ -9,9 +9,12 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
 
+from engines.llm.auto import LLMBackend
+from engines.token2wav.auto import Token2WavBackend
 from realtime.config import DEFAULT_CACHE_DIR, IceServer, ServiceConfig, WebRTCConfig
 from realtime.schedule import ScheduleKind
 
@@ -54,6 +57,7 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         voices_dir=Path(args.voices) if args.voices else None,
         flow=args.flow,
         llm_backend=args.llm_backend,
+        token2wav_backend=args.token2wav_backend,
         device=args.device,
         schedule=ScheduleKind(args.schedule),
         max_streams=args.max_streams,
@@ -126,9 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--flow", choices=("dit", "unet"), default="dit", help="token2wav flow")
         sub.add_argument(
             "--llm-backend",
-            choices=("auto", "torch", "trtllm"),
+            choices=get_args(LLMBackend),
             default="auto",
-            help="LLM engine (auto: TensorRT-LLM when built and importable, else PyTorch)",
+            help="LLM engine (auto: TensorRT-LLM when built and runnable here, else PyTorch)",
+        )
+        sub.add_argument(
+            "--token2wav-backend",
+            choices=get_args(Token2WavBackend),
+            default="auto",
+            help="token2wav backend (auto: TensorRT when its plans are built and runnable, else PyTorch)",
         )
         sub.add_argument("--device", default="auto", help="torch device: auto, cpu, cuda, cuda:1, ...")
         sub.add_argument(

@@ -6,12 +6,13 @@ import dataclasses
 import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
+from engines.llm.auto import LLMBackend
+from engines.token2wav.auto import Token2WavBackend
 from realtime.schedule import ScheduleKind
 
 FlowKind = Literal["dit", "unet"]
-LLMBackend = Literal["auto", "torch", "trtllm"]
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "cosyvoice-realtime"
 
 
@@ -78,8 +79,10 @@ class ServiceConfig:
     max_text_chars: longest text of one request (HTTP input, one websocket context's buffer).
     max_voice_upload_s / max_voice_upload_bytes: limits on a reference clip for `POST /v1/voices`.
     device: a torch device (`cpu`, `cuda`, `cuda:1`) or `auto` (CUDA when available).
-    llm_backend: `trtllm` (TensorRT-LLM), `torch`, or `auto`: TensorRT-LLM when its engine was built into
-        the models directory and `tensorrt_llm` imports, PyTorch otherwise.
+    llm_backend: `tensorrt_llm`, `torch`, or `auto`: TensorRT-LLM when its engine was built into the
+        models directory and can run here, PyTorch otherwise (engines/llm/auto.py).
+    token2wav_backend: `tensorrt`, `torch`, or `auto`: TensorRT when the DiT plans were built and can run
+        here, PyTorch otherwise (engines/token2wav/auto.py).
     llm_slots: requests the LLM decodes together (None: `max_streams`; 1 serves one at a time).
     token2wav_batch: most chunks the token2wav worker runs in one call.
     chunk_queue: chunks (per stream) synthesised ahead of a slow consumer before the stream waits.
@@ -94,6 +97,7 @@ class ServiceConfig:
     voices_dir: Path | None = None
     flow: FlowKind = "dit"
     llm_backend: LLMBackend = "auto"
+    token2wav_backend: Token2WavBackend = "auto"
     device: str = "auto"
     schedule: ScheduleKind = ScheduleKind.EXPONENTIAL
     max_streams: int = 16
@@ -114,8 +118,9 @@ class ServiceConfig:
             object.__setattr__(self, "voices_dir", Path(self.voices_dir))
         if self.flow not in ("dit", "unet"):
             raise ValueError(f"flow must be 'dit' or 'unet', got {self.flow!r}")
-        if self.llm_backend not in ("auto", "torch", "trtllm"):
-            raise ValueError(f"llm_backend must be 'auto', 'torch' or 'trtllm', got {self.llm_backend!r}")
+        for name, choices in (("llm_backend", LLMBackend), ("token2wav_backend", Token2WavBackend)):
+            if getattr(self, name) not in get_args(choices):
+                raise ValueError(f"{name} must be one of {get_args(choices)}, got {getattr(self, name)!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         for name in (

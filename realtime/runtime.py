@@ -27,8 +27,10 @@ import numpy as np
 import torch
 
 from engines.config import ModelPaths
+from engines.llm.auto import select_llm
 from engines.llm.base import LLMEngine, LLMRequest, TokenStream
 from engines.text import TextError, TextFrontend
+from engines.token2wav.auto import select_token2wav
 from engines.token2wav.base import ChunkJob, SpeakerState, Token2Wav, Token2WavStream
 from engines.voice import VoicePrompt
 from engines.voice_encoder import VoiceEncoder, VoiceError, VoiceLimits
@@ -212,36 +214,22 @@ class LoadedEngines:
     voice_encoder: VoiceEncoder
 
 
-def load_llm(config: ServiceConfig) -> LLMEngine:
-    """The LLM engine `config.llm_backend` names; `auto` prefers a built TensorRT-LLM engine."""
-    from engines.llm.torch_engine import TorchLLMEngine
-    from engines.llm.trtllm import TensorRTLLMUnavailable, TrtLlmEngine, engine_dir
-
-    if config.llm_backend == "trtllm" or (
-        config.llm_backend == "auto" and engine_dir(config.models_dir).is_dir()
-    ):
-        try:
-            return TrtLlmEngine.from_models_dir(config.models_dir)
-        except TensorRTLLMUnavailable as exc:
-            if config.llm_backend == "trtllm":
-                raise
-            logger.info("not using the TensorRT-LLM engine: %s", exc)
-    slots = config.llm_slots or config.max_streams
-    return TorchLLMEngine.from_models_dir(config.models_dir, device=config.torch_device, max_slots=slots)
-
-
 def load_engines(config: ServiceConfig) -> LoadedEngines:
-    """The engines over `config.models_dir` (blocking: call it off the event loop)."""
-    from engines.token2wav.torch_backend import TorchToken2Wav
-
+    """The engines over `config.models_dir`, backends picked by engines/*/auto.py (blocking: call it off
+    the event loop). RuntimeError says why a backend asked for by name cannot run."""
+    device = config.torch_device
+    token2wav = select_token2wav(config.models_dir, config.token2wav_backend, config.flow, device)
+    slots = config.llm_slots or config.max_streams
+    llm = select_llm(config.models_dir, config.llm_backend, device, max_slots=slots)
+    if llm.stats().max_slots != slots:
+        logger.warning("the %s LLM engine batches up to %d requests, not %d", llm.name, llm.stats().max_slots,
+                       slots)
     paths = ModelPaths(config.models_dir)
-    llm = load_llm(config)
-    token2wav = TorchToken2Wav.from_models_dir(config.models_dir, config.flow, config.torch_device)
     text = TextFrontend(paths.text_tokenizer, max_text_chars=config.max_text_chars)
     encoder = VoiceEncoder(
         paths.speech_tokenizer,
         paths.campplus,
-        device="cpu" if config.torch_device == "cpu" else "auto",
+        device="cpu" if device == "cpu" else "auto",
         limits=VoiceLimits(max_seconds=config.max_voice_upload_s),
     )
     return LoadedEngines(llm, token2wav, text, encoder)

@@ -1,4 +1,8 @@
-"""Pick the LLM engine: TensorRT-LLM when it can run here, PyTorch otherwise, and say which and why."""
+"""Pick the LLM engine: TensorRT-LLM when it can run here, PyTorch otherwise, and say which and why.
+
+Importing this module is cheap (the service's configuration names `LLMBackend`); the engines and
+their libraries are imported when one is selected.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +11,21 @@ import logging
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
-
 from engines.config import ModelPaths
 from engines.llm.base import LLMEngine
-from engines.llm.hf_export import is_exported
-from engines.llm.trtllm import engine_dir
 
 logger = logging.getLogger(__name__)
 
-BackendChoice = Literal["auto", "tensorrt_llm", "torch"]
+LLMBackend = Literal["auto", "tensorrt_llm", "torch"]
 
 
 def tensorrt_llm_unavailable(models_dir: Path, device: str) -> str | None:
     """Why the TensorRT-LLM engine cannot serve `models_dir` here, or None when it can."""
+    import torch
+
+    from engines.llm.hf_export import is_exported
+    from engines.llm.trtllm import engine_dir
+
     if torch.device(device).type != "cuda":
         return f"TensorRT-LLM needs a CUDA device, not {device!r}"
     hf_dir, engine = ModelPaths(Path(models_dir)).hf_llm, engine_dir(models_dir)
@@ -34,7 +39,7 @@ def tensorrt_llm_unavailable(models_dir: Path, device: str) -> str | None:
 
 
 def select_llm(
-    models_dir: Path, backend: BackendChoice = "auto", device: str = "cuda", **torch_options: Any
+    models_dir: Path, backend: LLMBackend = "auto", device: str = "cuda", **torch_options: Any
 ) -> LLMEngine:
     """The LLM engine for `models_dir`: `tensorrt_llm` or `torch` as asked, `auto` prefers TensorRT-LLM.
 
@@ -45,7 +50,7 @@ def select_llm(
     if backend == "tensorrt_llm" and reason is not None:
         raise RuntimeError(f"the TensorRT-LLM engine cannot run: {reason}")
     if backend != "torch" and reason is None:
-        from engines.llm.trtllm import TrtLlmEngine
+        from engines.llm.trtllm import TrtLlmEngine, engine_dir
 
         logger.info("LLM engine: TensorRT-LLM (%s)", engine_dir(models_dir))
         return TrtLlmEngine.from_models_dir(models_dir)

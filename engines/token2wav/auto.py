@@ -1,27 +1,36 @@
-"""Pick the token2wav backend: TensorRT when it can run here, PyTorch otherwise, and say which and why."""
+"""Pick the token2wav backend: TensorRT when it can run here, PyTorch otherwise, and say which and why.
+
+Importing this module is cheap (the service's configuration names `Token2WavBackend`); the backends
+and their libraries are imported when one is selected.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import logging
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from engines.token2wav.base import Token2Wav
-from engines.token2wav.torch_backend import FlowVariant, TorchToken2Wav
-from engines.token2wav.trt_pool import Precision, TrtArtifacts
+    from engines.token2wav.base import Token2Wav
+    from engines.token2wav.torch_backend import FlowVariant
+    from engines.token2wav.trt_pool import Precision
 
 logger = logging.getLogger(__name__)
 
-BackendChoice = Literal["auto", "tensorrt", "torch"]
+Token2WavBackend = Literal["auto", "tensorrt", "torch"]
 
 
 def tensorrt_unavailable(
     models_dir: Path, flow: FlowVariant, device: str, precision: Precision
 ) -> str | None:
     """Why the TensorRT backend cannot serve `models_dir` here, or None when it can."""
+    import torch
+
+    from engines.token2wav.trt_pool import TrtArtifacts
+
     if flow != "dit":
         return f"TensorRT plans exist for the DiT flow only, not {flow!r}"
     if torch.device(device).type != "cuda":
@@ -36,15 +45,19 @@ def tensorrt_unavailable(
 
 def select_token2wav(
     models_dir: Path,
-    backend: BackendChoice = "auto",
+    backend: Token2WavBackend = "auto",
     flow: FlowVariant = "dit",
     device: str = "cuda",
     precision: Precision = "fp16",
     pool_size: int = 4,
-    torch_dtype: torch.dtype = torch.float32,
+    torch_dtype: torch.dtype | None = None,
+    cuda_graphs: bool = True,
 ) -> Token2Wav:
     """The token2wav backend for `models_dir`: `tensorrt` or `torch` as asked, `auto` prefers TensorRT.
 
+    torch_dtype: the PyTorch flow's dtype (None: the backend's default, fp16 on CUDA).
+    cuda_graphs: let the PyTorch DiT flow solve batches with CUDA graphs. Graphs replay from shared
+        static buffers, so a backend called from several threads at once must run without them.
     Asking for `tensorrt` where it cannot run raises RuntimeError with the reason.
     """
     reason = None if backend == "torch" else tensorrt_unavailable(models_dir, flow, device, precision)
@@ -55,5 +68,11 @@ def select_token2wav(
 
         logger.info("token2wav backend: TensorRT (%s plans, %d contexts)", precision, pool_size)
         return load_trt_token2wav(models_dir, precision, pool_size, device)
+    from engines.token2wav.flow_dit import DiTFlow
+    from engines.token2wav.torch_backend import TorchToken2Wav
+
     logger.info("token2wav backend: PyTorch %s flow (%s)", flow, reason or "requested")
-    return TorchToken2Wav.from_models_dir(models_dir, flow, device, torch_dtype)
+    token2wav = TorchToken2Wav.from_models_dir(models_dir, flow, device, torch_dtype)
+    if not cuda_graphs and isinstance(token2wav.flow, DiTFlow):
+        token2wav.flow.use_bucketed_solver(None)
+    return token2wav

@@ -1,0 +1,60 @@
+"""The service picks its engines through engines/*/auto.py: `auto` falls back to PyTorch and says why,
+a backend asked for by name that cannot run stops the start with the reason."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from engines.token2wav.torch_backend import TorchToken2Wav
+from realtime.cli import _config, build_parser
+from realtime.config import ServiceConfig
+from realtime.runtime import Runtime, load_engines
+
+
+def config(models: Path, **overrides: object) -> ServiceConfig:
+    return ServiceConfig(models_dir=models, device="cpu", max_streams=2, **overrides)  # type: ignore[arg-type]
+
+
+def test_auto_picks_pytorch_without_built_engines_and_logs_why(
+    tiny_models: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="engines"):
+        engines = load_engines(config(tiny_models))
+    assert engines.llm.name == "torch"
+    assert isinstance(engines.token2wav, TorchToken2Wav)
+    assert engines.llm.stats().max_slots == 2
+    picks = {record.name: record.getMessage() for record in caplog.records}
+    assert picks["engines.llm.auto"] == "LLM engine: PyTorch (TensorRT-LLM needs a CUDA device, not 'cpu')"
+    assert picks["engines.token2wav.auto"] == (
+        "token2wav backend: PyTorch dit flow (TensorRT needs a CUDA device, not 'cpu')"
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"llm_backend": "tensorrt_llm"}, "TensorRT-LLM engine cannot run: TensorRT-LLM needs a CUDA device"),
+        ({"token2wav_backend": "tensorrt"}, "TensorRT token2wav backend cannot run: TensorRT needs a CUDA"),
+    ],
+)
+async def test_a_backend_asked_for_by_name_that_cannot_run_stops_the_start(
+    tiny_models: Path, overrides: dict[str, object], message: str
+) -> None:
+    runtime = Runtime(config(tiny_models, **overrides))
+    with pytest.raises(RuntimeError, match=message):
+        await runtime.start()
+    assert not runtime.ready
+
+
+def test_cli_backend_names_are_the_config_names(tiny_models: Path) -> None:
+    backends = ["--llm-backend", "tensorrt_llm", "--token2wav-backend", "tensorrt"]
+    args = build_parser().parse_args(["serve", "--models", str(tiny_models), *backends])
+    chosen = _config(args)
+    assert (chosen.llm_backend, chosen.token2wav_backend) == ("tensorrt_llm", "tensorrt")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--llm-backend", "trtllm"])
+    with pytest.raises(ValueError, match="token2wav_backend must be one of"):
+        config(tiny_models, token2wav_backend="trt")

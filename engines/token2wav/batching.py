@@ -20,10 +20,14 @@ from dataclasses import dataclass
 import torch
 
 
+def frame_index(ends: torch.Tensor, count: int) -> torch.Tensor:
+    """(B, count) int64: positions [ends − count, ends) per row; ends (B,) int64 ≥ count."""
+    return ends[:, None] + torch.arange(-count, 0, device=ends.device)
+
+
 def frames_before(h: torch.Tensor, ends: torch.Tensor, count: int) -> torch.Tensor:
     """Frames [ends − count, ends) of every row of h (B, C, T); ends (B,) int64 ≥ count. → (B, C, count)."""
-    index = ends[:, None] + torch.arange(-count, 0, device=h.device)
-    return h.gather(2, index[:, None, :].expand(-1, h.shape[1], -1))
+    return h.gather(2, frame_index(ends, count)[:, None, :].expand(-1, h.shape[1], -1))
 
 
 def span_mask(history: int, chunk: int, history_lengths: torch.Tensor, chunk_lengths: torch.Tensor,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -42,14 +42,19 @@ class CachedEstimator(Protocol):
 
 @runtime_checkable
 class RaggedEstimator(Protocol):
-    """An estimator that runs a padded batch of chunks with split prompt/own caches (dit.DiT)."""
+    """An estimator that runs a padded batch of chunks with split prompt/own caches (dit.DiT).
+
+    `conditioning(t)` precomputes what a step's time contributes (shared by every row).
+    """
+
+    def conditioning(self, t: float) -> Any: ...
 
     def forward_ragged(
         self,
         x: torch.Tensor,
         mu: torch.Tensor,
-        t: torch.Tensor,
         spks: torch.Tensor,
+        conditioning: Any,
         lengths: torch.Tensor,
         cnn_cache: torch.Tensor,
         prompt_kv: torch.Tensor,
@@ -186,19 +191,32 @@ class ConditionalCFM(nn.Module):
             x = x + (self.t_grid[step + 1] - self.t_grid[step]) * self._guided(v)
         return x, torch.stack(new_cnn), torch.stack(chunk_kv)
 
+    def step_conditioning(self) -> list[Any]:
+        """The estimator's per-step time conditioning for `solve_ragged` (computed once, reusable)."""
+        estimator = self.estimator
+        if not isinstance(estimator, RaggedEstimator):
+            raise TypeError(f"{type(estimator).__name__} has no ragged batch mode")
+        return [estimator.conditioning(t) for t in self.t_grid[:-1]]
+
     def solve_ragged(
-        self, inputs: RaggedInputs, recent: int, out: RaggedOutputs | None = None
+        self,
+        inputs: RaggedInputs,
+        recent: int,
+        out: RaggedOutputs | None = None,
+        conditioning: list[Any] | None = None,
     ) -> RaggedOutputs:
         """Mel of every row's chunk and the rows' new caches (see `RaggedInputs`, `RaggedOutputs`).
 
         recent: R, the own-cache frames kept per row. `out`: buffers to write into (e.g. a CUDA graph's
-        static outputs); None allocates them.
+        static outputs); None allocates them. conditioning: `step_conditioning()` (None computes it).
         """
         estimator = self.estimator
         if not isinstance(estimator, RaggedEstimator):
             raise TypeError(f"{type(estimator).__name__} has no ragged batch mode")
+        if conditioning is None:
+            conditioning = self.step_conditioning()
         mu, device = inputs.mu, inputs.mu.device
-        batch, _, frames = mu.shape
+        frames = mu.shape[2]
         columns = (inputs.offsets[:, None] + torch.arange(frames, device=device)) % self.noise.shape[2]
         x = self.noise[0][:, columns].transpose(0, 1).to(mu.dtype)
         mu2 = torch.cat([mu, torch.zeros_like(mu)])
@@ -209,11 +227,10 @@ class ConditionalCFM(nn.Module):
         keep = (ends - recent + torch.arange(recent, device=device)).clamp_min(0)
         new_cnn, recent_kv = [], []
         for step in range(self.n_timesteps):
-            t = torch.full((2 * batch,), self.t_grid[step], device=device)
             own = inputs.own_kv[step]
             v, cnn, kv = estimator.forward_ragged(
-                torch.cat([x, x]), mu2, t, spks2, lengths2, inputs.cnn_cache[step], inputs.prompt_kv[step],
-                own, inputs.mask,
+                torch.cat([x, x]), mu2, spks2, conditioning[step], lengths2, inputs.cnn_cache[step],
+                inputs.prompt_kv[step], own, inputs.mask,
             )
             history = torch.cat([own, kv], dim=3)
             depth, _, heads, _, width = history.shape

@@ -28,14 +28,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.config import DiTConfig
-from engines.token2wav.batching import frames_before
+from engines.token2wav.batching import frame_index
 
 CONV_CONTEXT = 2  # causal kernel-3 convs
 MODULATIONS = 9  # shift/scale/gate for attention, MLP and conv branches
+SCALES = (1, 4, 7)  # the scale entries among them (applied as 1 + scale)
 
 
-def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return x * (1 + scale) + shift
+def modulated_norm(
+    norm: nn.LayerNorm, x: torch.Tensor, shift: torch.Tensor, scale1p: torch.Tensor
+) -> torch.Tensor:
+    """norm(x)·(1 + scale) + shift; one LayerNorm call when the modulation is a (C,) vector for all rows."""
+    if shift.dim() == 1:
+        return F.layer_norm(x, norm.normalized_shape, scale1p, shift, norm.eps)
+    return norm(x) * scale1p + shift
 
 
 @dataclass(frozen=True)
@@ -57,13 +63,13 @@ class SplitKeys:
     prompt: (2, heads, K_p, 2·head_dim) keys|values shared by all conditional (index 0) resp.
       unconditional (1) rows, e.g. the prompts of the batch's voices side by side;
     own: (2B, heads, T_own, 2·head_dim) each row's own cached frames;
-    mask: bool (2B, K_p + T_own + T) over [prompt, own, the chunk's T frames], True = attend; every row
-      must attend to at least one key.
+    bias: (2B, K_p + T_own + T) added to the scores over [prompt, own, the chunk's T frames]: 0 where a
+      row attends, −inf elsewhere; every row must attend to at least one key.
     """
 
     prompt: torch.Tensor
     own: torch.Tensor
-    mask: torch.Tensor
+    bias: torch.Tensor
 
 
 class TimestepEmbedder(nn.Module):
@@ -97,58 +103,53 @@ class Attention(nn.Module):
         self.k_norm = nn.LayerNorm(cfg.head_dim, eps=1e-5)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        return x.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-
     def forward(self, x: torch.Tensor, keys: DenseKeys | SplitKeys) -> tuple[torch.Tensor, torch.Tensor]:
         """x (B, T, C) attends to itself and `keys`. Returns (B, T, C) and x's keys|values
         (B, heads, T, 2·head_dim)."""
-        q = self.q_norm(self._heads(self.to_q(x)))
-        k = self.k_norm(self._heads(self.to_k(x)))
-        v = self._heads(self.to_v(x))
-        new_kv = torch.cat([k, v], dim=-1)
+        b, t, _ = x.shape
+        # (B, T, heads, head_dim): the per-head norms run on contiguous rows.
+        q = self.q_norm(self.to_q(x).view(b, t, self.num_heads, self.head_dim))
+        k = self.k_norm(self.to_k(x).view(b, t, self.num_heads, self.head_dim))
+        v = self.to_v(x).view(b, t, self.num_heads, self.head_dim)
+        new_kv = torch.cat([k, v], dim=-1).transpose(1, 2)
         if isinstance(keys, SplitKeys):
-            out = self._split_attention(q, k, v, keys)
-        else:
-            if keys.past is not None:
-                past_k, past_v = keys.past.split(self.head_dim, dim=-1)
-                k = torch.cat([past_k, k], dim=2)
-                v = torch.cat([past_v, v], dim=2)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=keys.mask)
-        b, _, t, _ = out.shape
+            return self.proj(self._split_attention(q, k, v, keys)), new_kv
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if keys.past is not None:
+            past_k, past_v = keys.past.split(self.head_dim, dim=-1)
+            k = torch.cat([past_k, k], dim=2)
+            v = torch.cat([past_v, v], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keys.mask)
         return self.proj(out.transpose(1, 2).reshape(b, t, -1)), new_kv
 
     def _split_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: SplitKeys
     ) -> torch.Tensor:
-        """One softmax over [shared prompt, own cache, chunk] keys; q, k, v (2B, heads, T, head_dim).
+        """One softmax over [shared prompt, own cache, chunk] keys; q, k, v (2B, T, heads, head_dim).
 
-        The prompt part is one matmul of every row's queries against the shared prompt keys (batched over
-        the two guidance halves), so the prompt is read once per call, not once per row.
+        Everything runs in (guidance half, head, row) order: the prompt part is then one matmul of all
+        rows' queries against the shared prompt keys per half and head (read in place, never per row),
+        and the own part a matmul batched over rows. Returns (2B, T, C).
         """
-        rows, heads, t, dim = q.shape
+        rows, t, heads, dim = q.shape
         batch = rows // 2
-        scale = dim**-0.5
-        prompt_k, prompt_v = keys.prompt.split(self.head_dim, dim=-1)
-        own_k, own_v = keys.own.split(self.head_dim, dim=-1)
-        own_k = torch.cat([own_k, k], dim=2)
-        own_v = torch.cat([own_v, v], dim=2)
+
+        def by_half(z: torch.Tensor) -> torch.Tensor:  # (2B, T, H, n) → (2, H, B, T, n), a view
+            return z.view(2, batch, t, heads, -1).permute(0, 3, 1, 2, 4)
+
+        q = by_half(q).contiguous()
+        own = keys.own.view(2, batch, heads, -1, 2 * dim).transpose(1, 2)
+        own_k = torch.cat([own[..., :dim], by_half(k)], dim=3)
+        own_v = torch.cat([own[..., dim:], by_half(v)], dim=3)
+        prompt_k, prompt_v = keys.prompt[..., :dim], keys.prompt[..., dim:]
         prompt_frames = prompt_k.shape[2]
-
-        def by_half(z: torch.Tensor) -> torch.Tensor:  # (2B, H, T, n) → (2, H, B·T, n)
-            return z.view(2, batch, heads, t, -1).transpose(1, 2).reshape(2, heads, batch * t, -1)
-
-        def by_row(z: torch.Tensor) -> torch.Tensor:  # (2, H, B·T, n) → (2B, H, T, n)
-            return z.view(2, heads, batch, t, -1).transpose(1, 2).reshape(rows, heads, t, -1)
-
-        prompt_scores = by_row(by_half(q) @ prompt_k.transpose(-1, -2))
-        own_scores = q @ own_k.transpose(-1, -2)
-        scores = torch.cat([prompt_scores, own_scores], dim=-1).float() * scale
-        scores = scores.masked_fill(~keys.mask[:, None, None, :], float("-inf"))
-        weights = torch.softmax(scores, dim=-1).to(q.dtype)
-        prompt_weights, own_weights = weights.split([prompt_frames, own_k.shape[2]], dim=-1)
-        return by_row(by_half(prompt_weights) @ prompt_v) + own_weights @ own_v
+        prompt_scores = q.view(2, heads, batch * t, dim) @ prompt_k.transpose(-1, -2)
+        scores = torch.cat([prompt_scores.view(2, heads, batch, t, -1), q @ own_k.transpose(-1, -2)], dim=-1)
+        bias = keys.bias.view(2, 1, batch, 1, -1)
+        weights = torch.softmax(torch.add(bias, scores, alpha=dim**-0.5), dim=-1)
+        out = (weights[..., :prompt_frames].reshape(2, heads, batch * t, -1) @ prompt_v).view(-1, t, dim)
+        out.baddbmm_(weights[..., prompt_frames:].flatten(0, 2), own_v.flatten(0, 2))  # += own part
+        return out.view(2, heads, batch, t, dim).permute(0, 2, 3, 1, 4).reshape(rows, t, heads * dim)
 
 
 class CausalConvBranch(nn.Module):
@@ -166,27 +167,26 @@ class CausalConvBranch(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, cache: torch.Tensor, lengths: torch.Tensor | None = None
+        self, x: torch.Tensor, cache: torch.Tensor, context: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x (B, T, C); cache (B, 2·C, 2) = last input frames of conv1 | conv2. Returns (B, T, C), cache.
 
-        lengths (B,) int64: real frames per row (right padding after them); the new cache holds each
-        row's last real frames. None: every frame is real.
+        context: (B, 2) int64 positions of each row's last 2 real frames in [cache, x] when rows are
+        right-padded (batching.frame_index); None: every frame is real, the cache is the last 2.
         """
         first_ctx, second_ctx = cache.chunk(2, dim=1)
         h = torch.cat([first_ctx, x.transpose(1, 2)], dim=2)
-        new_first = self._context(h, lengths)
+        new_first = self._context(h, context)
         h = F.mish(self.block["3"](self.block["1"](h).transpose(1, 2))).transpose(1, 2)
         h = torch.cat([second_ctx, h], dim=2)
-        new_second = self._context(h, lengths)
+        new_second = self._context(h, context)
         return self.block["6"](h).transpose(1, 2), torch.cat([new_first, new_second], dim=1)
 
     @staticmethod
-    def _context(h: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
-        """The last CONV_CONTEXT real frames of h = [context, frames]."""
-        if lengths is None:
+    def _context(h: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+        if index is None:
             return h[:, :, -CONV_CONTEXT:]
-        return frames_before(h, lengths + CONV_CONTEXT, CONV_CONTEXT)
+        return h.gather(2, index[:, None, :].expand(-1, h.shape[1], -1))
 
 
 class Mlp(nn.Module):
@@ -211,26 +211,34 @@ class DiTBlock(nn.Module):
         self.conv = CausalConvBranch(hidden)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden, MODULATIONS * hidden))
 
+    def modulation(self, c: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The 9 modulation vectors of conditioning c (…, C), scales as 1 + scale."""
+        parts = list(self.adaLN_modulation(c).chunk(MODULATIONS, dim=-1))
+        for i in SCALES:
+            parts[i] = 1 + parts[i]
+        return tuple(parts)
+
     def forward(
         self,
         x: torch.Tensor,
-        c: torch.Tensor,
+        modulation: tuple[torch.Tensor, ...],
         keys: DenseKeys | SplitKeys,
         conv_cache: torch.Tensor,
-        lengths: torch.Tensor | None = None,
+        conv_context: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (B, T, C), c (B, 1, C) → x, x's attention keys|values, new conv cache.
+        """x (B, T, C) → x, x's attention keys|values, new conv cache.
 
-        lengths: real frames per row when rows are right-padded (see CausalConvBranch).
+        modulation: `self.modulation(c)` for c (B, 1, C), or for c (C,) shared by all rows (cheaper);
+        conv_context: see CausalConvBranch (right-padded rows).
         """
         (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp,
-         shift_conv, scale_conv, gate_conv) = self.adaLN_modulation(c).chunk(MODULATIONS, dim=-1)
-        attended, kv = self.attn(modulate(self.norm1(x), shift_msa, scale_msa), keys)
-        x = x + gate_msa * attended
+         shift_conv, scale_conv, gate_conv) = modulation
+        attended, kv = self.attn(modulated_norm(self.norm1, x, shift_msa, scale_msa), keys)
+        x = torch.addcmul(x, gate_msa, attended)
         convolved, conv_cache = self.conv(
-            modulate(self.norm3(x), shift_conv, scale_conv), conv_cache, lengths)
-        x = x + gate_conv * convolved
-        x = x + gate_mlp * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
+            modulated_norm(self.norm3, x, shift_conv, scale_conv), conv_cache, conv_context)
+        x = torch.addcmul(x, gate_conv, convolved)
+        x = torch.addcmul(x, gate_mlp, self.mlp(modulated_norm(self.norm2, x, shift_mlp, scale_mlp)))
         return x, kv, conv_cache
 
 
@@ -241,9 +249,21 @@ class FinalLayer(nn.Module):
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 2 * hidden))
         self.linear = nn.Linear(hidden, out_channels)
 
-    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    def modulation(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(shift, 1 + scale) of conditioning c (…, C)."""
         shift, scale = self.adaLN_modulation(c).chunk(2, dim=-1)
-        return self.linear(modulate(self.norm_final(x), shift, scale))
+        return shift, 1 + scale
+
+    def forward(self, x: torch.Tensor, modulation: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.linear(modulated_norm(self.norm_final, x, *modulation))
+
+
+@dataclass(frozen=True)
+class StepConditioning:
+    """What the time t of one Euler step contributes, shared by every row (see `DiT.conditioning`)."""
+
+    blocks: tuple[tuple[torch.Tensor, ...], ...]  # per block, its 9 modulation vectors (C,)
+    final: tuple[torch.Tensor, torch.Tensor]
 
 
 class DiT(nn.Module):
@@ -257,12 +277,22 @@ class DiT(nn.Module):
         self.blocks = nn.ModuleList(DiTBlock(cfg) for _ in range(cfg.depth))
         self.final_layer = FinalLayer(cfg.hidden_size, cfg.out_channels)
 
-    def _inputs(
-        self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _in(self, x: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         speaker = spks[:, :, None].expand(-1, -1, x.shape[2])
-        h = self.in_proj(torch.cat([x, mu, speaker, cond], dim=1).transpose(1, 2))
-        return h, self.t_embedder(t)[:, None, :]
+        return self.in_proj(torch.cat([x, mu, speaker, cond], dim=1).transpose(1, 2))
+
+    def _run_blocks(
+        self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
+        keys: list[DenseKeys], cnn_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h, c = self._in(x, mu, spks, cond), self.t_embedder(t)[:, None, :]
+        new_cnn, new_kv = [], []
+        for block, block_keys, conv_cache in zip(self.blocks, keys, cnn_cache, strict=True):
+            h, kv, conv_cache = block(h, block.modulation(c), block_keys, conv_cache)
+            new_cnn.append(conv_cache)
+            new_kv.append(kv)
+        v = self.final_layer(h, self.final_layer.modulation(c)).transpose(1, 2)
+        return v, torch.stack(new_cnn), torch.stack(new_kv)
 
     def forward(
         self,
@@ -278,13 +308,9 @@ class DiT(nn.Module):
         x, mu, cond (B, 80, T); t (B,) float32 whatever the module dtype; spks (B, 80);
         mask bool (B, 1, T) valid frames (keys), or (B, T, T) per query (e.g. block-causal, as streaming).
         """
-        h, c = self._inputs(x, mu, t, spks, cond)
-        attn_mask = mask.bool()[:, None]
-        conv_cache = h.new_zeros(h.shape[0], 2 * self.cfg.hidden_size, CONV_CONTEXT)
-        keys = DenseKeys(past=None, mask=attn_mask)
-        for block in self.blocks:
-            h, _, _ = block(h, c, keys, conv_cache)
-        return self.final_layer(h, c).transpose(1, 2)
+        keys = [DenseKeys(past=None, mask=mask.bool()[:, None])] * self.cfg.depth
+        conv_cache = x.new_zeros(self.cfg.depth, x.shape[0], 2 * self.cfg.hidden_size, CONV_CONTEXT)
+        return self._run_blocks(x, mu, t, spks, cond, keys, conv_cache)[0]
 
     def forward_chunk(
         self,
@@ -302,20 +328,21 @@ class DiT(nn.Module):
         attends to every cached frame and to itself. Returns velocity (B, 80, T), the new cnn cache and
         the chunk's keys|values (depth, B, heads, T, 2·head_dim).
         """
-        h, c = self._inputs(x, mu, t, spks, cond)
-        new_cnn, new_kv = [], []
-        for block, conv_cache, past_kv in zip(self.blocks, cnn_cache, att_cache, strict=True):
-            h, kv, conv_cache = block(h, c, DenseKeys(past=past_kv, mask=None), conv_cache)
-            new_cnn.append(conv_cache)
-            new_kv.append(kv)
-        return self.final_layer(h, c).transpose(1, 2), torch.stack(new_cnn), torch.stack(new_kv)
+        keys = [DenseKeys(past=past, mask=None) for past in att_cache]
+        return self._run_blocks(x, mu, t, spks, cond, keys, cnn_cache)
+
+    def conditioning(self, t: float) -> StepConditioning:
+        """The modulation vectors of time t for every block and the final layer (for `forward_ragged`)."""
+        c = self.t_embedder(torch.tensor([t], device=self.in_proj.weight.device))[0]
+        return StepConditioning(tuple(block.modulation(c) for block in self.blocks),
+                                self.final_layer.modulation(c))
 
     def forward_ragged(
         self,
         x: torch.Tensor,
         mu: torch.Tensor,
-        t: torch.Tensor,
         spks: torch.Tensor,
+        conditioning: StepConditioning,
         lengths: torch.Tensor,
         cnn_cache: torch.Tensor,
         prompt_kv: torch.Tensor,
@@ -324,16 +351,22 @@ class DiT(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One Euler step of a padded batch of streaming chunks (cond = 0: the prompt is in the caches).
 
-        x, mu (2B, 80, T) right-padded after lengths (2B,) int64; t (2B,); spks (2B, 80);
-        cnn_cache (depth, 2B, 2·hidden, 2); prompt_kv (depth, 2, heads, K_p, 2·hd) and
-        own_kv (depth, 2B, heads, T_own, 2·hd) with `mask` (2B, K_p + T_own + T) as in `SplitKeys`.
+        x, mu (2B, 80, T) right-padded after lengths (2B,) int64; spks (2B, 80); conditioning: of the
+        step's time t, shared by all rows; cnn_cache (depth, 2B, 2·hidden, 2); prompt_kv
+        (depth, 2, heads, K_p, 2·hd) and own_kv (depth, 2B, heads, T_own, 2·hd) with `mask`
+        (2B, K_p + T_own + T) bool, True = attend, as in `SplitKeys`.
         Returns velocity (2B, 80, T), the new cnn cache (each row's last real frames) and the chunk's
         keys|values (depth, 2B, heads, T, 2·hd), padded frames included.
         """
-        h, c = self._inputs(x, mu, t, spks, torch.zeros_like(x))
+        h = self._in(x, mu, spks, torch.zeros_like(x))
+        bias = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))
+        context = frame_index(lengths + CONV_CONTEXT, CONV_CONTEXT)
         new_cnn, new_kv = [], []
-        for block, conv_cache, prompt, own in zip(self.blocks, cnn_cache, prompt_kv, own_kv, strict=True):
-            h, kv, conv_cache = block(h, c, SplitKeys(prompt, own, mask), conv_cache, lengths)
+        for block, modulation, conv_cache, prompt, own in zip(
+            self.blocks, conditioning.blocks, cnn_cache, prompt_kv, own_kv, strict=True
+        ):
+            h, kv, conv_cache = block(h, modulation, SplitKeys(prompt, own, bias), conv_cache, context)
             new_cnn.append(conv_cache)
             new_kv.append(kv)
-        return self.final_layer(h, c).transpose(1, 2), torch.stack(new_cnn), torch.stack(new_kv)
+        v = self.final_layer(h, conditioning.final).transpose(1, 2)
+        return v, torch.stack(new_cnn), torch.stack(new_kv)

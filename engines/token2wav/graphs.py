@@ -3,10 +3,12 @@
 Both run `ConditionalCFM.solve_ragged` (all Euler steps, all DiT blocks, guidance) behind one interface:
 `buffers(shape)` hands out the input tensors for a padded `SolveShape`, the caller fills them, `run(shape)`
 solves and returns the outputs. The eager solver allocates fresh tensors per call (any shape, any device).
-The graph solver captures one CUDA graph per shape, lazily or in `capture()`, and replays it: all graphs
+The graph solver captures one CUDA graph per shape, lazily or in `capture()`, and replays it. All graphs
 share one memory pool for their intermediates, and their static inputs and outputs are views of shared
 flat arenas, so memory grows with the largest shape rather than with the number of graphs. Outputs are
 valid until the next `run`; inputs keep whatever was written last (callers write every row they read).
+The weights must not change once graphs exist: they read them in place, and the steps' time
+conditioning is computed once.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -145,6 +147,8 @@ class GraphedSolver:
         self._pool = torch.cuda.graph_pool_handle()
         self._arena = _Arena(layout.device)
         self._graphs: dict[SolveShape, _Graph] = {}
+        # The steps' time conditioning, computed once from the weights and read by every graph.
+        self._conditioning: list[Any] | None = None
 
     @property
     def shapes(self) -> list[SolveShape]:
@@ -182,14 +186,16 @@ class GraphedSolver:
         inputs.lengths.fill_(1)
         inputs.mask.fill_(True)
         recent = self.layout.recent_frames(shape)
+        if self._conditioning is None:
+            self._conditioning = self.cfm.step_conditioning()
         side = torch.cuda.Stream(self.layout.device)
         side.wait_stream(torch.cuda.current_stream(self.layout.device))
         with torch.cuda.stream(side):  # warm-up off the default stream, as capture requires
-            self.cfm.solve_ragged(inputs, recent, outputs)
+            self.cfm.solve_ragged(inputs, recent, outputs, self._conditioning)
         torch.cuda.current_stream(self.layout.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self.cfm.solve_ragged(inputs, recent, outputs)
+            self.cfm.solve_ragged(inputs, recent, outputs, self._conditioning)
         logger.info("captured token2wav solve graph %s", shape)
         return _Graph(graph, inputs, outputs)
 

@@ -26,30 +26,29 @@ from engines.config import Qwen2Config
 
 @dataclass(frozen=True)
 class KVCache:
-    """Keys and values of every layer: `k`, `v` are [layers, slots, kv_heads, max_len, head_dim].
+    """Keys and values of every layer in one tensor `kv` [layers, slots, 2 * kv_heads, max_len, head_dim]:
+    the first `kv_heads` heads of a layer hold keys, the others values (one write stores both).
 
     A slot belongs to one sequence at a time. Positions past a sequence's current length hold stale
     values; the attention mask hides them, so a slot is reused without clearing.
     """
 
-    k: Tensor
-    v: Tensor
+    kv: Tensor
 
     @staticmethod
     def allocate(
         cfg: Qwen2Config, slots: int, max_len: int, device: torch.device, dtype: torch.dtype
     ) -> KVCache:
-        shape = (cfg.num_layers, slots, cfg.num_kv_heads, max_len, cfg.head_dim)
-        return KVCache(torch.zeros(shape, device=device, dtype=dtype),
-                       torch.zeros(shape, device=device, dtype=dtype))
+        shape = (cfg.num_layers, slots, 2 * cfg.num_kv_heads, max_len, cfg.head_dim)
+        return KVCache(torch.zeros(shape, device=device, dtype=dtype))
 
     @property
     def slots(self) -> int:
-        return self.k.shape[1]
+        return self.kv.shape[1]
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[3]
+        return self.kv.shape[3]
 
 
 @dataclass(frozen=True)
@@ -75,8 +74,8 @@ class CacheBatch:
         return self.slots.unsqueeze(1)
 
     def update(self, layer_cache: Tensor, new: Tensor, row_index: Tensor) -> Tensor:
-        """Write `new` [B, T, Hkv, D] into one layer's cache [slots, Hkv, max_len, D] at the batch's
-        positions; return the rows' first `kv_len` positions [B, Hkv, kv_len, D]."""
+        """Write `new` [B, T, H, D] into one layer's cache [slots, H, max_len, D] at the batch's
+        positions; return the rows' first `kv_len` positions [B, H, kv_len, D]."""
         if isinstance(self.slots, int):
             rows = layer_cache[self.slots : self.slots + self.positions.shape[0]]
             rows[row_index, :, self.positions] = new
@@ -155,11 +154,21 @@ def rope_tables(positions: Tensor, head_dim: int, theta: float, dtype: torch.dty
     return cos.to(dtype), torch.cat((-sin, sin), dim=-1).unsqueeze(2).to(dtype)
 
 
-def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
-    """Rotate heads `x` [B, T, H, D] by the tables of `rope_tables`."""
+def apply_rope_(x: Tensor, cos: Tensor, signed_sin: Tensor) -> None:
+    """Rotate heads `x` [B, T, H, D] (may be a view) in place by the tables of `rope_tables`."""
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + swapped * signed_sin
+    torch.addcmul(x * cos, swapped, signed_sin, out=x)
+
+
+def add_linear_(residual: Tensor, x: Tensor, layer: nn.Linear) -> Tensor:
+    """`residual += layer(x)` for a bias-free layer, with the sum done by the matmul (one kernel).
+
+    `residual` [..., out] must be contiguous; it is returned.
+    """
+    flat = residual.view(-1, residual.shape[-1])
+    flat.addmm_(x.reshape(-1, x.shape[-1]), layer.weight.t())
+    return residual
 
 
 def attention_mask(positions: Tensor, kv_len: int, group: int, dtype: torch.dtype) -> Tensor:
@@ -198,15 +207,16 @@ class Qwen2Attention(nn.Module):
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
         store_as_parts(self, "qkv_proj", (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)))
 
-    def forward(self, x: Tensor, inputs: _LayerInputs, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+    def forward(self, x: Tensor, inputs: _LayerInputs, layer_cache: Tensor, residual: Tensor) -> Tensor:
+        """`residual` + attention output of normalised `x` [B, T, hidden], added into `residual` in place."""
         rows, length, _ = x.shape
+        heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(rows, length, -1, self.head_dim)  # [B, T, Hq + 2 Hkv, D]
-        rotated = self.num_heads + self.num_kv_heads
-        q, k = apply_rope(qkv[:, :, :rotated], *inputs.rope).split((self.num_heads, self.num_kv_heads), dim=2)
-        keys = inputs.batch.update(k_cache, k, inputs.row_index)
-        values = inputs.batch.update(v_cache, qkv[:, :, rotated:], inputs.row_index)
-        out = grouped_attention(q.transpose(1, 2), keys, values, inputs.mask)
-        return self.o_proj(out.transpose(1, 2).reshape(rows, length, -1))
+        apply_rope_(qkv[:, :, : heads + kv_heads], *inputs.rope)  # in place: k and v stay side by side
+        kv = inputs.batch.update(layer_cache, qkv[:, :, heads:], inputs.row_index)
+        keys, values = kv.split(kv_heads, dim=1)
+        out = grouped_attention(qkv[:, :, :heads].transpose(1, 2), keys, values, inputs.mask)
+        return add_linear_(residual, out.transpose(1, 2).reshape(rows, length, -1), self.o_proj)
 
 
 class Qwen2MLP(nn.Module):
@@ -219,9 +229,10 @@ class Qwen2MLP(nn.Module):
         size = cfg.intermediate_size
         store_as_parts(self, "gate_up_proj", (("gate_proj", size), ("up_proj", size)))
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor) -> Tensor:
+        """`residual` + feed-forward output of normalised `x`, added into `residual` in place."""
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return add_linear_(residual, F.silu(gate) * up, self.down_proj)
 
 
 class Qwen2DecoderLayer(nn.Module):
@@ -232,9 +243,10 @@ class Qwen2DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, inputs: _LayerInputs, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), inputs, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: Tensor, inputs: _LayerInputs, layer_cache: Tensor) -> Tensor:
+        """Update the residual stream `x` [B, T, hidden] (contiguous) in place; return it."""
+        x = self.self_attn(self.input_layernorm(x), inputs, layer_cache, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class Qwen2Model(nn.Module):
@@ -259,8 +271,9 @@ class Qwen2Model(nn.Module):
             batch=batch,
             row_index=batch.row_index(),
         )
-        for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v, strict=True):
-            x = layer(x, inputs, k_cache, v_cache)
+        x = x.clone(memory_format=torch.contiguous_format)  # the residual stream, updated in place
+        for layer, layer_cache in zip(self.layers, cache.kv, strict=True):
+            x = layer(x, inputs, layer_cache)
         return self.norm(x)
 
 

@@ -54,18 +54,18 @@ class TorchLLMConfig:
     max_context: int = 2048  # prompt + generated positions per request
     max_waiting: int = 256
     prefill_chunk: int = 512  # positions of one prompt prefilled per engine step
-    prefill_tokens: int = 2048  # padded positions (rows x chunk length) of one prefill call
+    prefill_tokens: int = 4096  # padded positions (rows x chunk length) of one prefill call
     prefill_rows: tuple[int, ...] = (1, 2, 4, 8)  # prompts per prefill call (padded up to one of these)
     cuda_graphs: bool = True  # only used on CUDA
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     min_kv_bucket: int = 256  # attended cache lengths: doubling from here up to max_context
-    min_prefill_bucket: int = 32  # prefill chunk lengths: doubling from here up to prefill_chunk
+    prefill_length_step: int = 64  # prefill chunk lengths: multiples of this up to prefill_chunk
     ras_history: int = 32  # longest RAS window a request may ask for
     max_top_k: int = 64  # largest top_k a request may ask for (the sampler's candidate count)
 
     def __post_init__(self) -> None:
         sizes = ("max_slots", "max_context", "max_waiting", "prefill_chunk", "prefill_tokens",
-                 "min_kv_bucket", "min_prefill_bucket", "ras_history", "max_top_k")
+                 "min_kv_bucket", "prefill_length_step", "ras_history", "max_top_k")
         for name in sizes:
             if getattr(self, name) < 1:
                 raise ValueError(f"TorchLLMConfig.{name} must be positive, got {getattr(self, name)}")
@@ -99,7 +99,8 @@ class TorchLLMConfig:
     @property
     def prefill_lengths(self) -> tuple[int, ...]:
         """Padded prefill chunk lengths, ascending; the largest is `prefill_chunk`."""
-        return _doubling(self.min_prefill_bucket, self.prefill_chunk)
+        step = self.prefill_length_step
+        return (*range(step, self.prefill_chunk, step), self.prefill_chunk)
 
     @property
     def prefill_shapes(self) -> tuple[tuple[int, int], ...]:
@@ -274,7 +275,8 @@ class _ModelRunner:
         rows, length = shape
         padding = [(self.scratch_slot, 0, 0, False)] * (rows - len(chunks))
         meta = [(c.slot, c.start, c.embeddings.shape[0] - 1, c.last) for c in chunks] + padding
-        self._upload(self.prefill_rows[:, :rows], torch.tensor(meta, dtype=torch.int64).T)
+        columns = torch.tensor(list(zip(*meta, strict=True)), dtype=torch.int64)  # [4, rows]
+        self._upload(self.prefill_rows[:, :rows], columns)
         for row, chunk in enumerate(chunks):
             self.prefill_input[row, : chunk.embeddings.shape[0]] = chunk.embeddings
         kv_len = _bucket(self.config.kv_lengths, max(c.start + c.embeddings.shape[0] for c in chunks))

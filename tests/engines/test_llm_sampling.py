@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engines.config import SPEECH_EOS, SPEECH_FILL, SPEECH_UNUSED_STOP, SPEECH_VOCAB
 from engines.llm.base import SamplingParams
-from engines.llm.sampling import SamplingRows, SamplingSlots, draw_uniforms, ras_threshold, sample
+from engines.llm.sampling import (
+    SamplingRows,
+    SamplingSlots,
+    draw_uniforms,
+    ras_threshold,
+    sample,
+    top_candidates,
+)
 
 STOPS = (SPEECH_EOS, SPEECH_UNUSED_STOP, SPEECH_FILL)
 HISTORY = 16
@@ -214,3 +222,46 @@ def test_a_seeded_row_samples_the_same_tokens_alone_or_batched() -> None:
         tokens = run_slots(alone, [0], {0: logits_for[slot]}, 1, steps, [True])[0]
         assert tokens == together[slot]
     assert together[0] != together[2]  # same seed, different rule: RAS changes the outcome here
+
+
+def test_top_k_candidates_give_the_tokens_of_a_full_sort_ties_included() -> None:
+    generator = torch.Generator().manual_seed(2)
+    params = [SamplingParams(), SamplingParams(top_k=40, top_p=1.0), SamplingParams(top_k=3, use_ras=False)]
+    # bf16 logits have many equal values, so the candidates hold ties whose order decides the token.
+    logits = peaked_logits(len(params) * 30, generator).bfloat16().float()
+    logits[:, 50:80] = 2.0
+    rows = rows_for(params * 30, [[]] * len(logits), [0] * len(logits), list(range(len(logits))))
+    full = sample(logits, rows, IS_STOP, SPEECH_EOS)
+    assert torch.equal(sample(logits, rows, IS_STOP, SPEECH_EOS, candidates=40), full)
+    probs = logits.softmax(dim=-1)
+    top_probs, top_ids = top_candidates(probs, 40)
+    sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True, stable=True)
+    assert torch.equal(top_ids, sorted_ids[:, :40]) and torch.equal(top_probs, sorted_probs[:, :40])
+
+
+def test_gathered_slots_sample_and_record_like_consecutive_ones() -> None:
+    generator = torch.Generator().manual_seed(3)
+    logits = peaked_logits(2, generator)
+    consecutive, gathered = (SamplingSlots(4, SPEECH_VOCAB, HISTORY, STOPS, SPEECH_EOS, torch.device("cpu"))
+                             for _ in range(2))
+    for slots, slot_ids in ((consecutive, (1, 2)), (gathered, (2, 3))):
+        for slot, seed in zip(slot_ids, (5, 6), strict=True):
+            slots.configure(slot, SamplingParams(), min_len=0, seed=seed)
+    for _ in range(12):
+        expected = consecutive.sample(logits, slice(1, 3))
+        consecutive.record(expected, slice(1, 3), torch.tensor([True, True]))
+        # Row order differs, and two inactive padding rows name slot 0.
+        index = torch.tensor([3, 0, 2, 0])
+        tokens = gathered.sample(logits[[1, 0, 0, 0]], index)
+        gathered.record(tokens, index, torch.tensor([True, False, True, False]))
+        assert tokens[[2, 0]].tolist() == expected.tolist()
+    state, expected_state = gathered.rows(slice(2, 4)), consecutive.rows(slice(1, 3))
+    for name in ("step", "history", "seen"):
+        assert torch.equal(getattr(state, name), getattr(expected_state, name))
+    assert gathered.rows(slice(0, 1)).step.item() == 0
+
+
+def test_top_k_above_the_candidates_is_refused() -> None:
+    slots = SamplingSlots(2, SPEECH_VOCAB, HISTORY, STOPS, SPEECH_EOS, torch.device("cpu"), candidates=32)
+    with pytest.raises(ValueError, match="top_k 33"):
+        slots.configure(0, SamplingParams(top_k=33), min_len=0, seed=0)

@@ -19,6 +19,7 @@ from realtime.config import DEFAULT_CACHE_DIR, IceServer, ServiceConfig, WebRTCC
 from realtime.schedule import ScheduleKind
 
 logger = logging.getLogger("realtime")
+BASELINE_TOKEN2WAV_WORKERS = 4
 
 
 def default_models_dir(size: str = "tiny") -> Path:
@@ -62,9 +63,11 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         schedule=ScheduleKind(args.schedule),
         max_streams=args.max_streams,
         drain_timeout_s=args.drain_timeout,
-        # The baseline the benchmark compares against: no batching across requests.
+        # The baseline the benchmark compares against (the design we replace): no batching across
+        # requests, one LLM request at a time and batch-1 token2wav on a small pool of threads.
         llm_slots=1 if args.baseline else None,
         token2wav_batch=1 if args.baseline else 8,
+        token2wav_workers=BASELINE_TOKEN2WAV_WORKERS if args.baseline else 1,
         webrtc=webrtc,
     )
 
@@ -171,7 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument(
             "--baseline",
             action="store_true",
-            help="benchmark baseline: one LLM request at a time, token2wav chunks one by one",
+            help="benchmark baseline: one LLM request at a time, batch-1 token2wav on "
+            f"{BASELINE_TOKEN2WAV_WORKERS} threads",
         )
         if name == "synth":
             sub.add_argument("text")

@@ -84,7 +84,9 @@ class ServiceConfig:
     token2wav_backend: `tensorrt`, `torch`, or `auto`: TensorRT when the DiT plans were built and can run
         here, PyTorch otherwise (engines/token2wav/auto.py).
     llm_slots: requests the LLM decodes together (None: `max_streams`; 1 serves one at a time).
-    token2wav_batch: most chunks the token2wav worker runs in one call.
+    token2wav_batch: most chunks a token2wav worker thread runs in one call.
+    token2wav_workers: token2wav threads (each on its own CUDA stream); a stream stays on the thread
+        that opened it. More than one turns the PyTorch backend's CUDA graphs off.
     chunk_queue: chunks (per stream) synthesised ahead of a slow consumer before the stream waits.
     drain_timeout_s: how long shutdown waits for running streams before cancelling them.
     retry_after_s: the Retry-After a busy answer suggests.
@@ -107,6 +109,7 @@ class ServiceConfig:
     max_contexts_per_socket: int = 8
     llm_slots: int | None = None
     token2wav_batch: int = 8
+    token2wav_workers: int = 1
     chunk_queue: int = 4
     drain_timeout_s: float = 10.0
     retry_after_s: int = 1
@@ -129,6 +132,7 @@ class ServiceConfig:
             "max_voice_upload_bytes",
             "max_contexts_per_socket",
             "token2wav_batch",
+            "token2wav_workers",
             "chunk_queue",
             "retry_after_s",
         ):

@@ -1,11 +1,12 @@
 """The runtime owns the engines, their threads and the asyncio bridge to them.
 
 - The LLM engine runs its own loop (its thread); sessions submit requests and iterate token streams.
-- token2wav runs on one dedicated worker thread (`Token2WavWorker`). Sessions hand it chunks through
-  a bounded queue and await futures; each turn the worker takes every chunk that is ready (up to
-  `max_batch`, first chunks of a stream ahead of the rest, since they decide latency) and runs them
-  with one `run_chunks` call, the point where a GPU backend batches streams. Stream opening, closing
-  and speaker preparation run on the same thread, so a backend never sees two threads.
+- token2wav runs on dedicated worker threads (`Token2WavWorker`; one by default, a small pool in the
+  benchmark's baseline). Sessions hand it chunks through a bounded queue and await futures; each turn
+  a thread takes every chunk that is ready for it (up to `max_batch`, first chunks of a stream ahead of
+  the rest, since they decide latency) and runs them with one `run_chunks` call, the point where a GPU
+  backend batches streams. A stream is opened, run and closed on one thread, so its chunks keep their
+  order and its tensors stay on that thread's CUDA stream.
 - `speak` validates a request, asks the admission policy, and returns a `Session` (session.py).
 """
 
@@ -61,28 +62,20 @@ class _Call:
     future: Future[Any] | None
 
 
-class Token2WavWorker:
-    """The token2wav backend on its own thread. Thread-safe entry points; results as futures."""
+class _Lane:
+    """One token2wav thread with its own inbox (and its own CUDA stream on CUDA).
 
-    def __init__(self, backend: Token2Wav, max_batch: int, capacity: int) -> None:
+    Each turn it takes what is ready in its inbox: the chunks (up to `max_batch`) run first, in one
+    `run_chunks` call, then the calls queued with them, so a stream's close never overtakes its chunks.
+    """
+
+    def __init__(self, name: str, backend: Token2Wav, max_batch: int) -> None:
+        self.inbox: queue.SimpleQueue[_ChunkTask | _Call | None] = queue.SimpleQueue()
+        self.assigned = 0  # streams routed here and not yet closed (event loop side)
+        self.open_streams = 0  # streams opened here and not yet closed (this thread's side)
         self._backend = backend
         self._max_batch = max_batch
-        self._slots = asyncio.Semaphore(capacity)
-        self._inbox: queue.SimpleQueue[_ChunkTask | _Call | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="token2wav", daemon=True)
-        self._order = itertools.count()
-        self._open_streams = 0
-        self._queued = 0
-
-    @property
-    def open_streams(self) -> int:
-        """Streams opened and not yet closed on the worker."""
-        return self._open_streams
-
-    @property
-    def queue_depth(self) -> int:
-        """Chunks submitted and not yet finished."""
-        return self._queued
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -90,53 +83,21 @@ class Token2WavWorker:
     def stop(self) -> None:
         """Finish what is queued, then end the thread."""
         if self._thread.is_alive():
-            self._inbox.put(None)
+            self.inbox.put(None)
             self._thread.join()
 
-    async def call(self, fn: Callable[[], T]) -> T:
-        """Run `fn` on the worker thread (between batches) and return its result."""
-        future: Future[T] = Future()
-        self._inbox.put(_Call(fn, future))
-        return await asyncio.wrap_future(future)
-
-    async def prepare_speaker(self, prompt: VoicePrompt) -> SpeakerState:
-        return await self.call(lambda: self._backend.prepare_speaker(prompt))
-
-    async def open_stream(self, speaker: SpeakerState) -> Token2WavStream:
-        def open_() -> Token2WavStream:
-            stream = self._backend.open_stream(speaker)
-            self._open_streams += 1
-            return stream
-
-        return await self.call(open_)
-
-    def close_stream(self, stream: Token2WavStream) -> None:
-        def close() -> None:
-            stream.close()
-            self._open_streams -= 1
-
-        self._inbox.put(_Call(close, None))
-
-    async def synthesize(
-        self, stream: Token2WavStream, tokens: Sequence[int], last: bool, first: bool
-    ) -> np.ndarray:
-        """Audio of one chunk; waits while `capacity` chunks are already queued. Call from the loop."""
-        job = ChunkJob(stream, torch.tensor(list(tokens), dtype=torch.int64), last)
-        async with self._slots:
-            future: Future[np.ndarray] = Future()
-            self._queued += 1
-            self._inbox.put(_ChunkTask(job, first, future, next(self._order)))
-            try:
-                return await asyncio.wrap_future(future)
-            except asyncio.CancelledError:
-                future.cancel()  # the worker skips it if it has not started yet
-                raise
-            finally:
-                self._queued -= 1
-
     def _run(self) -> None:
+        device = self._backend.device
+        if device.type != "cuda":
+            self._serve()
+            return
+        # Other lanes and the LLM engine keep the GPU busy on their own streams meanwhile.
+        with torch.cuda.stream(torch.cuda.Stream(device)):
+            self._serve()
+
+    def _serve(self) -> None:
         while True:
-            item = self._inbox.get()
+            item = self.inbox.get()
             if item is None:
                 return
             chunks: list[_ChunkTask] = []
@@ -152,7 +113,7 @@ class Token2WavWorker:
                 if stop or len(chunks) >= self._max_batch:
                     break
                 try:
-                    item = self._inbox.get_nowait()
+                    item = self.inbox.get_nowait()
                 except queue.Empty:
                     break
             # Chunks first: a close queued behind a cancelled chunk of its stream must not precede it.
@@ -177,12 +138,14 @@ class Token2WavWorker:
                 if not chunk.future.done():
                     chunk.future.set_exception(exc)
 
-    @staticmethod
-    def _run_call(call: _Call) -> None:
+    def _run_call(self, call: _Call) -> None:
         if call.future is not None and not call.future.set_running_or_notify_cancel():
             return
         try:
             result = call.fn()
+            if self._backend.device.type == "cuda":
+                # What a call made (a speaker's state) may be read next on another lane's stream.
+                torch.cuda.current_stream(self._backend.device).synchronize()
         except Exception as exc:
             if call.future is None:
                 logger.exception("token2wav call failed")
@@ -191,6 +154,102 @@ class Token2WavWorker:
             return
         if call.future is not None:
             call.future.set_result(result)
+
+
+class Token2WavWorker:
+    """The token2wav backend on `threads` threads. Thread-safe entry points; results as futures.
+
+    A new stream goes to the thread with the fewest streams and stays there. Several threads run
+    batches concurrently (on CUDA, each on its own stream); the backend must then be safe to call from
+    several threads for distinct streams (the PyTorch backend is, without CUDA graphs).
+    """
+
+    def __init__(self, backend: Token2Wav, max_batch: int, capacity: int, threads: int = 1) -> None:
+        if threads < 1:
+            raise ValueError(f"a token2wav worker needs at least one thread, got {threads}")
+        self._backend = backend
+        self._lanes = [_Lane(f"token2wav-{i}", backend, max_batch) for i in range(threads)]
+        self._lane_of: dict[Token2WavStream, _Lane] = {}
+        self._slots = asyncio.Semaphore(capacity)
+        self._order = itertools.count()
+        self._queued = 0
+
+    @property
+    def open_streams(self) -> int:
+        """Streams opened and not yet closed on the worker threads."""
+        return sum(lane.open_streams for lane in self._lanes)
+
+    @property
+    def queue_depth(self) -> int:
+        """Chunks submitted and not yet finished."""
+        return self._queued
+
+    def start(self) -> None:
+        for lane in self._lanes:
+            lane.start()
+
+    def stop(self) -> None:
+        """Finish what is queued, then end the threads."""
+        for lane in self._lanes:
+            lane.stop()
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the first worker thread (between batches) and return its result."""
+        return await self._call(self._lanes[0], fn)
+
+    async def prepare_speaker(self, prompt: VoicePrompt) -> SpeakerState:
+        return await self.call(lambda: self._backend.prepare_speaker(prompt))
+
+    async def open_stream(self, speaker: SpeakerState) -> Token2WavStream:
+        lane = min(self._lanes, key=lambda candidate: candidate.assigned)
+
+        def open_() -> Token2WavStream:
+            stream = self._backend.open_stream(speaker)
+            lane.open_streams += 1
+            return stream
+
+        lane.assigned += 1
+        try:
+            stream = await self._call(lane, open_)
+        except BaseException:
+            lane.assigned -= 1
+            raise
+        self._lane_of[stream] = lane
+        return stream
+
+    def close_stream(self, stream: Token2WavStream) -> None:
+        lane = self._lane_of.pop(stream)
+        lane.assigned -= 1
+
+        def close() -> None:
+            stream.close()
+            lane.open_streams -= 1
+
+        lane.inbox.put(_Call(close, None))
+
+    async def synthesize(
+        self, stream: Token2WavStream, tokens: Sequence[int], last: bool, first: bool
+    ) -> np.ndarray:
+        """Audio of one chunk; waits while `capacity` chunks are already queued. Call from the loop."""
+        lane = self._lane_of[stream]
+        job = ChunkJob(stream, torch.tensor(list(tokens), dtype=torch.int64), last)
+        async with self._slots:
+            future: Future[np.ndarray] = Future()
+            self._queued += 1
+            lane.inbox.put(_ChunkTask(job, first, future, next(self._order)))
+            try:
+                return await asyncio.wrap_future(future)
+            except asyncio.CancelledError:
+                future.cancel()  # the worker skips it if it has not started yet
+                raise
+            finally:
+                self._queued -= 1
+
+    @staticmethod
+    async def _call(lane: _Lane, fn: Callable[[], T]) -> T:
+        future: Future[T] = Future()
+        lane.inbox.put(_Call(fn, future))
+        return await asyncio.wrap_future(future)
 
 
 @dataclass(frozen=True)
@@ -218,7 +277,15 @@ def load_engines(config: ServiceConfig) -> LoadedEngines:
     """The engines over `config.models_dir`, backends picked by engines/*/auto.py (blocking: call it off
     the event loop). RuntimeError says why a backend asked for by name cannot run."""
     device = config.torch_device
-    token2wav = select_token2wav(config.models_dir, config.token2wav_backend, config.flow, device)
+    token2wav = select_token2wav(
+        config.models_dir,
+        config.token2wav_backend,
+        config.flow,
+        device,
+        pool_size=max(4, config.token2wav_workers),
+        # CUDA graphs replay from shared buffers: only one thread may run the backend with them.
+        cuda_graphs=config.token2wav_workers == 1,
+    )
     slots = config.llm_slots or config.max_streams
     llm = select_llm(config.models_dir, config.llm_backend, device, max_slots=slots)
     if llm.stats().max_slots != slots:
@@ -269,7 +336,10 @@ class Runtime:
         engines = await asyncio.to_thread(self._loader, self.config)
         await engines.llm.start()
         worker = Token2WavWorker(
-            engines.token2wav, self.config.token2wav_batch, capacity=2 * self.config.max_streams
+            engines.token2wav,
+            self.config.token2wav_batch,
+            capacity=2 * self.config.max_streams,
+            threads=self.config.token2wav_workers,
         )
         worker.start()
         self._engines, self._worker = engines, worker

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engines.build.synthetic import build_random  # noqa: E402
 from engines.config import PRE_LOOKAHEAD, SAMPLE_RATE, TOKEN_RATE_HZ, ModelPaths  # noqa: E402
 from engines.token2wav.base import ChunkJob, SpeakerState  # noqa: E402
+from engines.token2wav.flow_dit import DiTFlow  # noqa: E402
 from engines.token2wav.torch_backend import TorchToken2Wav  # noqa: E402
 from engines.voice import VoicePrompt  # noqa: E402
 
@@ -49,18 +50,34 @@ def time_schedule(t2w: TorchToken2Wav, speaker: SpeakerState, batch: int, hops: 
     return times
 
 
-def profile_call(t2w: TorchToken2Wav, speaker: SpeakerState, batch: int, hop: int,
-                 tokens: torch.Tensor) -> None:
-    """Top operators of one call of `batch` first chunks (CPU time: Python and launch overhead)."""
+def profile_call(t2w: TorchToken2Wav, speaker: SpeakerState, batch: int, hop: int, tokens: torch.Tensor,
+                 out: Path) -> None:
+    """Write the top operators of one call of `batch` first chunks to `out`: as run (CPU time, i.e.
+    Python and launch overhead), and on CUDA once more without graphs, by GPU time per kernel."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if t2w.device.type == "cuda" else [])
-    streams = [t2w.open_stream(speaker) for _ in range(batch)]
-    jobs = [ChunkJob(stream, tokens[: hop + PRE_LOOKAHEAD], last=False) for stream in streams]
-    with profile(activities=activities) as prof:
-        t2w.run_chunks(jobs)
-    print(f"\nprofile: {batch} first chunks of {hop}+{PRE_LOOKAHEAD} tokens")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=40))
+    cuda = t2w.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    flow = t2w.flow
+    graphs = flow.graphs if isinstance(flow, DiTFlow) else None
+    tables = []
+    for graphed in (True, False) if cuda and graphs is not None else (True,):
+        if not graphed and isinstance(flow, DiTFlow):
+            flow.use_bucketed_solver(None)
+        streams = [t2w.open_stream(speaker) for _ in range(batch)]
+        jobs = [ChunkJob(stream, tokens[: hop + PRE_LOOKAHEAD], last=False) for stream in streams]
+        t2w.run_chunks(jobs)  # first use of this path's kernels
+        jobs = [ChunkJob(stream, tokens[hop : 2 * hop + PRE_LOOKAHEAD], last=False) for stream in streams]
+        with profile(activities=activities) as prof:
+            t2w.run_chunks(jobs)
+        sort = "self_cuda_time_total" if cuda and not graphed else "self_cpu_time_total"
+        title = f"{batch} second chunks of {hop}+{PRE_LOOKAHEAD} tokens, {'graphs' if graphed else 'eager'}"
+        tables.append(f"{title}\n{prof.key_averages().table(sort_by=sort, row_limit=40)}")
+        for stream in streams:
+            stream.close()
+    if graphs is not None and isinstance(flow, DiTFlow):
+        flow.use_bucketed_solver(graphs)
+    out.write_text("\n\n".join(tables))
 
 
 def main() -> None:
@@ -73,7 +90,7 @@ def main() -> None:
     parser.add_argument("--hops", type=int, nargs="+", default=[15, 25, 50, 100])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--profile", action="store_true", help="print the top operators of two calls")
+    parser.add_argument("--profile", type=Path, help="directory for operator profiles of some calls")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
@@ -82,8 +99,8 @@ def main() -> None:
     if args.models is None:
         build_random(models, args.size)
     t2w = TorchToken2Wav.from_models_dir(models, "dit", device)
-    if args.eager:
-        t2w.flow.use_bucketed_solver(None)  # type: ignore[operator]
+    if args.eager and isinstance(t2w.flow, DiTFlow):
+        t2w.flow.use_bucketed_solver(None)
     speaker = t2w.prepare_speaker(VoicePrompt.load(ModelPaths(models).voices / "default.safetensors"))
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 6561, (sum(args.hops) + PRE_LOOKAHEAD,), generator=generator)
@@ -113,8 +130,9 @@ def main() -> None:
     if device.type == "cuda":
         print(f"peak GPU memory: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
     if args.profile:
-        profile_call(t2w, speaker, 1, args.hops[0], tokens)
-        profile_call(t2w, speaker, max(args.batches), args.hops[0], tokens)
+        args.profile.mkdir(parents=True, exist_ok=True)
+        for batch in (min(args.batches), max(args.batches)):
+            profile_call(t2w, speaker, batch, args.hops[0], tokens, args.profile / f"profile_b{batch}.txt")
     if args.json:
         report = {"device": name, "size": args.size, "mode": mode, "rows": rows}
         args.json.write_text(json.dumps(report, indent=2))

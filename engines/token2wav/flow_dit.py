@@ -299,15 +299,15 @@ class DiTFlow(FlowModel):
 
     def _encode_batch(self, rows: Sequence[_Row]) -> torch.Tensor:
         """Encode the rows' chunks (updating their encoder caches); mu (B, 80, 2·M), right-padded."""
-        enc, device = self.cfg.encoder, self.device
+        enc = self.cfg.encoder
         width = max(row.out_tokens for row in rows) + enc.pre_lookahead
         ids = torch.zeros(len(rows), width, dtype=torch.int64)
         for i, row in enumerate(rows):
             ids[i, : row.tokens.numel()] = row.tokens
         history = [row.speaker.encoder.num_tokens + row.stream.encoder.num_tokens for row in rows]
         counts = [[row.tokens.numel() for row in rows], [row.out_tokens for row in rows], history]
-        token_lengths, out_lengths, cache_lengths = torch.tensor(counts).to(device).unbind()
-        embedded = self.input_embedding(ids.to(device).clamp_min(0))
+        token_lengths, out_lengths, cache_lengths = self._upload(torch.tensor(counts)).unbind()
+        embedded = self.input_embedding(self._upload(ids).clamp_min(0))
         cache = self._encoder_history(rows, max(history))
         encoded, update = self.encoder.forward_chunks(
             embedded, token_lengths, out_lengths, cache, cache_lengths)
@@ -319,6 +319,13 @@ class DiTFlow(FlowModel):
             kept = self._encoder_recent_tokens(row.speaker)
             row.stream.encoder = row.stream.encoder.extend(own).keep_recent(kept)
         return self._mu(encoded)
+
+    def _upload(self, host: torch.Tensor) -> torch.Tensor:
+        """A CPU tensor on the flow's device; on CUDA through pinned memory without waiting for the
+        device, so the host keeps queueing work while earlier kernels run."""
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     @staticmethod
     def _encoder_history(rows: Sequence[_Row], tokens: int) -> ConformerCache:
@@ -376,9 +383,9 @@ class DiTFlow(FlowModel):
         for i, row in enumerate(rows):
             prompt_mask[i, starts[row.speaker] : starts[row.speaker] + row.speaker.prompt_frames] = True
         mask = torch.cat([prompt_mask, span_mask(own_frames, shape.frames, own, row_lengths)], dim=1)
-        inputs.lengths.copy_(row_lengths)
-        inputs.offsets.copy_(offsets)
-        inputs.mask.copy_(torch.cat([mask, mask]))
+        inputs.lengths.copy_(self._upload(row_lengths))
+        inputs.offsets.copy_(self._upload(offsets))
+        inputs.mask.copy_(self._upload(torch.cat([mask, mask])))
 
         inputs.mu.zero_()
         inputs.mu[:real, :, :frames] = mu

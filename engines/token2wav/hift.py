@@ -43,7 +43,7 @@ class Snake(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         alpha = self.alpha[None, :, None]
         # The epsilon keeps a zero α finite, as in the trained model.
-        return x + torch.sin(alpha * x).pow(2) / (alpha + 1e-9)
+        return torch.addcmul(x, torch.sin(alpha * x).square(), (alpha + 1e-9).reciprocal())
 
 
 class ResBlock(nn.Module):

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
@@ -39,8 +43,38 @@ class Metrics:
             "tts_errors", "Errors reported to clients, by code", ["code"], registry=self.registry
         )
 
+    def track_gpu_memory_peak(self, read_peak_bytes: Callable[[], int]) -> None:
+        """Report `realtime_gpu_memory_peak_bytes`, read at every scrape (the benchmark's memory figure).
+
+        Registered only where there is a GPU; without one the metric is absent.
+        """
+        self.registry.register(_PeakMemoryCollector(read_peak_bytes))
+
     def error(self, code: str) -> None:
         self.errors.labels(code=code).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PeakMemoryCollector(Collector):
+    """The peak device memory, read when scraped rather than polled."""
+
+    def __init__(self, read_peak_bytes: Callable[[], int]) -> None:
+        self._read = read_peak_bytes
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return [self._family()]
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = self._family()
+        family.add_metric([], float(self._read()))
+        yield family
+
+    @staticmethod
+    def _family() -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "realtime_gpu_memory_peak_bytes",
+            "Peak GPU memory held by PyTorch tensors since the start (allocations TensorRT makes itself "
+            "are not counted)",
+        )

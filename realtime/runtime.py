@@ -343,6 +343,9 @@ class Runtime:
         )
         worker.start()
         self._engines, self._worker = engines, worker
+        device = engines.token2wav.device
+        if device.type == "cuda":
+            self.metrics.track_gpu_memory_peak(lambda: torch.cuda.max_memory_allocated(device))
         await asyncio.to_thread(self.voices.load)
         for info in self.voices.list():
             await self._prepare(info.voice_id, self.voices.get(info.voice_id))

@@ -21,7 +21,7 @@ import pytest
 import pytest_asyncio
 import soundfile
 import websockets
-from conftest import LiveServer, serve, service_config
+from testing import LiveServer, serve, service_config
 
 from engines.build.synthetic import voiced_clip
 from engines.config import SAMPLE_RATE

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import LiveServer, serve, service_config
+from testing import LiveServer, serve, service_config
 
 from realtime.bench import peak_gpu_memory
 

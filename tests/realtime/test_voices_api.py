@@ -8,7 +8,7 @@ import httpx
 import numpy as np
 import pytest
 import soundfile
-from conftest import serve, service_config
+from testing import serve, service_config
 
 from engines.build.synthetic import voiced_clip
 

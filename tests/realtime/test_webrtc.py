@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
-from conftest import LiveServer, serve, service_config
+from testing import LiveServer, serve, service_config
 
 from realtime.config import IceServer, WebRTCConfig
 from realtime.session import ServiceError

@@ -4,8 +4,7 @@ Per row, in order: repetition penalty over the tokens the request has generated,
 while below the minimum length; every stop token for fixed-length requests), temperature, then either
 plain top-k/top-p sampling or RAS: a nucleus candidate that already occurs `ras_window * ras_tau` times
 among the last `ras_window` generated tokens is masked and the token is drawn from the full
-distribution instead. The nucleus is looked for among a fixed number of most probable tokens (at least
-every row's top_k), found with `topk` rather than a sort of the whole vocabulary.
+distribution instead.
 
 Randomness is counter-based: a row's uniforms are a hash of (seed, step), so a seeded request samples the
 same tokens alone or in any batch, and sampling needs no generator state (it can live in a CUDA graph).
@@ -25,9 +24,6 @@ from engines.llm.base import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
 _EMPTY = -1  # history entry before any token was generated
-_ID_BITS = 16  # token ids fit below 2^_ID_BITS; they fill the low bits of the candidate sort keys
-_ID_MASK = (1 << _ID_BITS) - 1
-
 RowIndex = slice | Tensor  # consecutive slots (views of the state) or an int64 tensor of slot ids
 
 
@@ -82,25 +78,8 @@ def _inverse_cdf(weights: Tensor, u: Tensor) -> Tensor:
     return index.clamp(max=weights.shape[-1] - 1).squeeze(1)
 
 
-def top_candidates(probs: Tensor, count: int) -> tuple[Tensor, Tensor]:
-    """The `count` most probable tokens of each row of `probs` [B, V] (fp32, non-negative): probabilities
-    and ids [B, count], most probable first and equal probabilities by ascending id, which is the order
-    a stable descending sort gives."""
-    ids = torch.arange(probs.shape[-1], device=probs.device)
-    # Non-negative floats order like their bit patterns; the inverted id in the low bits breaks ties.
-    keys = (probs.view(torch.int32).long() << _ID_BITS) | (_ID_MASK - ids)
-    top_ids = _ID_MASK - (keys.topk(count, dim=-1).values & _ID_MASK)
-    return probs.gather(1, top_ids), top_ids
-
-
-def sample(
-    logits: Tensor, rows: SamplingRows, is_stop: Tensor, eos: int, candidates: int | None = None
-) -> Tensor:
-    """One token per row of `logits` [B, V] (int64 [B]); `is_stop` [V] (bool) marks the stop tokens.
-
-    The nucleus is drawn from the `candidates` most probable tokens (the whole vocabulary if None), which
-    must be at least every row's top_k.
-    """
+def sample(logits: Tensor, rows: SamplingRows, is_stop: Tensor, eos: int) -> Tensor:
+    """One token per row of `logits` [B, V] (int64 [B]); `is_stop` [V] (bool) marks the stop tokens."""
     scores = logits.float()
     penalised = torch.where(scores > 0, scores / rows.repetition_penalty[:, None],
                             scores * rows.repetition_penalty[:, None])
@@ -113,16 +92,15 @@ def sample(
     scores = scores / rows.temperature[:, None]
     probs = scores.softmax(dim=-1)
 
-    # Nucleus walk: keep ranked tokens while the mass before them is below top_p and fewer than top_k
-    # are kept, so the token that crosses top_p is included; sample among them unrenormalised.
-    count = scores.shape[-1] if candidates is None else min(candidates, scores.shape[-1])
-    top_probs, top_ids = top_candidates(probs, count)
-    rank = torch.arange(count, device=scores.device)
-    mass_before = top_probs.cumsum(dim=-1) - top_probs
-    keep = (mass_before < rows.top_p[:, None]) & (rank < rows.top_k[:, None])
+    # Nucleus walk: keep sorted tokens while the mass before them is below top_p and fewer than top_k
+    # are kept, so the token that crosses top_p is included; sample among them unrenormalised. (A full
+    # sort of the 6564 probabilities costs less on the GPU than `topk` with an exact tie order.)
+    sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True, stable=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep = (mass_before < rows.top_p[:, None]) & (vocab < rows.top_k[:, None])
     uniforms = draw_uniforms(rows.seed, rows.step)
-    picked = _inverse_cdf(top_probs * keep, uniforms[:, 0])
-    candidate = top_ids.gather(1, picked.unsqueeze(1))  # [B, 1]
+    picked = _inverse_cdf(sorted_probs * keep, uniforms[:, 0])
+    candidate = sorted_ids.gather(1, picked.unsqueeze(1))  # [B, 1]
 
     # RAS: a candidate repeated too often within the window is masked; draw from the full distribution.
     history_len = rows.history.shape[1]
@@ -142,12 +120,9 @@ class SamplingSlots:
     """
 
     def __init__(self, slots: int, vocab: int, history: int, stop_tokens: Sequence[int], eos: int,
-                 device: torch.device, candidates: int | None = None) -> None:
-        if vocab > _ID_MASK + 1:
-            raise ValueError(f"vocabulary of {vocab} is above the sampler's limit of {_ID_MASK + 1}")
+                 device: torch.device) -> None:
         self.history_len = history
         self.eos = eos
-        self.candidates = vocab if candidates is None else min(candidates, vocab)
         self.is_stop = torch.zeros(vocab, dtype=torch.bool, device=device)
         self.is_stop[list(stop_tokens)] = True
         self._slot_ids = torch.arange(slots, device=device)
@@ -171,31 +146,31 @@ class SamplingSlots:
         )
 
     def configure(self, slot: int, params: SamplingParams, min_len: int, seed: int) -> None:
-        """Reset `slot` for a new request (a few small host-to-device writes)."""
+        """Reset `slot` for a new request (a few small kernels; no wait for the device)."""
         if params.use_ras and params.ras_window > self.history_len:
             raise ValueError(f"ras_window {params.ras_window} exceeds the sampler history {self.history_len}")
-        if params.top_k > self.candidates:
-            raise ValueError(f"top_k {params.top_k} exceeds the sampler's {self.candidates} candidates")
+        # `fill_` launches a kernel with the value as argument; item assignment would copy a host scalar
+        # and wait for the device.
         state = self._state
-        state.temperature[slot] = params.temperature
-        state.top_k[slot] = params.top_k
-        state.top_p[slot] = params.top_p
-        state.repetition_penalty[slot] = params.repetition_penalty
-        state.ras_threshold[slot] = ras_threshold(params) if params.use_ras else self.history_len + 1
-        state.ras_window[slot] = min(params.ras_window, self.history_len)
-        state.min_len[slot] = min_len
-        state.ignore_stop[slot] = params.fixed_length is not None
-        state.seed[slot] = seed & _MASK32
-        state.step[slot] = 0
-        state.history[slot] = _EMPTY
-        state.seen[slot] = False
+        state.temperature[slot].fill_(params.temperature)
+        state.top_k[slot].fill_(params.top_k)
+        state.top_p[slot].fill_(params.top_p)
+        state.repetition_penalty[slot].fill_(params.repetition_penalty)
+        state.ras_threshold[slot].fill_(ras_threshold(params) if params.use_ras else self.history_len + 1)
+        state.ras_window[slot].fill_(min(params.ras_window, self.history_len))
+        state.min_len[slot].fill_(min_len)
+        state.ignore_stop[slot].fill_(params.fixed_length is not None)
+        state.seed[slot].fill_(seed & _MASK32)
+        state.step[slot].fill_(0)
+        state.history[slot].fill_(_EMPTY)
+        state.seen[slot].fill_(False)
 
     def rows(self, rows: RowIndex) -> SamplingRows:
         state = self._state
         return SamplingRows(**{f.name: getattr(state, f.name)[rows] for f in fields(SamplingRows)})
 
     def sample(self, logits: Tensor, rows: RowIndex) -> Tensor:
-        return sample(logits, self.rows(rows), self.is_stop, self.eos, self.candidates)
+        return sample(logits, self.rows(rows), self.is_stop, self.eos)
 
     def record(self, tokens: Tensor, rows: RowIndex, active: Tensor) -> None:
         """Append `tokens` [B] to the state of the `active` [B] (bool) rows among `rows`, in place.

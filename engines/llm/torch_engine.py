@@ -61,11 +61,10 @@ class TorchLLMConfig:
     min_kv_bucket: int = 256  # attended cache lengths: doubling from here up to max_context
     prefill_length_step: int = 64  # prefill chunk lengths: multiples of this up to prefill_chunk
     ras_history: int = 32  # longest RAS window a request may ask for
-    max_top_k: int = 64  # largest top_k a request may ask for (the sampler's candidate count)
 
     def __post_init__(self) -> None:
         sizes = ("max_slots", "max_context", "max_waiting", "prefill_chunk", "prefill_tokens",
-                 "min_kv_bucket", "prefill_length_step", "ras_history", "max_top_k")
+                 "min_kv_bucket", "prefill_length_step", "ras_history")
         for name in sizes:
             if getattr(self, name) < 1:
                 raise ValueError(f"TorchLLMConfig.{name} must be positive, got {getattr(self, name)}")
@@ -210,7 +209,7 @@ class _ModelRunner:
         cache_len = config.max_context + config.prefill_chunk
         self.cache = KVCache.allocate(llm.qwen, slots + 1, cache_len, device, dtype)
         self.sampling = SamplingSlots(slots + 1, llm.speech_vocab, config.ras_history, llm.stop_tokens,
-                                      llm.eos_token, device, candidates=config.max_top_k)
+                                      llm.eos_token, device)
         # Decode: per-slot input token and position, output token.
         self.next_token, self.positions, self.sampled = zeros(slots + 1), zeros(slots + 1), zeros(slots)
         self.active = zeros(slots + 1, dtype=torch.bool)
@@ -237,7 +236,7 @@ class _ModelRunner:
             pool = graph.pool()
             return graph
 
-        self.prefill_rows[0] = self.scratch_slot  # capture on the scratch slot, like padding rows
+        self.prefill_rows[0].fill_(self.scratch_slot)  # capture on the scratch slot, like padding rows
         for kv_len in reversed(self.config.kv_lengths):
             for size in reversed(self.config.batch_sizes):
                 self.decode_graphs[size, kv_len] = capture(partial(self._decode_step, size, kv_len))
@@ -259,11 +258,11 @@ class _ModelRunner:
 
     def begin(self, seq: _Sequence) -> None:
         self.sampling.configure(seq.slot, seq.request.sampling, seq.min_len, seq.seed)
-        self.positions[seq.slot] = seq.prompt_len
-        self.active[seq.slot] = False
+        self.positions[seq.slot].fill_(seq.prompt_len)  # fill_: no wait for the device (see configure)
+        self.active[seq.slot].fill_(False)
 
     def release(self, slot: int) -> None:
-        self.active[slot] = False
+        self.active[slot].fill_(False)
 
     @torch.no_grad()
     def prefill(self, chunks: Sequence[PrefillChunk]) -> None:
@@ -452,9 +451,6 @@ class TorchLLMEngine(LLMEngine):
         if params.use_ras and params.ras_window > self.config.ras_history:
             raise LLMError("invalid_request", f"ras_window {params.ras_window} is above this engine's limit "
                                               f"of {self.config.ras_history}")
-        if params.top_k > self.config.max_top_k:
-            raise LLMError("invalid_request", f"top_k {params.top_k} is above this engine's limit of "
-                                              f"{self.config.max_top_k}")
         min_len, max_len = params.length_bounds(len(request.text_ids))
         if max_len < 1:
             raise LLMError("invalid_request", "the length bounds allow no speech token for this text")

@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from engines.config import SPEECH_EOS, SPEECH_FILL, SPEECH_UNUSED_STOP, SPEECH_VOCAB
 from engines.llm.base import SamplingParams
-from engines.llm.sampling import (
-    SamplingRows,
-    SamplingSlots,
-    draw_uniforms,
-    ras_threshold,
-    sample,
-    top_candidates,
-)
+from engines.llm.sampling import SamplingRows, SamplingSlots, draw_uniforms, ras_threshold, sample
 
 STOPS = (SPEECH_EOS, SPEECH_UNUSED_STOP, SPEECH_FILL)
 HISTORY = 16
@@ -224,21 +216,6 @@ def test_a_seeded_row_samples_the_same_tokens_alone_or_batched() -> None:
     assert together[0] != together[2]  # same seed, different rule: RAS changes the outcome here
 
 
-def test_top_k_candidates_give_the_tokens_of_a_full_sort_ties_included() -> None:
-    generator = torch.Generator().manual_seed(2)
-    params = [SamplingParams(), SamplingParams(top_k=40, top_p=1.0), SamplingParams(top_k=3, use_ras=False)]
-    # bf16 logits have many equal values, so the candidates hold ties whose order decides the token.
-    logits = peaked_logits(len(params) * 30, generator).bfloat16().float()
-    logits[:, 50:80] = 2.0
-    rows = rows_for(params * 30, [[]] * len(logits), [0] * len(logits), list(range(len(logits))))
-    full = sample(logits, rows, IS_STOP, SPEECH_EOS)
-    assert torch.equal(sample(logits, rows, IS_STOP, SPEECH_EOS, candidates=40), full)
-    probs = logits.softmax(dim=-1)
-    top_probs, top_ids = top_candidates(probs, 40)
-    sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True, stable=True)
-    assert torch.equal(top_ids, sorted_ids[:, :40]) and torch.equal(top_probs, sorted_probs[:, :40])
-
-
 def test_gathered_slots_sample_and_record_like_consecutive_ones() -> None:
     generator = torch.Generator().manual_seed(3)
     logits = peaked_logits(2, generator)
@@ -260,8 +237,3 @@ def test_gathered_slots_sample_and_record_like_consecutive_ones() -> None:
         assert torch.equal(getattr(state, name), getattr(expected_state, name))
     assert gathered.rows(slice(0, 1)).step.item() == 0
 
-
-def test_top_k_above_the_candidates_is_refused() -> None:
-    slots = SamplingSlots(2, SPEECH_VOCAB, HISTORY, STOPS, SPEECH_EOS, torch.device("cpu"), candidates=32)
-    with pytest.raises(ValueError, match="top_k 33"):
-        slots.configure(0, SamplingParams(top_k=33), min_len=0, seed=0)

@@ -166,27 +166,47 @@ class CausalConvBranch(nn.Module):
             }
         )
 
-    def forward(
-        self, x: torch.Tensor, cache: torch.Tensor, context: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (B, T, C); cache (B, 2·C, 2) = last input frames of conv1 | conv2. Returns (B, T, C), cache.
-
-        context: (B, 2) int64 positions of each row's last 2 real frames in [cache, x] when rows are
-        right-padded (batching.frame_index); None: every frame is real, the cache is the last 2.
-        """
+    def forward(self, x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, T, C); cache (B, 2·C, 2) = last input frames of conv1 | conv2. Returns (B, T, C), cache."""
         first_ctx, second_ctx = cache.chunk(2, dim=1)
         h = torch.cat([first_ctx, x.transpose(1, 2)], dim=2)
-        new_first = self._context(h, context)
+        new_first = h[:, :, -CONV_CONTEXT:]
         h = F.mish(self.block["3"](self.block["1"](h).transpose(1, 2))).transpose(1, 2)
         h = torch.cat([second_ctx, h], dim=2)
-        new_second = self._context(h, context)
+        new_second = h[:, :, -CONV_CONTEXT:]
         return self.block["6"](h).transpose(1, 2), torch.cat([new_first, new_second], dim=1)
 
+    def forward_ragged(
+        self, x: torch.Tensor, cache: torch.Tensor, context: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` for right-padded rows; context (B, 2) int64: positions of each row's last 2 real
+        frames in [cache, x] (batching.frame_index), where the new cache is taken.
+
+        Runs time-major, each conv as one matmul over unfolded windows: on GPUs that avoids the layout
+        transforms cuDNN adds around 1-D convs (`forward` keeps Conv1d, which exporters map natively).
+        """
+        first_ctx, second_ctx = cache.chunk(2, dim=1)
+        h = torch.cat([first_ctx.transpose(1, 2), x], dim=1)
+        new_first = self._frames(h, context)
+        h = F.mish(self.block["3"](self._matmul_conv(self.block["1"], h)))
+        h = torch.cat([second_ctx.transpose(1, 2), h], dim=1)
+        new_second = self._frames(h, context)
+        new_cache = torch.cat([new_first, new_second], dim=2).transpose(1, 2)
+        return self._matmul_conv(self.block["6"], h), new_cache
+
     @staticmethod
-    def _context(h: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
-        if index is None:
-            return h[:, :, -CONV_CONTEXT:]
-        return h.gather(2, index[:, None, :].expand(-1, h.shape[1], -1))
+    def _frames(h: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Frames `index` (B, n) of each row of time-major h (B, T, C) → (B, n, C)."""
+        return h.gather(1, index[:, :, None].expand(-1, -1, h.shape[2]))
+
+    @staticmethod
+    def _matmul_conv(conv: nn.Conv1d, h: torch.Tensor) -> torch.Tensor:
+        """Valid conv of time-major h (B, T + 2, C) → (B, T, C_out); window (c, k) matches the weight's
+        (C_in, kernel) flattening."""
+        b, frames, channels = h.shape
+        kernel = conv.kernel_size[0]
+        windows = h.unfold(1, kernel, 1).reshape(b, frames - kernel + 1, channels * kernel)
+        return F.linear(windows, conv.weight.view(conv.out_channels, -1), conv.bias)
 
 
 class Mlp(nn.Module):
@@ -229,14 +249,17 @@ class DiTBlock(nn.Module):
         """x (B, T, C) → x, x's attention keys|values, new conv cache.
 
         modulation: `self.modulation(c)` for c (B, 1, C), or for c (C,) shared by all rows (cheaper);
-        conv_context: see CausalConvBranch (right-padded rows).
+        conv_context: for right-padded rows, see CausalConvBranch.forward_ragged.
         """
         (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp,
          shift_conv, scale_conv, gate_conv) = modulation
         attended, kv = self.attn(modulated_norm(self.norm1, x, shift_msa, scale_msa), keys)
         x = torch.addcmul(x, gate_msa, attended)
-        convolved, conv_cache = self.conv(
-            modulated_norm(self.norm3, x, shift_conv, scale_conv), conv_cache, conv_context)
+        conv_in = modulated_norm(self.norm3, x, shift_conv, scale_conv)
+        if conv_context is None:
+            convolved, conv_cache = self.conv(conv_in, conv_cache)
+        else:
+            convolved, conv_cache = self.conv.forward_ragged(conv_in, conv_cache, conv_context)
         x = torch.addcmul(x, gate_conv, convolved)
         x = torch.addcmul(x, gate_mlp, self.mlp(modulated_norm(self.norm2, x, shift_mlp, scale_mlp)))
         return x, kv, conv_cache

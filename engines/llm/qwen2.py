@@ -137,14 +137,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        # One fused kernel on CUDA; it accumulates in fp32 like Hugging Face's implementation.
+        # One fused kernel on CUDA. Statistics in fp32 as in Hugging Face's implementation; the weight is
+        # applied before the result is rounded to the model dtype (HF rounds first).
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_tables(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos and signed sin [B, T, 1, head_dim] for the half-split rotary layout, computed in fp32.
 
-    The first half of the sin table is negated, so `apply_rope` needs no negation of its own.
+    The first half of the sin table is negated, so `apply_rope_` needs no negation of its own.
     """
     exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
     inv_freq = 1.0 / (theta**exponents)

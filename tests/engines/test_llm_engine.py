@@ -208,6 +208,17 @@ async def test_from_models_dir_loads_the_checkpoint_of_the_manifest_size(tmp_pat
     assert engine.stats().max_slots == 2
 
 
+def test_prefill_calls_are_the_smallest_padded_shape_within_the_position_budget() -> None:
+    config = TorchLLMConfig(prefill_chunk=512, prefill_tokens=2048, prefill_rows=(1, 2, 4, 8))
+    assert config.prefill_lengths == (64, 128, 192, 256, 320, 384, 448, 512)
+    assert all(rows * length <= 2048 for rows, length in config.prefill_shapes)
+    assert config.prefill_shape(3, 300) == (4, 320)
+    assert config.prefill_shape(8, 200) == (8, 256)
+    assert config.prefill_shape(5, 300) is None  # 8 rows of 320 positions exceed the budget
+    with pytest.raises(ValueError, match="prefill_tokens"):
+        TorchLLMConfig(prefill_chunk=512, prefill_tokens=256)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 async def test_cuda_graphs_replay_the_eager_computation() -> None:

@@ -8,6 +8,13 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
+import torch
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The engines' threads and the event loop already share the CI machine's two cores; intra-op
+    # threads on top of them only contend (measured on 2 cores: tests/realtime 5-10% faster).
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

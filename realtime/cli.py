@@ -1,17 +1,15 @@
-"""`realtime serve`: run the service; `realtime synth`: speak one text into a WAV file (no server);
+"""`realtime serve`: run the service; `realtime synth`: speak a text, or a JSON Lines file of texts, into
+audio files (no server, batched; realtime/synth.py);
 `realtime bench`: load-test a server over the agents' websocket (realtime/bench.py)."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import get_args
-
-import numpy as np
 
 from engines.llm.auto import LLMBackend
 from engines.token2wav.auto import Token2WavBackend
@@ -66,7 +64,7 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         # The baseline the benchmark compares against (the design we replace): no batching across
         # requests, one LLM request at a time and batch-1 token2wav on a small pool of threads.
         llm_slots=1 if args.baseline else None,
-        token2wav_batch=1 if args.baseline else 8,
+        token2wav_batch=1 if args.baseline else args.batch,
         token2wav_workers=BASELINE_TOKEN2WAV_WORKERS if args.baseline else 1,
         webrtc=webrtc,
     )
@@ -92,28 +90,27 @@ def serve(config: ServiceConfig) -> int:
     return 0
 
 
-async def _speak(config: ServiceConfig, text: str, voice: str) -> list[np.ndarray]:
-    from realtime.runtime import Runtime
-    from realtime.session import SpeechRequest
+def synth(config: ServiceConfig, args: argparse.Namespace) -> int:
+    """Speak `args.text` into `args.out`, or every item of `args.jsonl`, and print the totals."""
+    from engines.llm.base import SamplingParams
+    from realtime.session import ServiceError
+    from realtime.synth import SynthItem, read_jsonl, run
 
-    runtime = Runtime(config)
-    await runtime.start()
     try:
-        async with runtime.speak(SpeechRequest(text=text, voice=voice)) as session:
-            return [chunk.pcm async for chunk in session]
-    finally:
-        await runtime.stop(config.drain_timeout_s)
-
-
-def synth(config: ServiceConfig, text: str, voice: str, out: Path) -> int:
-    """Speak `text` with the engines in this process and write a 24 kHz 16-bit WAV."""
-    from engines.config import SAMPLE_RATE
-    from realtime.audio import encode_pcm_s16le, wav_header
-
-    pieces = asyncio.run(_speak(config, text, voice))
-    samples = encode_pcm_s16le(np.concatenate(pieces) if pieces else np.zeros(0, np.float32))
-    out.write_bytes(wav_header(SAMPLE_RATE, len(samples)) + samples)
-    logger.info("wrote %s (%.2f s)", out, len(samples) / 2 / SAMPLE_RATE)
+        if args.jsonl is not None:
+            items = read_jsonl(args.jsonl)
+        else:
+            items = [SynthItem(args.text, args.out, args.voice)]
+        sampling = SamplingParams(seed=args.seed, fixed_length=args.fixed_length)
+    except (OSError, ValueError) as exc:
+        print(f"realtime synth: {exc}", file=sys.stderr)
+        return 2
+    try:
+        report = run(config, items, sampling)
+    except ServiceError as exc:
+        print(f"realtime synth: {exc.code}: {exc}", file=sys.stderr)
+        return 1
+    print(report.table())
     return 0
 
 
@@ -122,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (
         ("serve", "run the HTTP/websocket/WebRTC server"),
-        ("synth", "speak one text into a WAV file"),
+        ("synth", "speak a text or a JSON Lines file of texts into audio files"),
     ):
         sub = commands.add_parser(name, help=help_text)
         sub.add_argument(
@@ -152,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
         )
         sub.add_argument("--max-streams", type=int, default=16, help="concurrent utterances before 'busy'")
         sub.add_argument(
+            "--batch", type=int, default=8, help="most chunks per token2wav call (synth: utterances)"
+        )
+        sub.add_argument(
             "--drain-timeout",
             type=float,
             default=10.0,
@@ -178,9 +178,17 @@ def build_parser() -> argparse.ArgumentParser:
             f"{BASELINE_TOKEN2WAV_WORKERS} threads",
         )
         if name == "synth":
-            sub.add_argument("text")
-            sub.add_argument("--voice", default="default")
-            sub.add_argument("--out", type=Path, default=Path("speech.wav"))
+            source = sub.add_mutually_exclusive_group(required=True)
+            source.add_argument("text", nargs="?", help="one text to speak into --out")
+            source.add_argument(
+                "--jsonl", type=Path, help='JSON Lines of {"text", "voice", "out"} (.wav, .flac, .mp3, .ogg)'
+            )
+            sub.add_argument("--voice", default="default", help="voice of TEXT")
+            sub.add_argument("--out", type=Path, default=Path("speech.wav"), help="output file of TEXT")
+            sub.add_argument(
+                "--fixed-length", type=int, help="benchmarks: exactly this many speech tokens per LLM request"
+            )
+            sub.add_argument("--seed", type=int, help="sampling seed (default: random)")
     bench = commands.add_parser("bench", help="load-test a server over the agents' websocket")
     bench.add_argument("--url", help="websocket URL of a running server (default: spawn one)")
     bench.add_argument("--models", type=Path, help="models directory for the spawned server")
@@ -230,4 +238,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.command == "serve":
         return serve(config)
-    return synth(config, args.text, args.voice, args.out)
+    return synth(config, args)

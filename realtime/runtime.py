@@ -29,7 +29,7 @@ import torch
 
 from engines.config import ModelPaths
 from engines.llm.auto import select_llm
-from engines.llm.base import LLMEngine, LLMRequest, TokenStream
+from engines.llm.base import LLMEngine, LLMError, LLMRequest, SamplingParams, TokenStream
 from engines.text import TextError, TextFrontend
 from engines.token2wav.auto import select_token2wav
 from engines.token2wav.base import ChunkJob, SpeakerState, Token2Wav, Token2WavStream
@@ -408,14 +408,8 @@ class Runtime:
         if not self._accepting:
             raise ServiceError("shutting_down", "the server is shutting down", 503, self.config.retry_after_s)
         engines, worker = self._running()
-        voice = self._prepared.get(request.voice)
-        if voice is None:
-            raise ServiceError("voice_not_found", f"there is no voice {request.voice!r}", 404)
-        try:
-            pieces = engines.text.split_segments(self._check_length(request.text), SEGMENT_TOKENS)
-            segments = [Segment(text, tuple(engines.text.encode(text))) for text in pieces]
-        except TextError as exc:
-            raise ServiceError(exc.code, str(exc), 400) from exc
+        voice = self._voice(request.voice)
+        segments = self._segments(request.text)
         stats = self.stats()
         decision = self._admission.decide(
             Load(stats.active_streams, stats.llm_waiting, stats.token2wav_queue)
@@ -450,14 +444,71 @@ class Runtime:
         )
         return session
 
-    def _check_length(self, text: str) -> str:
+    def _voice(self, voice_id: str) -> PreparedVoice:
+        voice = self._prepared.get(voice_id)
+        if voice is None:
+            raise ServiceError("voice_not_found", f"there is no voice {voice_id!r}", 404)
+        return voice
+
+    def _segments(self, text: str) -> list[Segment]:
+        """`text` cut into LLM requests, or ServiceError (`text_too_long`, `empty_text`, ...)."""
         if len(text) > self.config.max_text_chars:
             raise ServiceError(
                 "text_too_long",
                 f"the text has {len(text)} characters; the limit is {self.config.max_text_chars}",
                 400,
             )
-        return text
+        engines, _ = self._running()
+        try:
+            pieces = engines.text.split_segments(text, SEGMENT_TOKENS)
+            return [Segment(piece, tuple(engines.text.encode(piece))) for piece in pieces]
+        except TextError as exc:
+            raise ServiceError(exc.code, str(exc), 400) from exc
+
+    # -- offline synthesis ---------------------------------------------------------------------
+
+    async def render(self, text: str, voice: str, sampling: SamplingParams) -> np.ndarray:
+        """The whole utterance at once (offline, no admission): 24 kHz float32 audio.
+
+        Every segment's LLM request is submitted at once; each segment's tokens then go to token2wav as
+        one final chunk, which the worker batches with the chunks of other renders. Cancelling frees
+        the LLM requests and token2wav streams. Raises ServiceError.
+        """
+        with self._counting_errors():
+            engines, worker = self._running()
+            prepared = self._voice(voice)
+            render_id = secrets.token_hex(4)
+            token_streams: list[TokenStream] = []
+            try:
+                for index, segment in enumerate(self._segments(text)):
+                    request = LLMRequest(
+                        request_id=f"{render_id}-{index}",
+                        text_ids=segment.text_ids,
+                        prompt_text_ids=prepared.prompt_text_ids,
+                        prompt_speech_tokens=prepared.prompt_speech_tokens,
+                        sampling=sampling,
+                    )
+                    token_streams.append(engines.llm.submit(request))
+                pieces = [await self._render_segment(worker, prepared, tokens) for tokens in token_streams]
+            except LLMError as exc:
+                raise ServiceError(exc.code, str(exc), 500) from exc
+            finally:
+                for token_stream in token_streams:
+                    token_stream.cancel()
+        return np.concatenate(pieces)
+
+    @staticmethod
+    async def _render_segment(
+        worker: Token2WavWorker, voice: PreparedVoice, token_stream: TokenStream
+    ) -> np.ndarray:
+        tokens = [token async for batch in token_stream for token in batch]
+        if not tokens:
+            return np.zeros(0, dtype=np.float32)
+        stream = await worker.open_stream(voice.speaker)
+        try:
+            return await worker.synthesize(stream, tokens, last=True, first=True)
+        finally:
+            worker.close_stream(stream)
 
     def _track_sessions(self) -> None:
         self.metrics.active_streams.set(len(self._sessions))

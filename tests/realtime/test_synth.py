@@ -1,0 +1,87 @@
+"""`realtime synth` on the tiny models: a JSON Lines file of texts becomes decodable files of the
+expected lengths (fixed-length requests), and the single-text form still writes one WAV."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+import torch
+
+from engines.config import SAMPLE_RATE, SAMPLES_PER_TOKEN
+from engines.token2wav.base import ChunkJob
+from engines.token2wav.torch_backend import TorchToken2Wav
+from realtime.cli import main
+from realtime.synth import SynthItem, read_jsonl
+
+TOKENS = 40
+
+
+def decode(path: Path) -> tuple[np.ndarray, int]:
+    """Mono samples and rate of an audio file."""
+    with av.open(str(path)) as container:
+        frames = [frame.to_ndarray().reshape(-1) for frame in container.decode(audio=0)]
+        rate = container.streams.audio[0].rate
+    return np.concatenate(frames), rate
+
+
+def cli(models: Path, *args: str) -> list[str]:
+    common = ["--models", str(models), "--device", "cpu", "--fixed-length", str(TOKENS), "--seed", "7"]
+    return ["synth", *common, *args]
+
+
+def test_jsonl_items_become_files_of_the_expected_length(
+    tiny_models: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    batches: list[list[tuple[int, bool]]] = []
+    run_chunks = TorchToken2Wav.run_chunks
+
+    def recording(self: TorchToken2Wav, jobs: Sequence[ChunkJob]) -> list[torch.Tensor]:
+        batches.append([(job.tokens.numel(), job.last) for job in jobs])
+        return run_chunks(self, jobs)
+
+    monkeypatch.setattr(TorchToken2Wav, "run_chunks", recording)
+    items = [
+        {"text": "Hello there.", "out": "a.wav"},
+        {"text": "A second, longer sentence to speak.", "voice": "default", "out": "out/b.flac"},
+        {"text": "Third.", "out": str(tmp_path / "c.mp3")},
+    ]
+    jsonl = tmp_path / "items.jsonl"
+    jsonl.write_text("\n".join(json.dumps(item) for item in items) + "\n\n")
+    assert main(cli(tiny_models, "--jsonl", str(jsonl), "--batch", "2")) == 0
+    # Each utterance is one final chunk of all its tokens; a call takes at most --batch of them.
+    assert sorted(job for batch in batches for job in batch) == [(TOKENS, True)] * 3
+    assert max(len(batch) for batch in batches) <= 2
+
+    expected = TOKENS * SAMPLES_PER_TOKEN
+    for name in ("a.wav", "out/b.flac"):
+        samples, rate = decode(tmp_path / name)
+        assert rate == SAMPLE_RATE and samples.size == expected
+        assert np.abs(samples).max() > 0
+    samples, rate = decode(tmp_path / "c.mp3")
+    # MP3 frames hold 1152 samples; the encoder pads the start and the last frame.
+    assert rate == SAMPLE_RATE and expected <= samples.size <= expected + 3 * 1152
+    header, row = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert header.split() == ["items", "audio", "s", "wall", "s", "RTF"]
+    count, audio_s, _, _ = row.split()
+    assert int(count) == 3 and float(audio_s) == pytest.approx(3 * expected / SAMPLE_RATE)
+
+
+def test_single_text_writes_one_wav(tiny_models: Path, tmp_path: Path) -> None:
+    out = tmp_path / "speech.wav"
+    assert main(cli(tiny_models, "Just one text.", "--out", str(out))) == 0
+    samples, rate = decode(out)
+    assert rate == SAMPLE_RATE and samples.size == TOKENS * SAMPLES_PER_TOKEN
+
+
+def test_bad_items_are_refused_before_synthesis(tmp_path: Path) -> None:
+    jsonl = tmp_path / "items.jsonl"
+    jsonl.write_text('{"text": "fine", "out": "a.wav"}\n{"text": "no output"}\n')
+    with pytest.raises(ValueError, match="items.jsonl:2"):
+        read_jsonl(jsonl)
+    with pytest.raises(ValueError, match="extension"):
+        SynthItem("text", tmp_path / "a.aiff")

@@ -3,8 +3,9 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 HOST ?= 127.0.0.1
 PORT ?= 8080
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: install install-test serve test lint
+.PHONY: install install-test chromium serve test lint
 
 # torch first: an explicit pin keeps pip from replacing an installed build with another one.
 install:
@@ -13,8 +14,16 @@ install:
 
 install-test: install
 	$(PIP) install -q -e ".[test]"
-	@command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
+	@command -v chromium >/dev/null || $(MAKE) --no-print-directory chromium
 
+# The browser test drives Debian's chromium package (as root, or through sudo).
+chromium:
+	$(SUDO) apt-get update -qq
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+	command -v chromium >/dev/null
+
+# The tiny random models by default (built once into ~/.cache/cosyvoice-realtime); the web page is at
+# http://$(HOST):$(PORT)/.
 serve: install
 	$(PYTHON) -m realtime serve --host $(HOST) --port $(PORT)
 

@@ -3,12 +3,12 @@
     python benchmarks/token2wav_batch.py --size full --device cuda --batches 1 4 16 64
     python benchmarks/token2wav_batch.py --size tiny --device cpu --batches 1 4 --repeats 1
 
-Builds (or reuses) synthetic checkpoints of the requested size, warms up (on CUDA: captures the graphs
-of the measured shapes), then for each batch size N opens N streams of one voice and times the calls of
-the exponential schedule with all N streams in step: every stream's first chunk (15 + 3 tokens) in one
-call, then every stream's second chunk (25 + 3), and so on. Prints, per call, the wall time (median over
-repeats) and the real-time factor: seconds of audio the call yields per second of wall time, which is
-how many streams at that chunk size one GPU could keep playing.
+Builds (or reuses) synthetic checkpoints of the requested size, warms up (`TorchToken2Wav.warmup`: on
+CUDA, captures the graphs of the schedule's shapes), then for each batch size N opens N streams of one
+voice and times the calls of the exponential schedule with all N streams in step: every stream's first
+chunk (15 + 3 tokens) in one call, then every stream's second chunk (25 + 3), and so on. Prints, per
+call, the wall time (median over repeats) and the real-time factor: seconds of audio the call yields per
+second of wall time, which is how many streams at that chunk size one GPU could keep playing.
 """
 
 from __future__ import annotations
@@ -58,12 +58,13 @@ def profile_call(t2w: TorchToken2Wav, speaker: SpeakerState, batch: int, hop: in
 
     cuda = t2w.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    flow = t2w.flow
+    flow, vocoder_graphs = t2w.flow, t2w.vocoder_graphs
     graphs = flow.graphs if isinstance(flow, DiTFlow) else None
     tables = []
     for graphed in (True, False) if cuda and graphs is not None else (True,):
         if not graphed and isinstance(flow, DiTFlow):
             flow.use_bucketed_solver(None)
+            t2w.vocoder_graphs = None
         streams = [t2w.open_stream(speaker) for _ in range(batch)]
         jobs = [ChunkJob(stream, tokens[: hop + PRE_LOOKAHEAD], last=False) for stream in streams]
         t2w.run_chunks(jobs)  # first use of this path's kernels
@@ -77,6 +78,7 @@ def profile_call(t2w: TorchToken2Wav, speaker: SpeakerState, batch: int, hop: in
             stream.close()
     if graphs is not None and isinstance(flow, DiTFlow):
         flow.use_bucketed_solver(graphs)
+        t2w.vocoder_graphs = vocoder_graphs
     out.write_text("\n\n".join(tables))
 
 
@@ -101,12 +103,13 @@ def main() -> None:
     t2w = TorchToken2Wav.from_models_dir(models, "dit", device)
     if args.eager and isinstance(t2w.flow, DiTFlow):
         t2w.flow.use_bucketed_solver(None)
+        t2w.vocoder_graphs = None
     speaker = t2w.prepare_speaker(VoicePrompt.load(ModelPaths(models).voices / "default.safetensors"))
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 6561, (sum(args.hops) + PRE_LOOKAHEAD,), generator=generator)
 
     began = time.perf_counter()
-    t2w.warmup(speaker, hops=args.hops, batches=[] if args.eager else args.batches)
+    t2w.warmup(speaker, batches=[1] if args.eager else args.batches)
     warmup_s = time.perf_counter() - began
     rows = []
     for batch in args.batches:

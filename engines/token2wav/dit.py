@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -188,11 +189,11 @@ class CausalConvBranch(nn.Module):
         first_ctx, second_ctx = cache.chunk(2, dim=1)
         h = torch.cat([first_ctx.transpose(1, 2), x], dim=1)
         new_first = self._frames(h, context)
-        h = F.mish(self.block["3"](self._matmul_conv(self.block["1"], h)))
+        h = F.mish(self.block["3"](self._matmul_conv(cast(nn.Conv1d, self.block["1"]), h)))
         h = torch.cat([second_ctx.transpose(1, 2), h], dim=1)
         new_second = self._frames(h, context)
         new_cache = torch.cat([new_first, new_second], dim=2).transpose(1, 2)
-        return self._matmul_conv(self.block["6"], h), new_cache
+        return self._matmul_conv(cast(nn.Conv1d, self.block["6"]), h), new_cache
 
     @staticmethod
     def _frames(h: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -300,6 +301,10 @@ class DiT(nn.Module):
         self.blocks = nn.ModuleList(DiTBlock(cfg) for _ in range(cfg.depth))
         self.final_layer = FinalLayer(cfg.hidden_size, cfg.out_channels)
 
+    @property
+    def _blocks(self) -> list[DiTBlock]:
+        return cast(list[DiTBlock], self.blocks)
+
     def _in(self, x: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         speaker = spks[:, :, None].expand(-1, -1, x.shape[2])
         return self.in_proj(torch.cat([x, mu, speaker, cond], dim=1).transpose(1, 2))
@@ -310,7 +315,7 @@ class DiT(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         h, c = self._in(x, mu, spks, cond), self.t_embedder(t)[:, None, :]
         new_cnn, new_kv = [], []
-        for block, block_keys, conv_cache in zip(self.blocks, keys, cnn_cache, strict=True):
+        for block, block_keys, conv_cache in zip(self._blocks, keys, cnn_cache, strict=True):
             h, kv, conv_cache = block(h, block.modulation(c), block_keys, conv_cache)
             new_cnn.append(conv_cache)
             new_kv.append(kv)
@@ -357,7 +362,7 @@ class DiT(nn.Module):
     def conditioning(self, t: float) -> StepConditioning:
         """The modulation vectors of time t for every block and the final layer (for `forward_ragged`)."""
         c = self.t_embedder(torch.tensor([t], device=self.in_proj.weight.device))[0]
-        return StepConditioning(tuple(block.modulation(c) for block in self.blocks),
+        return StepConditioning(tuple(block.modulation(c) for block in self._blocks),
                                 self.final_layer.modulation(c))
 
     def forward_ragged(
@@ -386,7 +391,7 @@ class DiT(nn.Module):
         context = frame_index(lengths + CONV_CONTEXT, CONV_CONTEXT)
         new_cnn, new_kv = [], []
         for block, modulation, conv_cache, prompt, own in zip(
-            self.blocks, conditioning.blocks, cnn_cache, prompt_kv, own_kv, strict=True
+            self._blocks, conditioning.blocks, cnn_cache, prompt_kv, own_kv, strict=True
         ):
             h, kv, conv_cache = block(h, modulation, SplitKeys(prompt, own, bias), conv_cache, context)
             new_cnn.append(conv_cache)

@@ -25,7 +25,7 @@ estimator's `forward_chunk`, which exported estimators (TensorRT) implement.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -234,31 +234,13 @@ class DiTFlow(FlowModel):
             self.buckets = buckets
 
     def enable_cuda_graphs(self, buckets: Buckets | None = None) -> GraphedSolver:
-        """Solve batches that fit the buckets with CUDA graphs (captured on first use of a shape or by
-        `capture_graphs`). Needs the flow on a CUDA device, in its final dtype."""
+        """Solve batches that fit the buckets with CUDA graphs (captured on the first use of a shape).
+        Needs the flow on a CUDA device, in its final dtype."""
         graphs = self.graphs
         if graphs is None:
             graphs = GraphedSolver(self.decoder, SolverLayout.of(self.cfg, self.dtype, self.device))
         self.use_bucketed_solver(graphs, buckets)
         return graphs
-
-    @torch.inference_mode()
-    def capture_graphs(self, prompt_frames: int, hops: Iterable[int], batches: Iterable[int]) -> None:
-        """Capture now the graphs of chunks of `hops` tokens (plus lookahead) for voices of up to
-        `prompt_frames` prompt frames at the given batch sizes: first chunks (no own cache) and later
-        ones (a full own cache)."""
-        graphs = self.enable_cuda_graphs()
-        recent = self.cfg.att_cache_recent_frames
-        shapes = []
-        for batch in batches:
-            for hop in hops:
-                for own in (0, recent):
-                    exact = SolveShape(batch, self.cfg.token_mel_ratio * hop, own, prompt_frames)
-                    shape = self.buckets.shape(exact, recent)
-                    if shape is None:
-                        raise ValueError(f"{exact} is beyond the graph buckets {self.buckets}")
-                    shapes.append(shape)
-        graphs.capture(sorted(set(shapes), key=lambda s: (s.batch, s.frames, s.own_frames)))
 
     @torch.inference_mode()
     def chunks(

@@ -1,29 +1,34 @@
-"""Solvers of batched streaming chunks: eager, and CUDA graphs per bucketed shape.
+"""CUDA graphs for batched streaming chunks: the CFM solve per bucketed shape, and HiFT per chunk shape.
 
 Both run `ConditionalCFM.solve_ragged` (all Euler steps, all DiT blocks, guidance) behind one interface:
 `buffers(shape)` hands out the input tensors for a padded `SolveShape`, the caller fills them, `run(shape)`
 solves and returns the outputs. The eager solver allocates fresh tensors per call (any shape, any device).
-The graph solver captures one CUDA graph per shape, lazily or in `capture()`, and replays it. All graphs
+The graph solver captures one CUDA graph per shape on its first use, and replays it. All graphs
 share one memory pool for their intermediates, and their static inputs and outputs are views of shared
 flat arenas, so memory grows with the largest shape rather than with the number of graphs. Outputs are
 valid until the next `run`; inputs keep whatever was written last (callers write every row they read).
 The weights must not change once graphs exist: they read them in place, and the steps' time
 conditioning is computed once.
+
+`GraphedVocoder` does the same for `HiFTGenerator.vocode_with_noise`: batches pad to a bucket with rows
+nobody reads, but chunk lengths are exact (HiFT's convolutions see both ways), so only the lengths the
+chunk schedule produces are captured; other calls run eagerly.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from engines.config import MEL_BINS, FlowConfig
-from engines.token2wav.batching import SolveShape
+from engines.token2wav.batching import SolveShape, round_up
 from engines.token2wav.cfm import ConditionalCFM, RaggedInputs, RaggedOutputs
+from engines.token2wav.hift import HiFTGenerator, Vocoded
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +142,7 @@ class _Graph:
 
 
 class GraphedSolver:
-    """One CUDA graph per `SolveShape`, captured on first use (or by `capture`), then replayed."""
+    """One CUDA graph per `SolveShape`, captured on first use, then replayed."""
 
     def __init__(self, cfm: ConditionalCFM, layout: SolverLayout) -> None:
         if layout.device.type != "cuda":
@@ -167,11 +172,6 @@ class GraphedSolver:
         entry.graph.replay()
         return entry.outputs
 
-    def capture(self, shapes: list[SolveShape]) -> None:
-        """Capture `shapes` now, largest first so that the arenas are allocated once."""
-        for shape in sorted(shapes, key=_size, reverse=True):
-            self._graph(shape)
-
     def _graph(self, shape: SolveShape) -> _Graph:
         entry = self._graphs.get(shape)
         if entry is None:
@@ -188,14 +188,9 @@ class GraphedSolver:
         recent = self.layout.recent_frames(shape)
         if self._conditioning is None:
             self._conditioning = self.cfm.step_conditioning()
-        side = torch.cuda.Stream(self.layout.device)
-        side.wait_stream(torch.cuda.current_stream(self.layout.device))
-        with torch.cuda.stream(side):  # warm-up off the default stream, as capture requires
-            self.cfm.solve_ragged(inputs, recent, outputs, self._conditioning)
-        torch.cuda.current_stream(self.layout.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self.cfm.solve_ragged(inputs, recent, outputs, self._conditioning)
+        conditioning = self._conditioning
+        graph = capture_graph(lambda: self.cfm.solve_ragged(inputs, recent, outputs, conditioning),
+                        self._pool, self.layout.device)
         logger.info("captured token2wav solve graph %s", shape)
         return _Graph(graph, inputs, outputs)
 
@@ -205,5 +200,108 @@ class GraphedSolver:
             yield name, self._arena.view(f"{role}.{name}", size, dtype)
 
 
-def _size(shape: SolveShape) -> int:
-    return shape.batch * (shape.frames + shape.own_frames + shape.prompt_frames)
+def capture_graph(fn: Callable[[], object], pool: Any, device: torch.device) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `fn` (run once before, off the default stream, as capture requires)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # Thread-local: other engine threads may keep launching work while this one captures.
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        fn()
+    return graph
+
+
+@dataclass(frozen=True)
+class VocodeShape:
+    """One HiFT call: rows (bucketed), mel frames and source samples cached from the previous call."""
+
+    batch: int
+    frames: int
+    cached: int
+
+
+@dataclass
+class _VocoderGraph:
+    graph: torch.cuda.CUDAGraph
+    mel: torch.Tensor
+    cache: tuple[torch.Tensor, torch.Tensor] | None  # source samples and sine phases
+    noise: torch.Tensor
+    out: Vocoded
+
+
+class GraphedVocoder:
+    """`HiFTGenerator.vocode_with_noise` from CUDA graphs for chunk shapes in `chunks`, eager otherwise.
+
+    chunks: (mel frames, cached source samples) pairs to serve from graphs, e.g. a first chunk of 30
+    frames without cache and later chunks of 8 + 50 frames after a 3840-sample cache; batches: row
+    buckets. Graphs are captured on first use; outputs are returned as copies.
+    """
+
+    def __init__(
+        self, hift: HiFTGenerator, chunks: Iterable[tuple[int, int]], batches: tuple[int, ...]
+    ) -> None:
+        self.hift = hift
+        self.device = hift.stft_window.device
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
+        self.chunks = frozenset(chunks)
+        self.batches = batches
+        self._pool = torch.cuda.graph_pool_handle()
+        self._arena = _Arena(self.device)
+        self._graphs: dict[VocodeShape, _VocoderGraph] = {}
+
+    @property
+    def shapes(self) -> list[VocodeShape]:
+        return list(self._graphs)
+
+    def vocode(self, mel: torch.Tensor, cache_source: torch.Tensor | None, cache_phase: torch.Tensor | None,
+               noise: torch.Tensor) -> Vocoded:
+        rows, _, frames = mel.shape
+        cached = 0 if cache_source is None else cache_source.shape[2]
+        cache = None if cache_source is None or cache_phase is None else (cache_source, cache_phase)
+        batch = round_up(rows, self.batches)
+        if batch is None or (frames, cached) not in self.chunks or (cached and cache is None):
+            return self.hift.vocode_with_noise(mel, cache_source, cache_phase, noise)
+        entry = self._graph(VocodeShape(batch, frames, cached))
+        entry.mel[:rows].copy_(mel)
+        entry.noise[:rows].copy_(noise)
+        if entry.cache is not None and cache is not None:
+            for target, value in zip(entry.cache, cache, strict=True):
+                target[:rows].copy_(value)
+        entry.graph.replay()
+        out = entry.out
+        return Vocoded(out.speech[:rows].clone(), out.source[:rows].clone(), out.end_phase[:rows].clone())
+
+    def _graph(self, shape: VocodeShape) -> _VocoderGraph:
+        entry = self._graphs.get(shape)
+        if entry is None:
+            entry = self._capture(shape)
+            self._graphs[shape] = entry
+        return entry
+
+    def _capture(self, shape: VocodeShape) -> _VocoderGraph:
+        hift, b, f32 = self.hift, shape.batch, torch.float32
+        samples = shape.frames * hift.hop_samples
+        mel = self._arena.view("mel", (b, hift.cfg.in_channels, shape.frames), f32)
+        noise = self._arena.view("noise", (b, samples - shape.cached, hift.num_harmonics), f32)
+        cache = None
+        if shape.cached:
+            cache = (self._arena.view("cache_source", (b, 1, shape.cached), f32),
+                     self._arena.view("cache_phase", (b, hift.num_harmonics), f32))
+        out = Vocoded(self._arena.view("speech", (b, samples), f32),
+                      self._arena.view("source", (b, 1, samples), f32),
+                      self._arena.view("end_phase", (b, hift.num_harmonics), f32))
+
+        def run() -> None:
+            source, phase = (None, None) if cache is None else cache
+            result = hift.vocode_with_noise(mel, source, phase, noise)
+            for target, value in zip(out, result, strict=True):
+                target.copy_(value)
+
+        graph = capture_graph(run, self._pool, self.device)
+        logger.info("captured HiFT graph %s", shape)
+        return _VocoderGraph(graph, mel, cache, noise, out)
+

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -177,6 +177,29 @@ class HiFTGenerator(nn.Module):
                generator: Noise = None) -> Vocoded:
         """Like `forward`, plus phase carry: with `cache_phase` (B, H) = the `end_phase` of the call that
         produced `cache_source`, the sines continue from that phase at the end of the cached frames."""
+        cached = 0 if cache_source is None else cache_source.shape[-1]
+        noise = self.draw_noise(generator, mel.shape[0], mel.shape[2] * self.hop_samples - cached, mel.device)
+        return self.vocode_with_noise(mel, cache_source, cache_phase, noise)
+
+    def draw_noise(self, generator: Noise, rows: int, samples: int, device: torch.device) -> Tensor:
+        """NSF noise (rows, samples, harmonics) on `device`, for the samples after a call's cache.
+
+        Drawn in sample-major order, so consecutive streaming calls with one CPU generator consume the
+        same numbers as one offline call; with one generator per row, each row's own.
+        """
+        if isinstance(generator, Sequence):
+            if len(generator) != rows:
+                raise ValueError(f"{len(generator)} noise generators for {rows} rows")
+            return torch.stack([torch.randn((samples, self.num_harmonics), generator=g, device=g.device)
+                                .to(device) for g in generator])
+        source_device = device if generator is None else generator.device
+        noise = torch.randn((rows, samples, self.num_harmonics), generator=generator, device=source_device)
+        return noise.to(device)
+
+    def vocode_with_noise(self, mel: Tensor, cache_source: Tensor | None, cache_phase: Tensor | None,
+                          noise: Tensor) -> Vocoded:
+        """`vocode` with its noise given (`draw_noise`: (B, 480·T − cached samples, harmonics)). It draws
+        nothing and never waits for the device, so a CUDA graph can capture it."""
         f0 = self.f0_predictor(mel)
         cached = 0 if cache_source is None else cache_source.shape[-1]
         if cached % self.hop_samples or cached > mel.shape[-1] * self.hop_samples:
@@ -184,8 +207,11 @@ class HiFTGenerator(nn.Module):
                              f"{mel.shape[-1]}-frame mel")
         if cache_phase is not None and cached == 0:
             raise ValueError("cache_phase needs the cache_source it continues")
+        if noise.shape[1] != mel.shape[2] * self.hop_samples - cached:
+            raise ValueError(f"noise for {noise.shape[1]} samples; the samples after the cache are "
+                             f"{mel.shape[2] * self.hop_samples - cached}")
         phase = self._frame_phases(f0, cache_phase, cached // self.hop_samples)
-        source = self.m_source(self._excitation(f0, phase, cached, generator))
+        source = self.m_source(self._excitation(f0, phase, noise))
         if cache_source is not None:
             source = torch.cat([cache_source.to(source.dtype), source[:, :, cached:]], dim=2)
         end_phase = torch.remainder(phase[:, -1] * self.hop_samples, 1.0)
@@ -203,13 +229,12 @@ class HiFTGenerator(nn.Module):
             phase = phase + (cache_phase / self.hop_samples - phase[:, cached_frames - 1]).unsqueeze(1)
         return phase
 
-    def _excitation(self, f0: Tensor, phase: Tensor, cached: int, generator: Noise) -> Tensor:
+    def _excitation(self, f0: Tensor, phase: Tensor, noise: Tensor) -> Tensor:
         """Harmonic sines where voiced plus Gaussian noise, (B, L, H) at the sample rate.
 
-        Noise is drawn only for samples after the cache (the cache overwrites the rest), in sample-major
-        order, so consecutive streaming calls with one generator consume the same numbers as one
-        offline call. (The reference also adds a random initial phase to sample 0, which its frame-level
-        interpolation never reads, so it is left out.)
+        `noise` covers the samples after the cache only (the cache overwrites the rest). (The reference
+        also adds a random initial phase to sample 0, which its frame-level interpolation never reads, so
+        it is left out.)
         """
         hop = self.hop_samples
         sample_phase = F.interpolate((phase * hop).transpose(1, 2), scale_factor=hop, mode="linear")
@@ -217,16 +242,7 @@ class HiFTGenerator(nn.Module):
         voiced = (f0 > self.cfg.nsf_voiced_threshold).to(sines.dtype)
         voiced = voiced.repeat_interleave(hop, dim=1).unsqueeze(-1)
         noise_scale = voiced * self.cfg.nsf_sigma + (1 - voiced) * (self.cfg.nsf_alpha / 3)
-        batch, samples, harmonics = sines.shape
-        if isinstance(generator, Sequence):
-            if len(generator) != batch:
-                raise ValueError(f"{len(generator)} noise generators for {batch} rows")
-            noise = torch.stack([torch.randn((samples - cached, harmonics), generator=g, device=g.device)
-                                 .to(sines.device) for g in generator])
-        else:
-            device = sines.device if generator is None else generator.device
-            noise = torch.randn((batch, samples - cached, harmonics), generator=generator, device=device)
-        noise = F.pad(noise.to(sines.device, sines.dtype), (0, 0, cached, 0))
+        noise = F.pad(noise.to(sines.dtype), (0, 0, sines.shape[1] - noise.shape[1], 0))
         return sines * voiced + noise_scale * noise
 
     def decode(self, mel: Tensor, source: Tensor) -> Tensor:
@@ -251,8 +267,23 @@ class HiFTGenerator(nn.Module):
         magnitude = torch.exp(x[:, :self.spectrum_bins]).clamp(max=1e2)
         phase = torch.sin(x[:, self.spectrum_bins:])
         spectrum = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
-        speech = torch.istft(spectrum, n_fft, hop, n_fft, window=self.stft_window, center=True)
-        return speech.clamp(-cfg.audio_limit, cfg.audio_limit)
+        return self.inverse_stft(spectrum).clamp(-cfg.audio_limit, cfg.audio_limit)
+
+    def inverse_stft(self, spectrum: Tensor) -> Tensor:
+        """`torch.istft(…, window=Hann, center=True)`: spectrum (B, n_fft/2 + 1, F) → (B, hop·(F − 1)).
+
+        Inverse FFT and overlap-add, without istft's check that the windows overlap enough, which waits
+        for the device on every call (the periodic Hann window at a quarter-window hop always passes).
+        """
+        n_fft, hop = self.cfg.istft_n_fft, self.cfg.istft_hop
+        count = spectrum.shape[2]
+        length = n_fft + hop * (count - 1)
+        frames = torch.fft.irfft(spectrum, n=n_fft, dim=1) * self.stft_window[:, None]
+        signal = F.fold(frames, (1, length), (1, n_fft), stride=(1, hop))
+        weights = self.stft_window.square()[None, :, None].expand(1, n_fft, count)
+        envelope = F.fold(weights, (1, length), (1, n_fft), stride=(1, hop))
+        trim = slice(n_fft // 2, length - n_fft // 2)
+        return signal[:, 0, 0, trim] / envelope[:, 0, 0, trim]
 
 
 def canonical_hift_state(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -382,15 +413,23 @@ class HiFTStream:
         self._mel = self._source = self._phase = self._speech_tail = None
 
 
+class VocoderGraphs(Protocol):
+    """Runs `HiFTGenerator.vocode_with_noise` from CUDA graphs where it can (graphs.GraphedVocoder)."""
+
+    def vocode(self, mel: Tensor, cache_source: Tensor | None, cache_phase: Tensor | None,
+               noise: Tensor) -> Vocoded: ...
+
+
 @torch.inference_mode()
 def vocode_streams(
-    streams: Sequence[HiFTStream], mels: Sequence[Tensor], lasts: Sequence[bool]
+    streams: Sequence[HiFTStream], mels: Sequence[Tensor], lasts: Sequence[bool],
+    graphs: VocoderGraphs | None = None,
 ) -> list[Tensor]:
     """`HiFTStream.process` for distinct streams of one generator: float32 (samples,) CPU audio each.
 
     Streams whose inputs have equal shapes (chunk length with the cached frames, and whether a source
-    cache exists) share one batched generator call; each row draws its noise from its own stream's
-    generator, so every stream gets exactly what it would alone.
+    cache exists) share one batched generator call, from `graphs` where given; each row draws its noise
+    from its own stream's generator, so every stream gets exactly what it would alone.
     """
     if not len(streams) == len(mels) == len(lasts):
         raise ValueError(f"{len(streams)} streams, {len(mels)} mels, {len(lasts)} flags")
@@ -408,7 +447,13 @@ def vocode_streams(
         caches = [cache for s in members if (cache := s._cache()) is not None]
         source = torch.cat([c[0] for c in caches]) if caches else None
         phase = torch.cat([c[1] for c in caches]) if caches else None
-        out = members[0].generator.vocode(mel, source, phase, generator=[s._noise for s in members])
+        hift = members[0].generator
+        samples = mel.shape[2] * hift.hop_samples - (0 if source is None else source.shape[2])
+        noise = hift.draw_noise([s._noise for s in members], len(members), samples, mel.device)
+        if graphs is None:
+            out = hift.vocode_with_noise(mel, source, phase, noise)
+        else:
+            out = graphs.vocode(mel, source, phase, noise)
         for row, index in enumerate(indices):
             rows = slice(row, row + 1)
             row_out = Vocoded(out.speech[rows], out.source[rows], out.end_phase[rows])

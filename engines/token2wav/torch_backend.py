@@ -6,8 +6,8 @@ the requested dtype (fp16 on CUDA by default, as the reference), HiFT in fp32. A
 stream frees its tensors.
 
 `run_chunks` batches: the DiT flow solves all the chunks as padded batches (flow_dit.DiTFlow.chunks,
-CUDA graphs on CUDA) and HiFT vocodes equal-shaped chunks together (hift.vocode_streams). `warmup`
-captures the graphs of the usual shapes before traffic.
+from CUDA graphs on CUDA) and HiFT vocodes equal-shaped chunks together (hift.vocode_streams, from CUDA
+graphs for the chunk lengths of `graph_hops`). `warmup` captures the usual shapes before traffic.
 """
 
 from __future__ import annotations
@@ -19,16 +19,20 @@ from typing import Literal
 
 import torch
 
-from engines.config import PRE_LOOKAHEAD, ModelPaths, configs_for_models_dir
+from engines.config import PRE_LOOKAHEAD, TOKEN_MEL_RATIO, ModelPaths, configs_for_models_dir
 from engines.token2wav.base import ChunkJob, SpeakerState, Token2Wav, Token2WavStream
 from engines.token2wav.flow_base import FlowModel, FlowSpeaker, FlowStream
-from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker, load_dit_flow
+from engines.token2wav.flow_dit import DiTFlow, load_dit_flow
+from engines.token2wav.graphs import GraphedVocoder
 from engines.token2wav.hift import HiFTGenerator, HiFTStream, load_hift, vocode_streams
 from engines.voice import VoicePrompt
 
 FlowVariant = Literal["dit", "unet"]
-WARMUP_HOPS = (15, 25, 50, 100)  # the exponential schedule's hops before the 200-token ones
-WARMUP_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+GRAPH_HOPS = (15, 25, 50, 100)  # the exponential schedule's hops before the 200-token ones
+WARMUP_BATCHES = (64, 32, 16, 8, 4, 2, 1)
+# HiFT graphs only up to this many rows: larger batches keep the GPU busy eagerly, and their buffers
+# would hold gigabytes.
+VOCODER_GRAPH_BATCHES = (1, 2, 4, 8, 16)
 
 
 @dataclass(frozen=True, eq=False)
@@ -61,18 +65,28 @@ class TorchStream(Token2WavStream):
 class TorchToken2Wav(Token2Wav):
     """`flow` and `hift` on the same device; `vocoder_seed` fixes HiFT's noise (None: fresh per stream).
 
-    cuda_graphs: on CUDA, solve batched DiT chunks with CUDA graphs (captured on first use of a shape,
-    or ahead by `warmup`).
+    cuda_graphs: on CUDA, solve batched DiT chunks with CUDA graphs, and vocode chunks of `graph_hops`
+    tokens (first chunks, and later ones with HiFT's cached frames) from CUDA graphs; graphs are
+    captured on the first use of a shape, or ahead by `warmup`.
     """
 
     def __init__(self, flow: FlowModel, hift: HiFTGenerator, name: str = "torch",
-                 vocoder_seed: int | None = None, cuda_graphs: bool = True) -> None:
+                 vocoder_seed: int | None = None, cuda_graphs: bool = True,
+                 graph_hops: Sequence[int] = GRAPH_HOPS) -> None:
         self.flow = flow.eval()
         self.hift = hift.eval()
         self.name = name
         self.vocoder_seed = vocoder_seed
-        if cuda_graphs and self.device.type == "cuda" and isinstance(flow, DiTFlow) and flow.batches_streams:
-            flow.enable_cuda_graphs()
+        self.graph_hops = tuple(graph_hops)
+        self.vocoder_graphs: GraphedVocoder | None = None
+        if cuda_graphs and self.device.type == "cuda":
+            if isinstance(flow, DiTFlow) and flow.batches_streams:
+                flow.enable_cuda_graphs()
+            cfg = hift.cfg
+            frames = [TOKEN_MEL_RATIO * hop for hop in self.graph_hops]
+            chunks = [(f, 0) for f in frames] + [(f + cfg.mel_cache_frames, cfg.source_cache_samples)
+                                                 for f in frames]
+            self.vocoder_graphs = GraphedVocoder(self.hift, chunks, VOCODER_GRAPH_BATCHES)
 
     @staticmethod
     def from_models_dir(
@@ -135,27 +149,26 @@ class TorchToken2Wav(Token2Wav):
             mels = flow.chunks([s.flow for s in streams], [job.tokens for job in jobs], lasts)
         else:
             mels = [flow.chunk(s.flow, job.tokens, job.last) for s, job in zip(streams, jobs, strict=True)]
-        audio = vocode_streams([s.vocoder for s in streams], mels, lasts)
+        audio = vocode_streams([s.vocoder for s in streams], mels, lasts, self.vocoder_graphs)
         for stream, last in zip(streams, lasts, strict=True):
             if last:
                 stream.close()
         return audio
 
-    def warmup(self, speaker: SpeakerState, hops: Iterable[int] = WARMUP_HOPS,
-               batches: Iterable[int] = WARMUP_BATCHES) -> None:
-        """Before traffic: capture the CUDA graphs of chunks of `hops` tokens at `batches` streams for
-        voices with prompts up to `speaker`'s (first chunks and later ones), then synthesise one short
-        utterance so that every kernel has run once. Without graphs only the utterance runs."""
-        if not isinstance(speaker, TorchSpeaker):
-            raise TypeError(f"{self.name} needs a TorchSpeaker, got {type(speaker).__name__}")
-        flow = self.flow
-        if isinstance(flow, DiTFlow) and flow.graphs is not None and isinstance(speaker.flow, DiTSpeaker):
-            flow.capture_graphs(speaker.flow.prompt_frames, hops, batches)
-        hop = min(hops)
-        tokens = torch.zeros(2 * hop + PRE_LOOKAHEAD, dtype=torch.int64)
-        stream = self.open_stream(speaker)
-        self.run_chunk(ChunkJob(stream, tokens[: hop + PRE_LOOKAHEAD], last=False))
-        self.run_chunk(ChunkJob(stream, tokens[hop:], last=True))
+    def warmup(self, speaker: SpeakerState, batches: Iterable[int] = WARMUP_BATCHES) -> None:
+        """Before traffic: for each batch size, that many streams of `speaker` run the chunks of
+        `graph_hops` in step, then a final chunk. That captures the graphs of these shapes (for voices
+        with prompts up to this one's bucket) and runs every kernel once. Largest batches first, so that
+        the graphs' shared buffers are allocated at their final size."""
+        tokens = torch.zeros(sum(self.graph_hops) + PRE_LOOKAHEAD, dtype=torch.int64)
+        for batch in sorted(batches, reverse=True):
+            streams = [self.open_stream(speaker) for _ in range(batch)]
+            start = 0
+            for hop in self.graph_hops:
+                piece = tokens[start : start + hop + PRE_LOOKAHEAD]
+                self.run_chunks([ChunkJob(stream, piece, last=False) for stream in streams])
+                start += hop
+            self.run_chunks([ChunkJob(stream, tokens[start:], last=True) for stream in streams])
 
     @torch.inference_mode()
     def offline(self, speaker: SpeakerState, tokens: torch.Tensor) -> torch.Tensor:

@@ -16,17 +16,17 @@ import pytest
 import torch
 
 from engines.config import PRE_LOOKAHEAD, SAMPLES_PER_TOKEN, ModelConfigs
-from engines.token2wav.base import ChunkJob
+from engines.token2wav.base import ChunkJob, SpeakerState
 from engines.token2wav.batching import Buckets, RowSpec, SolveShape, plan_batches, span_mask
 from engines.token2wav.cfm import RaggedInputs, RaggedOutputs
 from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker
 from engines.token2wav.graphs import SolverLayout
 from engines.token2wav.hift import HiFTGenerator
-from engines.token2wav.torch_backend import TorchToken2Wav
+from engines.token2wav.torch_backend import TorchStream, TorchToken2Wav
 from engines.voice import VoicePrompt
 
 CONFIGS = ModelConfigs.tiny()
-TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}
+ATOL = RTOL = 1e-4
 
 
 def lively(module: torch.nn.Module, seed: int) -> None:
@@ -132,7 +132,7 @@ def assert_streams_match(flow: DiTFlow, speakers: list[DiTSpeaker], streams: lis
         want = alone_mels(flow, speakers, plan)
         assert [m.shape for m in got] == [m.shape for m in want]
         for g, w in zip(got, want, strict=True):
-            torch.testing.assert_close(g, w, **TOLERANCE)
+            torch.testing.assert_close(g, w, atol=ATOL, rtol=RTOL)
 
 
 def test_batched_flow_chunks_equal_each_stream_alone(flow: DiTFlow, speakers: list[DiTSpeaker]) -> None:
@@ -198,8 +198,36 @@ def test_backend_run_chunks_equal_run_chunk() -> None:
             batched[i].append(audio)
     for plan, got, want, stream in zip(streams, batched, alone, opened, strict=True):
         assert torch.cat(got).numel() == SAMPLES_PER_TOKEN * plan.tokens.numel()
-        torch.testing.assert_close(torch.cat(got), torch.cat(want), **TOLERANCE)
+        torch.testing.assert_close(torch.cat(got), torch.cat(want), atol=ATOL, rtol=RTOL)
         assert stream.nbytes == 0  # closed after its last chunk
+
+
+def test_warmup_runs_the_schedule_and_leaves_no_stream_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    flow, hift = DiTFlow(CONFIGS.dit_flow).eval(), HiFTGenerator(CONFIGS.hift).eval()
+    backend = TorchToken2Wav(flow, hift, graph_hops=(4, 6))
+    speaker = backend.prepare_speaker(make_voice(1, 12))
+    opened: list[TorchStream] = []
+    open_stream = backend.open_stream
+
+    def recording_open(voice: SpeakerState) -> TorchStream:
+        opened.append(open_stream(voice))
+        return opened[-1]
+
+    monkeypatch.setattr(backend, "open_stream", recording_open)
+    backend.warmup(speaker, batches=(1, 3))
+    assert len(opened) == 4 and all(stream.nbytes == 0 for stream in opened)
+
+
+def test_inverse_stft_equals_torch_istft() -> None:
+    """HiFT's own overlap-add inverse (no host-side window check) computes what torch.istft does."""
+    hift = HiFTGenerator(CONFIGS.hift)
+    generator = torch.Generator().manual_seed(4)
+    bins = CONFIGS.hift.istft_n_fft // 2 + 1
+    spectrum = torch.complex(torch.randn(3, bins, 41, generator=generator),
+                             torch.randn(3, bins, 41, generator=generator))
+    n_fft, hop = CONFIGS.hift.istft_n_fft, CONFIGS.hift.istft_hop
+    expected = torch.istft(spectrum, n_fft, hop, n_fft, window=hift.stft_window, center=True)
+    torch.testing.assert_close(hift.inverse_stft(spectrum), expected, atol=1e-6, rtol=1e-5)
 
 
 def test_a_batch_takes_one_chunk_per_stream(flow: DiTFlow, speakers: list[DiTSpeaker]) -> None:
@@ -259,4 +287,32 @@ def test_cuda_graphs_equal_the_eager_solve() -> None:
             assert flow.graphs is not None and flow.graphs.shapes
     for eager, graphed in zip(*results, strict=True):
         for e, g in zip(eager, graphed, strict=True):
-            torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_backend_with_cuda_graphs_equals_eager() -> None:
+    """End to end on CUDA: solver and HiFT graphs (fp32) give the audio of the eager batched path."""
+    streams = plans()
+    chunks = [plan.chunks() for plan in streams]
+    audio = []
+    for graphs in (False, True):
+        torch.manual_seed(0)
+        flow, hift = DiTFlow(CONFIGS.dit_flow).eval(), HiFTGenerator(CONFIGS.hift).eval()
+        lively(flow, seed=3)
+        backend = TorchToken2Wav(flow.cuda(), hift.cuda(), vocoder_seed=5, cuda_graphs=graphs,
+                                 graph_hops=(4, 10))
+        voices = [backend.prepare_speaker(make_voice(1, 12)), backend.prepare_speaker(make_voice(2, 7))]
+        opened = [backend.open_stream(voices[plan.voice]) for plan in streams]
+        pieces: list[list[torch.Tensor]] = [[] for _ in streams]
+        for active in rounds(chunks):
+            k = len(pieces[active[0]])
+            jobs = [ChunkJob(opened[i], *chunks[i][k]) for i in active]
+            for i, piece in zip(active, backend.run_chunks(jobs), strict=True):
+                pieces[i].append(piece)
+        audio.append([torch.cat(p) for p in pieces])
+        if graphs:
+            assert backend.vocoder_graphs is not None and backend.vocoder_graphs.shapes
+    for eager, graphed in zip(*audio, strict=True):
+        torch.testing.assert_close(graphed, eager, atol=ATOL, rtol=RTOL)

@@ -92,6 +92,7 @@ def main() -> None:
     parser.add_argument("--hops", type=int, nargs="+", default=[15, 25, 50, 100])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--eager-vocoder", action="store_true", help="CUDA graphs for the flow only")
     parser.add_argument("--profile", type=Path, help="directory for operator profiles of some calls")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -103,6 +104,7 @@ def main() -> None:
     t2w = TorchToken2Wav.from_models_dir(models, "dit", device)
     if args.eager and isinstance(t2w.flow, DiTFlow):
         t2w.flow.use_bucketed_solver(None)
+    if args.eager or args.eager_vocoder:
         t2w.vocoder_graphs = None
     speaker = t2w.prepare_speaker(VoicePrompt.load(ModelPaths(models).voices / "default.safetensors"))
     generator = torch.Generator().manual_seed(0)
@@ -123,6 +125,8 @@ def main() -> None:
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     mode = "eager" if args.eager or device.type != "cuda" else "CUDA graphs"
+    if mode != "eager" and args.eager_vocoder:
+        mode += " (flow only)"
     print(f"\ntoken2wav run_chunks: {args.size} synthetic DiT flow ({t2w.flow.dtype}, {mode}), HiFT fp32, "
           f"{name}, torch {torch.__version__}; warm-up {warmup_s:.1f} s; {SAMPLE_RATE} Hz")
     print(f"{'streams':>7} {'chunk (tokens)':>15} {'ms / call':>10} {'ms / stream':>12} {'x real time':>12}")

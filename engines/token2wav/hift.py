@@ -440,7 +440,7 @@ def vocode_streams(
         if mel_in is not None:
             pending[index] = mel_in
             groups.setdefault((mel_in.shape[2], stream._cache() is not None), []).append(index)
-    speech: list[Tensor] = [torch.zeros(0) for _ in streams]
+    speech: dict[int, Tensor] = {}
     for indices in groups.values():
         members = [streams[i] for i in indices]
         mel = torch.cat([pending[i] for i in indices])
@@ -458,5 +458,8 @@ def vocode_streams(
             rows = slice(row, row + 1)
             row_out = Vocoded(out.speech[rows], out.source[rows], out.end_phase[rows])
             speech[index] = streams[index]._emit(mel[rows], row_out, lasts[index])
-    sizes = [piece.numel() for piece in speech]
-    return list(torch.cat([piece.float() for piece in speech]).cpu().split(sizes))
+    # One transfer for the whole batch; streams that produced nothing get empty CPU audio.
+    order = sorted(speech)
+    joined = torch.cat([speech[i].float() for i in order]).cpu() if order else torch.zeros(0)
+    audio = dict(zip(order, joined.split([speech[i].numel() for i in order]), strict=True))
+    return [audio.get(i, torch.zeros(0)) for i in range(len(streams))]

@@ -56,8 +56,8 @@ def select_token2wav(
     """The token2wav backend for `models_dir`: `tensorrt` or `torch` as asked, `auto` prefers TensorRT.
 
     torch_dtype: the PyTorch flow's dtype (None: the backend's default, fp16 on CUDA).
-    cuda_graphs: let the PyTorch DiT flow solve batches with CUDA graphs. Graphs replay from shared
-        static buffers, so a backend called from several threads at once must run without them.
+    cuda_graphs: let the PyTorch backend run the DiT solver and HiFT from CUDA graphs. Graphs replay
+        from shared static buffers, so a backend called from several threads at once runs without them.
     Asking for `tensorrt` where it cannot run raises RuntimeError with the reason.
     """
     reason = None if backend == "torch" else tensorrt_unavailable(models_dir, flow, device, precision)
@@ -68,11 +68,7 @@ def select_token2wav(
 
         logger.info("token2wav backend: TensorRT (%s plans, %d contexts)", precision, pool_size)
         return load_trt_token2wav(models_dir, precision, pool_size, device)
-    from engines.token2wav.flow_dit import DiTFlow
     from engines.token2wav.torch_backend import TorchToken2Wav
 
     logger.info("token2wav backend: PyTorch %s flow (%s)", flow, reason or "requested")
-    token2wav = TorchToken2Wav.from_models_dir(models_dir, flow, device, torch_dtype)
-    if not cuda_graphs and isinstance(token2wav.flow, DiTFlow):
-        token2wav.flow.use_bucketed_solver(None)
-    return token2wav
+    return TorchToken2Wav.from_models_dir(models_dir, flow, device, torch_dtype, cuda_graphs)

@@ -94,11 +94,13 @@ class TorchToken2Wav(Token2Wav):
         variant: FlowVariant,
         device: torch.device | str,
         dtype: torch.dtype | None = None,
+        cuda_graphs: bool = True,
     ) -> TorchToken2Wav:
         """Load the `variant` flow of a models directory with its HiFT (Step-Audio2's for the DiT flow,
         CosyVoice2's for the UNet flow); the architecture comes from the directory's manifest.
 
         dtype: the flow's (None: fp16 on CUDA as the reference runs it, fp32 elsewhere); HiFT is fp32.
+        cuda_graphs: as for the constructor.
         """
         if dtype is None:
             dtype = torch.float16 if torch.device(device).type == "cuda" else torch.float32
@@ -116,7 +118,8 @@ class TorchToken2Wav(Token2Wav):
             hift_path = paths.cosyvoice2_hift
         else:
             raise ValueError(f"unknown flow variant {variant!r}; expected 'dit' or 'unet'")
-        return TorchToken2Wav(flow, load_hift(hift_path, configs.hift, device), name=f"torch-{variant}")
+        return TorchToken2Wav(flow, load_hift(hift_path, configs.hift, device), name=f"torch-{variant}",
+                              cuda_graphs=cuda_graphs)
 
     @property
     def device(self) -> torch.device:

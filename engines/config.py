@@ -56,9 +56,13 @@ class Qwen2Config:
     def __post_init__(self) -> None:
         _check_positive(self)
         if self.num_heads * self.head_dim != self.hidden_size:
-            raise ValueError(f"num_heads*head_dim ({self.num_heads}*{self.head_dim}) != hidden_size {self.hidden_size}")
+            raise ValueError(
+                f"num_heads*head_dim ({self.num_heads}*{self.head_dim}) != hidden_size {self.hidden_size}"
+            )
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+            raise ValueError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
 
 
 @dataclass(frozen=True)
@@ -114,7 +118,9 @@ class DiTConfig:
     def __post_init__(self) -> None:
         _check_positive(self)
         if self.num_heads * self.head_dim != self.hidden_size:
-            raise ValueError(f"num_heads*head_dim ({self.num_heads}*{self.head_dim}) != hidden_size {self.hidden_size}")
+            raise ValueError(
+                f"num_heads*head_dim ({self.num_heads}*{self.head_dim}) != hidden_size {self.hidden_size}"
+            )
 
 
 @dataclass(frozen=True)

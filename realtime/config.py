@@ -108,7 +108,7 @@ class ServiceConfig:
     max_voice_upload_bytes: int = 16 * 1024 * 1024
     max_contexts_per_socket: int = 8
     llm_slots: int | None = None
-    token2wav_batch: int = 8
+    token2wav_batch: int = 64
     token2wav_workers: int = 1
     chunk_queue: int = 4
     drain_timeout_s: float = 10.0

@@ -19,6 +19,7 @@ import logging
 import queue
 import secrets
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -200,6 +201,9 @@ class Token2WavWorker:
     async def prepare_speaker(self, prompt: VoicePrompt) -> SpeakerState:
         return await self.call(lambda: self._backend.prepare_speaker(prompt))
 
+    async def warmup(self, speaker: SpeakerState, batches: Sequence[int]) -> None:
+        await self.call(lambda: self._backend.warmup(speaker, batches))
+
     async def open_stream(self, speaker: SpeakerState) -> Token2WavStream:
         lane = min(self._lanes, key=lambda candidate: candidate.assigned)
 
@@ -349,6 +353,8 @@ class Runtime:
         await asyncio.to_thread(self.voices.load)
         for info in self.voices.list():
             await self._prepare(info.voice_id, self.voices.get(info.voice_id))
+        if device.type == "cuda" and "default" in self._prepared:
+            await self._warm_up(worker, self._prepared["default"].speaker)
         self._accepting = True
         logger.info(
             "runtime ready: llm %s, token2wav %s, %d voices",
@@ -356,6 +362,14 @@ class Runtime:
             engines.token2wav.name,
             len(self._prepared),
         )
+
+    async def _warm_up(self, worker: Token2WavWorker, speaker: SpeakerState) -> None:
+        """Run the schedule's chunk shapes at every batch size up to the configured one, so that the
+        first requests do not pay for CUDA-graph capture."""
+        batches = [1 << i for i in range(self.config.token2wav_batch.bit_length())]
+        started = time.perf_counter()
+        await worker.warmup(speaker, batches)
+        logger.info("token2wav warmed up for batches %s in %.1f s", batches, time.perf_counter() - started)
 
     async def stop(self, drain_timeout_s: float) -> None:
         """Refuse new streams, let running ones finish for up to `drain_timeout_s`, cancel the rest."""

@@ -81,6 +81,10 @@ class Token2Wav(abc.ABC):
         """Synthesise chunks of several streams; backends override this to batch them."""
         return [self.run_chunk(job) for job in jobs]
 
+    def warmup(self, speaker: SpeakerState, batches: Sequence[int]) -> None:  # noqa: B027
+        """Before traffic: run the common chunk shapes at these batch sizes (captures graphs, loads
+        kernels) so the first requests do not pay for it. Backends without such costs do nothing."""
+
     @abc.abstractmethod
     def offline(self, speaker: SpeakerState, tokens: torch.Tensor) -> torch.Tensor:
         """Whole utterance at once (no streaming); float32 (samples,) on the CPU."""

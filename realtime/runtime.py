@@ -3,10 +3,11 @@
 - The LLM engine runs its own loop (its thread); sessions submit requests and iterate token streams.
 - token2wav runs on dedicated worker threads (`Token2WavWorker`; one by default, a small pool in the
   benchmark's baseline). Sessions hand it chunks through a bounded queue and await futures; each turn
-  a thread takes every chunk that is ready for it (up to `max_batch`, first chunks of a stream ahead of
-  the rest, since they decide latency) and runs them with one `run_chunks` call, the point where a GPU
-  backend batches streams. A stream is opened, run and closed on one thread, so its chunks keep their
-  order and its tensors stay on that thread's CUDA stream.
+  a thread runs the `max_batch` most urgent of the chunks waiting for it (earliest deadline first:
+  first audio before everything, then the chunk whose listener runs out of audio soonest) with one
+  `run_chunks` call, the point where a GPU backend batches streams. A stream is opened, run and
+  closed on one thread, so its chunks keep their order and its tensors stay on that thread's CUDA
+  stream.
 - `speak` validates a request, asks the admission policy, and returns a `Session` (session.py).
 """
 
@@ -16,6 +17,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import queue
 import secrets
 import threading
@@ -52,9 +54,13 @@ SEGMENT_TOKENS = 80
 @dataclass
 class _ChunkTask:
     job: ChunkJob
-    first: bool
+    due: float  # when the listener needs this chunk; earliest first
     future: Future[np.ndarray]
-    order: int
+    order: int  # arrival order, breaks ties between equal deadlines
+
+    @property
+    def urgency(self) -> tuple[float, int]:
+        return self.due, self.order
 
 
 @dataclass
@@ -66,8 +72,11 @@ class _Call:
 class _Lane:
     """One token2wav thread with its own inbox (and its own CUDA stream on CUDA).
 
-    Each turn it takes what is ready in its inbox: the chunks (up to `max_batch`) run first, in one
-    `run_chunks` call, then the calls queued with them, so a stream's close never overtakes its chunks.
+    Each turn it moves everything in its inbox to its pending chunks and calls, runs the `max_batch`
+    most urgent chunks (earliest deadline first) in one `run_chunks` call, then the calls. The chunks
+    left pending wait for the next turn. A stream's close is only queued once its chunk is finished or
+    cancelled, and cancelled chunks are dropped before the calls run, so a close never overtakes a
+    chunk of its stream.
     """
 
     def __init__(self, name: str, backend: Token2Wav, max_batch: int) -> None:
@@ -97,36 +106,29 @@ class _Lane:
             self._serve()
 
     def _serve(self) -> None:
+        pending: list[_ChunkTask] = []
         while True:
-            item = self.inbox.get()
-            if item is None:
-                return
-            chunks: list[_ChunkTask] = []
-            calls: list[_Call] = []
-            stop = False
-            while True:
-                if isinstance(item, _ChunkTask):
-                    chunks.append(item)
-                elif isinstance(item, _Call):
-                    calls.append(item)
-                else:
-                    stop = True
-                if stop or len(chunks) >= self._max_batch:
-                    break
-                try:
-                    item = self.inbox.get_nowait()
-                except queue.Empty:
-                    break
-            # Chunks first: a close queued behind a cancelled chunk of its stream must not precede it.
-            self._run_chunks(chunks)
+            items = [self.inbox.get()] if not pending else []
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    items.append(self.inbox.get_nowait())
+            pending.extend(item for item in items if isinstance(item, _ChunkTask))
+            calls = [item for item in items if isinstance(item, _Call)]
+            stop = any(item is None for item in items)
+            pending = [chunk for chunk in pending if not chunk.future.cancelled()]
+            pending.sort(key=lambda chunk: chunk.urgency)
+            batch, pending = pending[: self._max_batch], pending[self._max_batch :]
+            self._run_chunks(batch)
             for call in calls:
                 self._run_call(call)
             if stop:
+                while pending:
+                    batch, pending = pending[: self._max_batch], pending[self._max_batch :]
+                    self._run_chunks(batch)
                 return
 
     def _run_chunks(self, chunks: list[_ChunkTask]) -> None:
         live = [c for c in chunks if c.future.set_running_or_notify_cancel()]
-        live.sort(key=lambda c: (not c.first, c.order))
         if not live:
             return
         try:
@@ -232,15 +234,16 @@ class Token2WavWorker:
         lane.inbox.put(_Call(close, None))
 
     async def synthesize(
-        self, stream: Token2WavStream, tokens: Sequence[int], last: bool, first: bool
+        self, stream: Token2WavStream, tokens: Sequence[int], last: bool, due: float
     ) -> np.ndarray:
-        """Audio of one chunk; waits while `capacity` chunks are already queued. Call from the loop."""
+        """Audio of one chunk, scheduled by `due`; waits while `capacity` chunks are already queued.
+        Call from the loop."""
         lane = self._lane_of[stream]
         job = ChunkJob(stream, torch.tensor(list(tokens), dtype=torch.int64), last)
         async with self._slots:
             future: Future[np.ndarray] = Future()
             self._queued += 1
-            lane.inbox.put(_ChunkTask(job, first, future, next(self._order)))
+            lane.inbox.put(_ChunkTask(job, due, future, next(self._order)))
             try:
                 return await asyncio.wrap_future(future)
             except asyncio.CancelledError:
@@ -520,7 +523,7 @@ class Runtime:
             return np.zeros(0, dtype=np.float32)
         stream = await worker.open_stream(voice.speaker)
         try:
-            return await worker.synthesize(stream, tokens, last=True, first=True)
+            return await worker.synthesize(stream, tokens, last=True, due=-math.inf)
         finally:
             worker.close_stream(stream)
 
@@ -585,11 +588,11 @@ class _Engines:
         return await self.worker.open_stream(speaker)
 
     async def synthesize(
-        self, stream: Token2WavStream, tokens: Sequence[int], last: bool, first: bool
+        self, stream: Token2WavStream, tokens: Sequence[int], last: bool, due: float
     ) -> np.ndarray:
         self.metrics.queue_depth.set(self.worker.queue_depth + 1)
         try:
-            return await self.worker.synthesize(stream, tokens, last, first)
+            return await self.worker.synthesize(stream, tokens, last, due)
         finally:
             self.metrics.queue_depth.set(self.worker.queue_depth)
 

@@ -184,3 +184,13 @@ class ChunkScheduler:
             return None
         self._index += 1
         return chunk
+
+
+def chunk_due(first_audio_at: float | None, audio_sent_s: float) -> float:
+    """When a stream needs its next chunk: the moment its listener runs out of the audio sent so far
+    (`first_audio_at` + `audio_sent_s`, on the clock `first_audio_at` was read from). Before any audio
+    was sent the chunk is due at once (-inf): first audio outranks every later chunk."""
+    if first_audio_at is None:
+        return -math.inf
+    return first_audio_at + audio_sent_s
+

@@ -36,7 +36,7 @@ from engines.llm.base import LLMError, LLMRequest, SamplingParams, TokenStream
 from engines.token2wav.base import SpeakerState, Token2WavStream
 from realtime.audio import TempoStretcher
 from realtime.metrics import Metrics
-from realtime.schedule import ChunkScheduler, Progress, ScheduleKind, make_policy
+from realtime.schedule import ChunkScheduler, Progress, ScheduleKind, chunk_due, make_policy
 
 logger = logging.getLogger(__name__)
 
@@ -137,9 +137,10 @@ class Engines(Protocol):
     async def open_stream(self, speaker: SpeakerState) -> Token2WavStream: ...
 
     async def synthesize(
-        self, stream: Token2WavStream, tokens: Sequence[int], last: bool, first: bool
+        self, stream: Token2WavStream, tokens: Sequence[int], last: bool, due: float
     ) -> np.ndarray:
-        """24 kHz float32 audio of one chunk (computed on the token2wav worker thread)."""
+        """24 kHz float32 audio of one chunk (computed on the token2wav worker thread); chunks run
+        earliest `due` first (see `realtime.schedule.chunk_due`)."""
         ...
 
     def close_stream(self, stream: Token2WavStream) -> None:
@@ -375,7 +376,10 @@ class Session:
                 pcm = np.zeros(0, dtype=np.float32)
                 if chunk.end > chunk.start:
                     pcm = await self._engines.synthesize(
-                        stream, tokens[chunk.start : chunk.end], chunk.last, first=chunk.index == 0
+                        stream,
+                        tokens[chunk.start : chunk.end],
+                        chunk.last,
+                        due=chunk_due(self._first_audio_at, self._samples_out / SAMPLE_RATE),
                     )
                 chunk_end_s = segment_start_s + scheduler.offset / TOKEN_RATE_HZ
                 if chunk.last:

@@ -1,5 +1,7 @@
 """Chunk schedules: the hop sequences and the token ranges the scheduler hands to token2wav."""
 
+import math
+
 import pytest
 
 from realtime.schedule import (
@@ -10,6 +12,7 @@ from realtime.schedule import (
     ExponentialHops,
     Progress,
     ScheduleKind,
+    chunk_due,
     make_policy,
 )
 
@@ -118,3 +121,12 @@ def test_scheduler_rejects_tokens_going_backwards_and_stops_after_the_last_chunk
 def test_invalid_policies_are_refused(bad):
     with pytest.raises(ValueError):
         bad()
+
+
+def test_chunk_due_puts_first_audio_first_then_the_listener_who_runs_out_soonest() -> None:
+    first = chunk_due(None, 0.0)
+    nearly_dry = chunk_due(100.0, 0.5)  # first audio at t=100 s, 0.5 s of audio sent
+    well_fed = chunk_due(99.0, 4.0)
+    assert first == -math.inf
+    assert sorted([well_fed, first, nearly_dry]) == [first, nearly_dry, well_fed]
+    assert nearly_dry == 100.5

@@ -4,6 +4,7 @@ stream pinned to one thread, on the real (tiny) engines."""
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -11,12 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.config import SAMPLES_PER_TOKEN
+from engines.config import SAMPLES_PER_TOKEN, ModelPaths
 from engines.llm.base import SamplingParams
 from engines.token2wav.base import ChunkJob
 from engines.token2wav.torch_backend import TorchToken2Wav
+from engines.voice import VoicePrompt
 from realtime.config import ServiceConfig
-from realtime.runtime import Runtime
+from realtime.runtime import Runtime, Token2WavWorker
 from realtime.session import SpeechRequest
 
 TOKENS = 70  # the exponential schedule cuts this into three chunks
@@ -65,3 +67,38 @@ async def test_baseline_pool_runs_each_stream_on_one_of_several_threads(
     assert set(batch_sizes) == {1}
     assert len(threads_of) == 3 and all(len(names) == 1 for names in threads_of.values())
     assert set().union(*threads_of.values()) == {"token2wav-0", "token2wav-1", "token2wav-2"}
+
+
+async def test_worker_runs_the_most_urgent_chunk_first(tiny_models: Path) -> None:
+    """While the thread is busy, chunks pile up; it then takes them earliest deadline first (first
+    audio, due -inf, before everything), one batch of `max_batch` at a time."""
+    backend = TorchToken2Wav.from_models_dir(tiny_models, "dit", "cpu")
+    voice = VoicePrompt.load(ModelPaths(tiny_models).voices / "default.safetensors")
+    worker = Token2WavWorker(backend, max_batch=1, capacity=8)
+    order: list[int] = []
+    run_chunks = backend.run_chunks
+
+    def recording(jobs: Sequence[ChunkJob]) -> list[torch.Tensor]:
+        order.extend(streams.index(job.stream) for job in jobs)
+        return run_chunks(jobs)
+
+    backend.run_chunks = recording  # type: ignore[method-assign]
+    worker.start()
+    try:
+        speaker = await worker.prepare_speaker(voice)
+        streams = [await worker.open_stream(speaker) for _ in range(4)]
+        gate = threading.Event()
+        blocked = asyncio.ensure_future(worker.call(gate.wait))
+        tokens = list(range(18))
+        dues = [5.0, -math.inf, 2.0, 9.0]  # stream i's chunk is due at dues[i]
+        chunks = [
+            asyncio.ensure_future(worker.synthesize(stream, tokens, last=False, due=due))
+            for stream, due in zip(streams, dues, strict=True)
+        ]
+        await asyncio.sleep(0.2)  # every chunk is queued behind the blocking call
+        gate.set()
+        await blocked
+        await asyncio.gather(*chunks)
+    finally:
+        await asyncio.to_thread(worker.stop)
+    assert order == [1, 2, 0, 3]

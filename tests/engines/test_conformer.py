@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from weights import randomize
 
 from engines.checkpoints import load_strict, read_manifest_tsv
 from engines.config import ModelConfigs
@@ -22,19 +23,6 @@ CHECKPOINTS = Path(__file__).resolve().parents[3] / "shared/reference/checkpoint
 TINY = ModelConfigs.tiny().dit_flow.encoder
 LOOKAHEAD = TINY.pre_lookahead
 
-
-def randomize(module: torch.nn.Module, seed: int) -> None:
-    """Weights large enough that attention, positions and convs all move the output visibly."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            noise = torch.randn(p.shape, generator=generator)
-            if p.dim() >= 2:
-                p.copy_(noise / p[0].numel() ** 0.5)
-            elif "norm" in name and name.endswith("weight"):
-                p.copy_(1 + 0.1 * noise)
-            else:
-                p.copy_(0.1 * noise)
 
 
 @pytest.fixture(scope="module")

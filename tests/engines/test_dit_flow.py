@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from weights import randomize
 
 from engines.checkpoints import CheckpointError, load_strict, read_manifest_tsv
 from engines.config import FlowConfig, ModelConfigs
@@ -23,19 +24,6 @@ TINY = ModelConfigs.tiny().dit_flow
 LOOKAHEAD = TINY.encoder.pre_lookahead
 PROMPT_TOKENS = 12
 
-
-def randomize(module: torch.nn.Module, seed: int) -> None:
-    """Weights large enough that attention and convs move the output visibly (default init barely does)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            noise = torch.randn(p.shape, generator=generator)
-            if p.dim() >= 2:
-                p.copy_(noise / p[0].numel() ** 0.5)
-            elif "norm" in name and name.endswith("weight"):
-                p.copy_(1 + 0.1 * noise)
-            else:
-                p.copy_(0.1 * noise)
 
 
 def tiny_flow(cfg: FlowConfig = TINY) -> DiTFlow:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from weights import randomize
 
 from engines.config import PRE_LOOKAHEAD, SAMPLES_PER_TOKEN, ModelConfigs
 from engines.token2wav.base import ChunkJob, SpeakerState
@@ -28,19 +29,6 @@ from engines.voice import VoicePrompt
 CONFIGS = ModelConfigs.tiny()
 ATOL = RTOL = 1e-4
 
-
-def lively(module: torch.nn.Module, seed: int) -> None:
-    """Weights large enough that every attention and conv visibly moves the output."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            noise = torch.randn(p.shape, generator=generator)
-            if p.dim() >= 2:
-                p.copy_(noise / p[0].numel() ** 0.5)
-            elif "norm" in name and name.endswith("weight"):
-                p.copy_(1 + 0.1 * noise)
-            else:
-                p.copy_(0.1 * noise)
 
 
 def make_voice(seed: int, tokens: int) -> VoicePrompt:
@@ -98,7 +86,7 @@ def rounds(items: list[list[tuple[torch.Tensor, bool]]]) -> Iterator[list[int]]:
 @pytest.fixture(scope="module")
 def flow() -> DiTFlow:
     model = DiTFlow(CONFIGS.dit_flow).eval()
-    lively(model, seed=0)
+    randomize(model, seed=0)
     return model
 
 
@@ -165,7 +153,7 @@ class PersistentSolver:
 def test_bucketed_shapes_with_stale_buffers_equal_each_stream_alone(speakers: list[DiTSpeaker]) -> None:
     """Padded rows, frames, own caches and prompt frames, on buffers reused between calls."""
     flow = DiTFlow(CONFIGS.dit_flow).eval()
-    lively(flow, seed=0)
+    randomize(flow, seed=0)
     solver = PersistentSolver(flow)
     flow.use_bucketed_solver(solver, Buckets(batch=(4, 8), frames=(20, 40, 80), prompt_frames=(64,)))
     assert_streams_match(flow, speakers, plans())
@@ -180,7 +168,7 @@ def test_backend_run_chunks_equal_run_chunk() -> None:
     """End to end with HiFT: batched flow and batched vocoding give each stream its own audio."""
     torch.manual_seed(0)
     flow = DiTFlow(CONFIGS.dit_flow).eval()
-    lively(flow, seed=3)
+    randomize(flow, seed=3)
     backend = TorchToken2Wav(flow, HiFTGenerator(CONFIGS.hift).eval(), vocoder_seed=5)
     voices = [backend.prepare_speaker(make_voice(1, 12)), backend.prepare_speaker(make_voice(2, 7))]
     streams = plans()
@@ -277,7 +265,7 @@ def test_cuda_graphs_equal_the_eager_solve() -> None:
     results = []
     for graphs in (False, True):
         flow = DiTFlow(CONFIGS.dit_flow).eval()
-        lively(flow, seed=0)
+        randomize(flow, seed=0)
         flow.to(device)
         if graphs:
             flow.enable_cuda_graphs(Buckets(batch=(4, 8), frames=(20, 40, 80), prompt_frames=(64,)))
@@ -300,7 +288,7 @@ def test_backend_with_cuda_graphs_equals_eager() -> None:
     for graphs in (False, True):
         torch.manual_seed(0)
         flow, hift = DiTFlow(CONFIGS.dit_flow).eval(), HiFTGenerator(CONFIGS.hift).eval()
-        lively(flow, seed=3)
+        randomize(flow, seed=3)
         backend = TorchToken2Wav(flow.cuda(), hift.cuda(), vocoder_seed=5, cuda_graphs=graphs,
                                  graph_hops=(4, 10))
         voices = [backend.prepare_speaker(make_voice(1, 12)), backend.prepare_speaker(make_voice(2, 7))]

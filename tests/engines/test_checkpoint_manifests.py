@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference import REFERENCE_DIR
 
 from engines.build.verify import (
     BLANKEN_PREFIX,
@@ -22,7 +23,6 @@ from engines.build.verify import (
 from engines.checkpoints import load_strict, read_manifest_tsv
 from engines.config import ModelConfigs
 
-REFERENCE_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "reference" / "checkpoints"
 HF_CONVERTED_TSV = "cosyvoice2-0.5b.llm.hf-converted.DERIVED.tsv"
 
 pytestmark = pytest.mark.skipif(

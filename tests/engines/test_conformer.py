@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
+from reference import reference_manifest
 from weights import randomize
 
 from engines.checkpoints import load_strict, read_manifest_tsv
@@ -19,7 +18,6 @@ from engines.token2wav.conformer import (
     rel_shift,
 )
 
-CHECKPOINTS = Path(__file__).resolve().parents[3] / "shared/reference/checkpoints"
 TINY = ModelConfigs.tiny().dit_flow.encoder
 LOOKAHEAD = TINY.pre_lookahead
 
@@ -37,8 +35,8 @@ FLOW_MANIFESTS = ["step-audio-2-mini.token2wav.flow.pt.tsv", "cosyvoice2-0.5b.fl
 
 @pytest.mark.parametrize("manifest", FLOW_MANIFESTS)
 def test_full_config_matches_both_released_encoders(manifest: str) -> None:
-    entries = [(name.removeprefix("encoder."), shape)
-               for name, shape in read_manifest_tsv(CHECKPOINTS / manifest) if name.startswith("encoder.")]
+    released = read_manifest_tsv(reference_manifest(manifest))
+    entries = [(name.removeprefix("encoder."), shape) for name, shape in released if name[:8] == "encoder."]
     with torch.device("meta"):
         enc = UpsampleConformerEncoder(ModelConfigs.full().dit_flow.encoder)
     state = enc.state_dict()

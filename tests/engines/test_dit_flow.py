@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference import reference_manifest
 from weights import randomize
 
 from engines.checkpoints import CheckpointError, load_strict, read_manifest_tsv
@@ -18,8 +19,7 @@ from engines.token2wav.dit import DiT
 from engines.token2wav.flow_dit import DiTFlow, DiTStream, load_dit_flow
 from engines.voice import VoicePrompt
 
-CHECKPOINTS = Path(__file__).resolve().parents[3] / "shared/reference/checkpoints"
-MANIFEST = CHECKPOINTS / "step-audio-2-mini.token2wav.flow.pt.tsv"
+MANIFEST = "step-audio-2-mini.token2wav.flow.pt.tsv"
 TINY = ModelConfigs.tiny().dit_flow
 LOOKAHEAD = TINY.encoder.pre_lookahead
 PROMPT_TOKENS = 12
@@ -70,7 +70,7 @@ def stream_mel(flow: DiTFlow, stream: DiTStream, tokens: torch.Tensor, hops: lis
 
 
 def test_full_config_state_dict_is_the_released_layout() -> None:
-    entries = read_manifest_tsv(MANIFEST)
+    entries = read_manifest_tsv(reference_manifest(MANIFEST))
     with torch.device("meta"):
         full = DiTFlow(ModelConfigs.full().dit_flow)
     assert [(name, tuple(t.shape)) for name, t in full.state_dict().items()] == entries
@@ -78,7 +78,7 @@ def test_full_config_state_dict_is_the_released_layout() -> None:
 
 
 def test_mismatched_checkpoint_is_rejected_by_name() -> None:
-    entries = dict(read_manifest_tsv(MANIFEST))
+    entries = dict(read_manifest_tsv(reference_manifest(MANIFEST)))
     entries.pop("decoder.estimator.blocks.3.attn.q_norm.weight")
     entries["encoder_proj.weight"] = (80, 256)
     with torch.device("meta"):

@@ -6,19 +6,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference import reference_manifest
 from torch.nn.utils import parametrize
 
 from engines.checkpoints import CheckpointError, load_strict, read_manifest_tsv
 from engines.config import SAMPLES_PER_MEL_FRAME, HiFTConfig, ModelConfigs
 from engines.token2wav.hift import HiFTGenerator, HiFTStream, canonical_hift_state, load_hift
 
-MANIFEST = Path(__file__).resolve().parents[3] / "shared/reference/checkpoints/cosyvoice2-0.5b.hift.pt.tsv"
+MANIFEST = "cosyvoice2-0.5b.hift.pt.tsv"
 TINY = ModelConfigs.tiny().hift
 OVERLAP = TINY.source_cache_samples
 
 
 def manifest_state(renamer=lambda name: name) -> dict[str, torch.Tensor]:
-    return {renamer(name): torch.empty(shape, device="meta") for name, shape in read_manifest_tsv(MANIFEST)}
+    released = read_manifest_tsv(reference_manifest(MANIFEST))
+    return {renamer(name): torch.empty(shape, device="meta") for name, shape in released}
 
 
 def old_weight_norm_name(name: str) -> str:

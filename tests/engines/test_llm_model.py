@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference import reference_manifest
 
 from engines.checkpoints import CheckpointError, load_strict, read_manifest_tsv
 from engines.config import LLMConfig, ModelConfigs
 from engines.llm.model import CosyVoice2LM, load_llm, prompt_length
 from engines.llm.qwen2 import CacheBatch, KVCache, Qwen2Model
 
-MANIFEST = Path("/work/shared/reference/checkpoints/cosyvoice2-0.5b.llm.pt.tsv")
+MANIFEST = "cosyvoice2-0.5b.llm.pt.tsv"
 TINY = ModelConfigs.tiny().llm
 CPU = torch.device("cpu")
 
@@ -38,11 +39,10 @@ def full_hidden(backbone: Qwen2Model, x: torch.Tensor) -> torch.Tensor:
     return backbone(x.unsqueeze(0), CacheBatch(0, torch.arange(length).unsqueeze(0), length), cache)[0]
 
 
-@pytest.mark.skipif(not MANIFEST.is_file(), reason="reference manifests are not available")
 def test_state_dict_is_exactly_the_llm_pt_manifest_at_full_config() -> None:
     with torch.device("meta"):
         model = CosyVoice2LM(LLMConfig())
-    expected = read_manifest_tsv(MANIFEST)
+    expected = read_manifest_tsv(reference_manifest(MANIFEST))
     assert [(k, tuple(v.shape)) for k, v in model.state_dict().items()] == expected
     assert len(expected) == 295
     assert model.llm.model.lm_head.weight is model.backbone.embed_tokens.weight

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference import reference_manifest
 
 from engines.checkpoints import load_strict, read_manifest_tsv
 from engines.config import MEL_BINS, PRE_LOOKAHEAD, FlowConfig, ModelConfigs
@@ -13,7 +14,7 @@ from engines.token2wav.flow_unet import UNetFlow, load_unet_flow
 from engines.token2wav.unet import CausalConditionalDecoder, streaming_mask
 from engines.voice import VoicePrompt
 
-MANIFEST = Path(__file__).resolve().parents[3] / "shared/reference/checkpoints/cosyvoice2-0.5b.flow.pt.tsv"
+MANIFEST = "cosyvoice2-0.5b.flow.pt.tsv"
 TINY = ModelConfigs.tiny().unet_flow
 PROMPT_TOKENS = 5
 GRID = TINY.encoder.static_chunk_size  # 25 tokens = 50 mel frames
@@ -37,7 +38,7 @@ def voice() -> VoicePrompt:
 
 
 def test_full_config_loads_the_released_flow_strictly() -> None:
-    manifest = read_manifest_tsv(MANIFEST)
+    manifest = read_manifest_tsv(reference_manifest(MANIFEST))
     with torch.device("meta"):
         model = UNetFlow(FlowConfig(estimator_kind="unet"))
     load_strict(model, {name: torch.empty(shape, device="meta") for name, shape in manifest}, "manifest")

@@ -16,6 +16,8 @@ import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from engines.errors import CodedError
+
 logger = logging.getLogger(__name__)
 
 # Added after the base vocabulary in this order; `<|im_start|>`/`<|im_end|>` already exist and keep their ids.
@@ -38,12 +40,8 @@ _CLAUSE_END = re.compile(r"[,:，、：]+(?=\s)|[，、：]+")
 _WORD_END = re.compile(r"\s+")
 
 
-class TextError(ValueError):
+class TextError(CodedError, ValueError):
     """Text that cannot be synthesised; `code` is machine readable (`empty_text`, `text_too_long`)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 Normalizer = Callable[[str], str]

@@ -27,6 +27,7 @@ from engines.audio_features import (
     whisper_log_mel,
 )
 from engines.config import SPEAKER_EMBED_DIM, SPEECH_CODEBOOK, TOKEN_MEL_RATIO
+from engines.errors import CodedError
 from engines.voice import VoicePrompt
 
 logger = logging.getLogger(__name__)
@@ -35,13 +36,9 @@ CUDA_PROVIDER = "CUDAExecutionProvider"
 CPU_PROVIDER = "CPUExecutionProvider"
 
 
-class VoiceError(ValueError):
+class VoiceError(CodedError, ValueError):
     """A reference clip or transcript that cannot make a voice; `code` is machine readable:
     `invalid_audio`, `silent_audio`, `audio_too_short`, `audio_too_long`, `empty_transcript`."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass(frozen=True)

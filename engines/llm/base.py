@@ -14,13 +14,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Self
 
+from engines.errors import CodedError
 
-class LLMError(RuntimeError):
+
+class LLMError(CodedError, RuntimeError):
     """A request the engine could not serve; `code` is machine readable."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass(frozen=True)

@@ -257,9 +257,6 @@ class ModelConfigs:
             return ModelConfigs.tiny()
         raise ValueError(f"unknown model size {size!r}; expected 'tiny' or 'full'")
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 MANIFEST_NAME = "realtime-manifest.json"
 

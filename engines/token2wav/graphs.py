@@ -129,10 +129,6 @@ class _Arena:
             self._flat[name] = flat
         return flat[:numel].view(size)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._flat.values())
-
 
 @dataclass
 class _Graph:
@@ -158,11 +154,6 @@ class GraphedSolver:
     @property
     def shapes(self) -> list[SolveShape]:
         return list(self._graphs)
-
-    @property
-    def static_nbytes(self) -> int:
-        """Bytes of the shared static input/output arenas (the pool's intermediates not included)."""
-        return self._arena.nbytes
 
     def buffers(self, shape: SolveShape) -> RaggedInputs:
         return self._graph(shape).inputs

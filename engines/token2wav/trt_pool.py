@@ -309,13 +309,6 @@ class TrtContextPool:
         with self.contexts.lease() as ctx:
             return self.run(ctx, feeds)
 
-    async def run_async(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """`run` for a coroutine: the context is awaited, the call itself runs in a worker thread."""
-        async with self.contexts.acquire() as ctx:
-            outputs = await asyncio.to_thread(self.run, ctx, feeds)
-            await asyncio.to_thread(ctx.stream.synchronize)
-            return outputs
-
 
 class TrtDiTEstimator(nn.Module):
     """The DiT estimator on TensorRT plans, with the `forward`/`forward_chunk` contract of dit.py.

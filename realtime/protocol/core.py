@@ -211,10 +211,6 @@ class AgentProtocol:
     def has_context(self, context_id: str) -> bool:
         return context_id in self._contexts
 
-    @property
-    def context_ids(self) -> list[str]:
-        return list(self._contexts)
-
     def handle(self, command: Command) -> list[Action]:
         """The actions one client command calls for; refusals raise ProtocolError."""
         if isinstance(command, CloseSocket):

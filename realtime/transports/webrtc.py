@@ -312,10 +312,6 @@ class WebRTCGateway:
         self._config = config
         self._sessions: dict[str, WebRTCSession] = {}
 
-    @property
-    def session_count(self) -> int:
-        return len(self._sessions)
-
     def routes(self) -> list[Route]:
         return [
             Route("/v1/webrtc/offer", self._offer, methods=["POST"]),

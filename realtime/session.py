@@ -32,6 +32,7 @@ from typing import Protocol
 import numpy as np
 
 from engines.config import SAMPLE_RATE, TOKEN_RATE_HZ
+from engines.errors import CodedError
 from engines.llm.base import LLMError, LLMRequest, SamplingParams, TokenStream
 from engines.token2wav.base import SpeakerState, Token2WavStream
 from realtime.audio import TempoStretcher
@@ -47,14 +48,13 @@ MAX_SPEED = 4.0
 SPEECH_SECONDS_PER_CHAR = 0.065
 
 
-class ServiceError(Exception):
+class ServiceError(CodedError):
     """A request the service cannot serve: `code` is machine readable, `message` a sentence for people."""
 
     def __init__(
         self, code: str, message: str, http_status: int = 400, retry_after_s: int | None = None
     ) -> None:
-        super().__init__(message)
-        self.code = code
+        super().__init__(code, message)
         self.message = message
         self.http_status = http_status
         self.retry_after_s = retry_after_s

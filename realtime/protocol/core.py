@@ -55,6 +55,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from engines.errors import CodedError
 from engines.text import StreamingSentenceSplitter
 from realtime.audio import SUPPORTED_RATES, Encoding
 from realtime.session import WordTiming
@@ -63,12 +64,11 @@ AUDIO_FRAME_KIND = 0x01
 _CONTEXT_ID = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
-class ProtocolError(Exception):
+class ProtocolError(CodedError):
     """A client message the protocol refuses; reported as an error event, the socket carries on."""
 
     def __init__(self, code: str, message: str, context_id: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
+        super().__init__(code, message)
         self.message = message
         self.context_id = context_id
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import httpx
 import websockets
+from prometheus_client.parser import text_string_to_metric_families
 
 from realtime.protocol.core import parse_audio_frame
 
@@ -70,6 +71,38 @@ class LevelResult:
     wall_s: float
     peak_gpu_memory_gib: float | None = None
     error_codes: dict[str, int] = field(default_factory=dict)
+    server: ServerFigures | None = None
+
+
+@dataclass
+class ServerFigures:
+    """What the server's /metrics say about one level: its engines' work between two scrapes."""
+
+    llm_steps: int
+    llm_step_ms: float  # mean wall time of an LLM engine step
+    token2wav_batches: int
+    token2wav_chunks_per_batch: float
+    token2wav_batch_ms: float  # mean wall time of one batched call
+    token2wav_wait_ms: float  # mean time a chunk waited for its call to start
+
+    @staticmethod
+    def between(before: dict[str, float], after: dict[str, float]) -> ServerFigures:
+        def delta(name: str) -> float:
+            return after.get(name, 0.0) - before.get(name, 0.0)
+
+        def mean(total: str, count: str, scale: float = 1000.0) -> float:
+            n = delta(count)
+            return delta(total) / n * scale if n else math.nan
+
+        return ServerFigures(
+            llm_steps=int(delta("tts_llm_steps_total")),
+            llm_step_ms=mean("tts_llm_step_seconds_total", "tts_llm_steps_total"),
+            token2wav_batches=int(delta("tts_token2wav_batch_seconds_count")),
+            token2wav_chunks_per_batch=mean("tts_token2wav_batch_chunks_sum", "tts_token2wav_batch_chunks_count",
+                                            1.0),
+            token2wav_batch_ms=mean("tts_token2wav_batch_seconds_sum", "tts_token2wav_batch_seconds_count"),
+            token2wav_wait_ms=mean("tts_token2wav_wait_seconds_sum", "tts_token2wav_wait_seconds_count"),
+        )
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -140,20 +173,20 @@ async def run_stream(url: str, index: int, tokens: int, voice: str) -> StreamRes
     return result
 
 
-async def peak_gpu_memory(http_url: str) -> float | None:
-    """The server's peak GPU memory (GiB) from its Prometheus metrics, if it reports one."""
+async def scrape(http_url: str) -> dict[str, float]:
+    """The server's unlabelled Prometheus samples by name (empty if /metrics does not answer)."""
     try:
         async with httpx.AsyncClient(timeout=10) as client:
             text = (await client.get(f"{http_url}/metrics")).text
     except httpx.HTTPError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("realtime_gpu_memory_peak_bytes"):
-            return float(line.split()[-1]) / 2**30
-    return None
+        return {}
+    return {sample.name: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if not sample.labels}
 
 
 async def run_level(url: str, streams: int, tokens: int, voice: str) -> LevelResult:
+    http_url = url.replace("ws://", "http://").replace("wss://", "https://").rsplit("/v1/", 1)[0]
+    before = await scrape(http_url)
     start = time.perf_counter()
     results = await asyncio.gather(*(run_stream(url, i, tokens, voice) for i in range(streams)))
     wall = time.perf_counter() - start
@@ -163,7 +196,8 @@ async def run_level(url: str, streams: int, tokens: int, voice: str) -> LevelRes
     for r in results:
         if r.error is not None:
             errors[r.error] = errors.get(r.error, 0) + 1
-    http_url = url.replace("ws://", "http://").replace("wss://", "https://").rsplit("/v1/", 1)[0]
+    after = await scrape(http_url)
+    peak = after.get("realtime_gpu_memory_peak_bytes")
     return LevelResult(
         streams=streams,
         ok=len(ok),
@@ -177,8 +211,9 @@ async def run_level(url: str, streams: int, tokens: int, voice: str) -> LevelRes
         underruns=sum(r.underruns for r in ok),
         throughput_audio_s_per_s=sum(r.audio_s for r in ok) / wall,
         wall_s=wall,
-        peak_gpu_memory_gib=await peak_gpu_memory(http_url),
+        peak_gpu_memory_gib=None if peak is None else peak / 2**30,
         error_codes=errors,
+        server=ServerFigures.between(before, after) if after else None,
     )
 
 
@@ -209,6 +244,13 @@ def format_table(title: str, levels: Sequence[LevelResult]) -> str:
             f"{lv.first_chunk_p99_ms:>8.0f}ms {lv.total_p50_ms:>8.0f}ms {lv.rtf_p50:>6.3f} "
             f"{lv.underrun_streams:>9} {lv.throughput_audio_s_per_s:>10.1f} {gpu}"
         )
+        if lv.server is not None:
+            sv = lv.server
+            lines.append(
+                f"{'':>7} server: {sv.llm_steps} LLM steps of {sv.llm_step_ms:.2f} ms; "
+                f"{sv.token2wav_batches} token2wav calls of {sv.token2wav_chunks_per_batch:.1f} chunks, "
+                f"{sv.token2wav_batch_ms:.1f} ms each, chunks waited {sv.token2wav_wait_ms:.1f} ms"
+            )
     return "\n".join(lines)
 
 
@@ -262,7 +304,7 @@ async def run_levels(url: str, levels: Sequence[int], tokens: int, voice: str, s
     results = []
     for n in levels:
         result = await run_level(url, n, tokens, voice)
-        print(format_table(f"{n} streams", [result]).splitlines()[-1], flush=True)
+        print("\n".join(format_table(f"{n} streams", [result]).splitlines()[2:]), flush=True)
         results.append(result)
     best = None
     if search:

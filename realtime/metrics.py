@@ -5,12 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+from engines.llm.base import LLMStats
+
 LATENCY_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
+BATCH_SECONDS_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
+BATCH_CHUNKS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class Metrics:
@@ -38,6 +42,24 @@ class Metrics:
             "Chunks waiting for the token2wav worker",
             registry=self.registry,
         )
+        self.token2wav_batch_seconds = Histogram(
+            "tts_token2wav_batch_seconds",
+            "Wall time of one batched token2wav call (all its chunks, audio copied to the host)",
+            buckets=BATCH_SECONDS_BUCKETS,
+            registry=self.registry,
+        )
+        self.token2wav_batch_chunks = Histogram(
+            "tts_token2wav_batch_chunks",
+            "Chunks (one per stream) in one batched token2wav call",
+            buckets=BATCH_CHUNKS_BUCKETS,
+            registry=self.registry,
+        )
+        self.token2wav_wait_seconds = Histogram(
+            "tts_token2wav_wait_seconds",
+            "Time from a chunk's submission to the start of the token2wav call that runs it",
+            buckets=BATCH_SECONDS_BUCKETS,
+            registry=self.registry,
+        )
         self.audio_seconds = Counter("tts_audio_seconds", "Audio produced", registry=self.registry)
         self.errors = Counter(
             "tts_errors", "Errors reported to clients, by code", ["code"], registry=self.registry
@@ -49,6 +71,10 @@ class Metrics:
         Registered only where there is a GPU; without one the metric is absent.
         """
         self.registry.register(_PeakMemoryCollector(read_peak_bytes))
+
+    def track_llm(self, read_stats: Callable[[], LLMStats]) -> None:
+        """Report the LLM engine's requests, cache use and steps, read at every scrape."""
+        self.registry.register(_LLMCollector(read_stats))
 
     def error(self, code: str) -> None:
         self.errors.labels(code=code).inc()
@@ -78,3 +104,22 @@ class _PeakMemoryCollector(Collector):
             "Peak GPU memory held by PyTorch tensors since the start (allocations TensorRT makes itself "
             "are not counted)",
         )
+
+
+class _LLMCollector(Collector):
+    """The LLM engine's figures, read from its stats when scraped."""
+
+    def __init__(self, read_stats: Callable[[], LLMStats]) -> None:
+        self._read = read_stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        stats = self._read()
+        yield GaugeMetricFamily("tts_llm_active_requests", "Requests holding an LLM slot", value=stats.active)
+        yield GaugeMetricFamily("tts_llm_waiting_requests", "Requests waiting for an LLM slot",
+                                value=stats.waiting)
+        yield GaugeMetricFamily("tts_llm_kv_tokens_used", "KV cache positions in use",
+                                value=stats.kv_tokens_used)
+        yield CounterMetricFamily("tts_llm_steps", "LLM engine steps (one batched decode and/or prefill each)",
+                                  value=stats.steps)
+        yield CounterMetricFamily("tts_llm_step_seconds", "Wall time of the LLM engine's steps",
+                                  value=stats.step_seconds)

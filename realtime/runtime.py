@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
@@ -57,6 +57,7 @@ class _ChunkTask:
     due: float  # when the listener needs this chunk; earliest first
     future: Future[np.ndarray]
     order: int  # arrival order, breaks ties between equal deadlines
+    submitted: float = field(default_factory=time.perf_counter)
 
     @property
     def urgency(self) -> tuple[float, int]:
@@ -79,12 +80,13 @@ class _Lane:
     chunk of its stream.
     """
 
-    def __init__(self, name: str, backend: Token2Wav, max_batch: int) -> None:
+    def __init__(self, name: str, backend: Token2Wav, max_batch: int, metrics: Metrics | None) -> None:
         self.inbox: queue.SimpleQueue[_ChunkTask | _Call | None] = queue.SimpleQueue()
         self.assigned = 0  # streams routed here and not yet closed (event loop side)
         self.open_streams = 0  # streams opened here and not yet closed (this thread's side)
         self._backend = backend
         self._max_batch = max_batch
+        self._metrics = metrics
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -131,15 +133,25 @@ class _Lane:
         live = [c for c in chunks if c.future.set_running_or_notify_cancel()]
         if not live:
             return
+        started = time.perf_counter()
         try:
             results = self._backend.run_chunks([c.job for c in live])
             for chunk, audio in zip(live, results, strict=True):
                 chunk.future.set_result(audio.detach().to("cpu", torch.float32).numpy())
+            if self._metrics is not None:
+                self._observe(live, started)
         except Exception as exc:  # the backend failed this batch: every chunk in it fails
             logger.exception("token2wav batch of %d chunks failed", len(live))
             for chunk in live:
                 if not chunk.future.done():
                     chunk.future.set_exception(exc)
+
+    def _observe(self, chunks: list[_ChunkTask], started: float) -> None:
+        assert self._metrics is not None
+        self._metrics.token2wav_batch_seconds.observe(time.perf_counter() - started)
+        self._metrics.token2wav_batch_chunks.observe(len(chunks))
+        for chunk in chunks:
+            self._metrics.token2wav_wait_seconds.observe(started - chunk.submitted)
 
     def _run_call(self, call: _Call) -> None:
         if call.future is not None and not call.future.set_running_or_notify_cancel():
@@ -167,11 +179,12 @@ class Token2WavWorker:
     several threads for distinct streams (the PyTorch backend is, without CUDA graphs).
     """
 
-    def __init__(self, backend: Token2Wav, max_batch: int, capacity: int, threads: int = 1) -> None:
+    def __init__(self, backend: Token2Wav, max_batch: int, capacity: int, threads: int = 1,
+                 metrics: Metrics | None = None) -> None:
         if threads < 1:
             raise ValueError(f"a token2wav worker needs at least one thread, got {threads}")
         self._backend = backend
-        self._lanes = [_Lane(f"token2wav-{i}", backend, max_batch) for i in range(threads)]
+        self._lanes = [_Lane(f"token2wav-{i}", backend, max_batch, metrics) for i in range(threads)]
         self._lane_of: dict[Token2WavStream, _Lane] = {}
         self._slots = asyncio.Semaphore(capacity)
         self._order = itertools.count()
@@ -347,12 +360,14 @@ class Runtime:
             self.config.token2wav_batch,
             capacity=2 * self.config.max_streams,
             threads=self.config.token2wav_workers,
+            metrics=self.metrics,
         )
         worker.start()
         self._engines, self._worker = engines, worker
         device = engines.token2wav.device
         if device.type == "cuda":
             self.metrics.track_gpu_memory_peak(lambda: torch.cuda.max_memory_allocated(device))
+        self.metrics.track_llm(engines.llm.stats)
         await asyncio.to_thread(self.voices.load)
         for info in self.voices.list():
             await self._prepare(info.voice_id, self.voices.get(info.voice_id))

@@ -86,6 +86,8 @@ class LLMStats:
     waiting: int
     kv_tokens_used: int = 0
     kv_tokens_total: int = 0
+    steps: int = 0  # engine steps since the start (0 where the engine does not count them)
+    step_seconds: float = 0.0  # wall time spent in those steps
 
 
 class TokenStream(AsyncIterator[list[int]], abc.ABC):

@@ -23,6 +23,7 @@ import heapq
 import logging
 import secrets
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -383,6 +384,8 @@ class TorchLLMEngine(LLMEngine):
         self._state = _EngineState(slots=[None] * config.max_slots, free=list(range(config.max_slots)))
         self._active = 0
         self._kv_used = 0
+        self._steps = 0
+        self._step_seconds = 0.0
 
     @classmethod
     def from_models_dir(cls, models_dir: Path, device: str = "cuda", **options: Any) -> TorchLLMEngine:
@@ -437,6 +440,8 @@ class TorchLLMEngine(LLMEngine):
             waiting=len(self._waiting),
             kv_tokens_used=self._kv_used,
             kv_tokens_total=self.config.max_slots * self.config.max_context,
+            steps=self._steps,
+            step_seconds=self._step_seconds,
         )
 
     # -- event loop side -----------------------------------------------------------------------------
@@ -489,6 +494,7 @@ class TorchLLMEngine(LLMEngine):
             if not (self._waiting or self._cancelled or state.in_flight or any(state.held())):
                 self._wake.wait()
             self._wake.clear()
+            started = time.perf_counter()
             try:
                 self._step()
             except Exception:
@@ -497,6 +503,8 @@ class TorchLLMEngine(LLMEngine):
                 for seq in list(state.held()):
                     self._finish(seq, LLMError("engine_error", "the LLM engine failed"))
             self._flush()
+            self._steps += 1
+            self._step_seconds += time.perf_counter() - started
         self._shut_down()
 
     def _step(self) -> None:

@@ -1,4 +1,5 @@
-"""`/metrics` reports the peak GPU memory where there is a GPU, in the form `realtime bench` reads."""
+"""`/metrics` reports what a dashboard and `realtime bench` read: the peak GPU memory where there is a
+GPU, the LLM engine's steps and the token2wav worker's batches."""
 
 from __future__ import annotations
 
@@ -8,22 +9,35 @@ import httpx
 import pytest
 from testing import LiveServer, serve, service_config
 
-from realtime.bench import peak_gpu_memory
+from realtime.bench import run_level, scrape
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
+GIB = 2**30
 
 
 async def test_without_a_gpu_there_is_no_peak_memory(live_server: LiveServer) -> None:
     async with httpx.AsyncClient(base_url=live_server.http_url) as http:
         body = (await http.get("/metrics")).text
     assert "tts_active_streams" in body and "realtime_gpu_memory_peak_bytes" not in body
-    assert await peak_gpu_memory(live_server.http_url) is None
+    assert "realtime_gpu_memory_peak_bytes" not in await scrape(live_server.http_url)
 
 
 async def test_bench_reads_the_peak_read_at_each_scrape(tiny_models: Path, tmp_path: Path) -> None:
-    peak = [2**30]
+    peak = [GIB]
     async with serve(service_config(tiny_models, tmp_path)) as server:
         server.runtime.metrics.track_gpu_memory_peak(lambda: peak[0])
-        assert await peak_gpu_memory(server.http_url) == 1.0
-        peak[0] = 3 * 2**29
-        assert await peak_gpu_memory(server.http_url) == 1.5
+        assert (await scrape(server.http_url))["realtime_gpu_memory_peak_bytes"] == GIB
+        peak[0] = 3 * GIB // 2
+        assert (await scrape(server.http_url))["realtime_gpu_memory_peak_bytes"] == 3 * GIB // 2
+
+
+async def test_a_bench_level_reports_the_engines_work(live_server: LiveServer) -> None:
+    level = await run_level(f"{live_server.ws_url}/v1/ws", streams=2, tokens=60, voice="default")
+    assert level.errors == 0, level.error_codes
+    assert level.ok == 2 and level.server is not None
+    figures = level.server
+    # 60 tokens per stream: at least 60 decode steps, and the schedule's chunks (18, then 42) per stream.
+    assert figures.llm_steps >= 60 and figures.llm_step_ms > 0
+    assert figures.token2wav_batches >= 2 and 1 <= figures.token2wav_chunks_per_batch <= 2
+    assert figures.token2wav_batch_ms > 0 and figures.token2wav_wait_ms >= 0
+    assert (await scrape(live_server.http_url))["tts_llm_active_requests"] == 0

@@ -98,8 +98,9 @@ class ServerFigures:
             llm_steps=int(delta("tts_llm_steps_total")),
             llm_step_ms=mean("tts_llm_step_seconds_total", "tts_llm_steps_total"),
             token2wav_batches=int(delta("tts_token2wav_batch_seconds_count")),
-            token2wav_chunks_per_batch=mean("tts_token2wav_batch_chunks_sum", "tts_token2wav_batch_chunks_count",
-                                            1.0),
+            token2wav_chunks_per_batch=mean(
+                "tts_token2wav_batch_chunks_sum", "tts_token2wav_batch_chunks_count", scale=1.0
+            ),
             token2wav_batch_ms=mean("tts_token2wav_batch_seconds_sum", "tts_token2wav_batch_seconds_count"),
             token2wav_wait_ms=mean("tts_token2wav_wait_seconds_sum", "tts_token2wav_wait_seconds_count"),
         )

@@ -159,6 +159,10 @@ class ChunkScheduler:
         """True once the last chunk was taken."""
         return self._finished
 
+    def tokens_wanted(self, progress: Progress | None = None) -> int:
+        """Tokens in all (consumed ones included) that the next chunk needs before it is due."""
+        return self._offset + self._policy.hop(self._index, progress or Progress()) + self._lookahead
+
     def next_chunk(self, available: int, ended: bool, progress: Progress | None = None) -> Chunk | None:
         """The chunk due with `available` tokens known, or None if more tokens are needed.
 

@@ -334,7 +334,7 @@ class Session:
     def _submit(self, index: int) -> TokenStream:
         """Start the LLM request of segment `index`."""
         try:
-            return self._engines.submit_llm(
+            token_stream = self._engines.submit_llm(
                 LLMRequest(
                     request_id=f"{self.session_id}-{index}",
                     text_ids=self._segments[index].text_ids,
@@ -345,6 +345,8 @@ class Session:
             )
         except LLMError as exc:
             raise ServiceError(exc.code, str(exc), 400) from exc
+        token_stream.want(ChunkScheduler(make_policy(self.request.schedule)).tokens_wanted())
+        return token_stream
 
     async def _speak_segment(self, segment: Segment, token_stream: TokenStream, next_index: int) -> None:
         """Synthesise one segment from its token stream. When its tokens are complete, the next
@@ -362,8 +364,11 @@ class Session:
             decode_started = self._clock()
             ended = False
             while not scheduler.finished:
-                chunk = scheduler.next_chunk(len(tokens), ended, self._progress(len(tokens), decode_started))
+                progress = self._progress(len(tokens), decode_started)
+                chunk = scheduler.next_chunk(len(tokens), ended, progress)
                 if chunk is None:
+                    # Pace the LLM: the tokens of the next chunk, not seconds ahead of playback.
+                    token_stream.want(scheduler.tokens_wanted(progress))
                     try:
                         tokens.extend(await anext(token_stream))
                     except StopAsyncIteration:

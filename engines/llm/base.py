@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Self
@@ -99,6 +100,11 @@ class TokenStream(AsyncIterator[list[int]], abc.ABC):
     def cancel(self) -> None:
         """Stop generating; the engine frees the slot at its next step. Idempotent."""
 
+    def want(self, tokens: int) -> None:
+        """The consumer needs `tokens` tokens in all for now; the engine may pause this request once
+        that many are on their way, and resumes when a later call asks for more. Until the first call
+        the engine decodes without pause. Engines that cannot pause a request ignore it (this one)."""
+
     async def aclose(self) -> None:
         self.cancel()
 
@@ -112,12 +118,16 @@ class QueuedTokenStream(TokenStream):
     Every method runs on the event loop thread: the engine hands tokens over with
     `loop.call_soon_threadsafe(stream.deliver, ...)`. `on_cancel(stream)` runs once when the consumer
     cancels before the stream finished; the engine then frees the request. Deliveries after the end
-    (done, or cancelled) are dropped.
+    (done, or cancelled) are dropped. `wanted` is what the consumer last asked for with `want` (the
+    engine thread reads it); `on_want()` tells the engine it went up.
     """
 
-    def __init__(self, request_id: str, on_cancel: Callable[[Self], None]) -> None:
+    def __init__(self, request_id: str, on_cancel: Callable[[Self], None],
+                 on_want: Callable[[], None] | None = None) -> None:
         self.request_id = request_id
+        self.wanted = sys.maxsize
         self._on_cancel = on_cancel
+        self._on_want = on_want
         self._pending: list[int] = []
         self._finished = False
         self._error: LLMError | None = None
@@ -132,6 +142,12 @@ class QueuedTokenStream(TokenStream):
             self._finished = True
             self._error = error
         self._ready.set()
+
+    def want(self, tokens: int) -> None:
+        raised = tokens > self.wanted
+        self.wanted = tokens
+        if raised and self._on_want is not None:
+            self._on_want()
 
     def cancel(self: Self) -> None:
         if self._finished:

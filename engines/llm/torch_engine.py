@@ -13,6 +13,11 @@ into pinned memory). The decode batch is always slots `0..n` with `n` a bucketed
 the lowest free slot); idle slots inside the batch are computed and ignored. Attention reads a bucketed
 prefix of the cache. Each call shape is static, captured as a CUDA graph on CUDA and run eagerly on the
 CPU.
+
+A consumer may pace its request (`TokenStream.want`): a decode step runs only while some request's
+consumer wants more tokens than were launched for it. A streaming consumer asks for the tokens of its
+next audio chunk only, so the GPU is not spent decoding seconds ahead of playback while first chunks
+of other streams wait for token2wav.
 """
 
 from __future__ import annotations
@@ -146,6 +151,11 @@ class _Sequence:
     def decoding(self) -> bool:
         """Its prompt is prefilled and more tokens may be launched."""
         return self.prefilled == self.prompt_len and self.launched < self.max_len
+
+    @property
+    def hungry(self) -> bool:
+        """It decodes and its consumer wants more tokens than are on their way."""
+        return self.decoding and self.launched < self.stream.wanted
 
     @property
     def kv_tokens(self) -> int:
@@ -467,7 +477,7 @@ class TorchLLMEngine(LLMEngine):
                                                f"{max(min_len, 1)} more, but the context holds "
                                                f"{self.config.max_context}")
         seed = params.seed if params.seed is not None else secrets.randbits(32)
-        stream = QueuedTokenStream(request.request_id, self._cancel)
+        stream = QueuedTokenStream(request.request_id, self._cancel, self._wake.set)
         return _Sequence(request, stream, prompt_len, min_len, min(max_len, room), seed)
 
     def _cancel(self, stream: QueuedTokenStream) -> None:
@@ -491,7 +501,7 @@ class TorchLLMEngine(LLMEngine):
     def _run(self) -> None:
         state = self._state
         while not self._stopping:
-            if not (self._waiting or self._cancelled or state.in_flight or any(state.held())):
+            if not self._has_work():
                 self._wake.wait()
             self._wake.clear()
             started = time.perf_counter()
@@ -506,6 +516,13 @@ class TorchLLMEngine(LLMEngine):
             self._steps += 1
             self._step_seconds += time.perf_counter() - started
         self._shut_down()
+
+    def _has_work(self) -> bool:
+        """Whether a step would do anything: admit, cancel, prefill, decode for a consumer that wants
+        tokens, or read back the last step."""
+        state = self._state
+        return bool(self._waiting or self._cancelled or state.in_flight or state.prefilling
+                    or any(seq.hungry for seq in state.held()))
 
     def _step(self) -> None:
         """Launch this step's calls, then read back the previous step's tokens while these run."""
@@ -604,7 +621,8 @@ class TorchLLMEngine(LLMEngine):
         runner = self._runner
         assert runner is not None
         decoding = [seq for seq in self._state.held() if seq.decoding]
-        if not decoding:
+        # Decode only for consumers that want tokens now; the others ride along in the batch.
+        if not any(seq.hungry for seq in decoding):
             return []
         size = _bucket(self.config.batch_sizes, max(seq.slot for seq in decoding) + 1)
         # A sequence's input goes to position prompt_len + launched - 1.

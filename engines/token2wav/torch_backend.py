@@ -30,9 +30,9 @@ from engines.voice import VoicePrompt
 FlowVariant = Literal["dit", "unet"]
 GRAPH_HOPS = (15, 25, 50, 100)  # the exponential schedule's hops before the 200-token ones
 WARMUP_BATCHES = (64, 32, 16, 8, 4, 2, 1)
-# HiFT graphs only up to this many rows: larger batches keep the GPU busy eagerly, and their buffers
-# would hold gigabytes.
-VOCODER_GRAPH_BATCHES = (1, 2, 4, 8, 16)
+# HiFT graphs up to the largest token2wav batch: eagerly, a 64-row HiFT call launches ~1000 kernels
+# from Python, which under load costs more than its GPU time. Their shared pool holds a few GiB.
+VOCODER_GRAPH_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
 @dataclass(frozen=True, eq=False)

@@ -103,6 +103,37 @@ async def test_a_seeded_request_is_the_same_alone_and_batched() -> None:
     assert results[1] == alone
 
 
+async def read_until(stream: TokenStream, count: int) -> list[int]:
+    tokens: list[int] = []
+    while len(tokens) < count:
+        tokens.extend(await anext(stream))
+    return tokens
+
+
+async def test_a_paced_request_pauses_at_what_its_consumer_wants_and_resumes_when_asked() -> None:
+    async with running() as engine:
+        paced = engine.submit(request("paced", fixed_length=60, seed=3))
+        paced.want(10)
+        tokens = await asyncio.wait_for(read_until(paced, 10), 30)
+        steps = engine.stats().steps
+        await asyncio.sleep(0.3)  # paused: no step runs while nobody wants tokens
+        assert engine.stats().steps == steps
+        assert len(tokens) == 10 and engine.stats().active == 1
+        paced.want(25)
+        tokens += await asyncio.wait_for(read_until(paced, 15), 30)
+        assert len(tokens) == 25
+        # A request without pacing decodes to its end; the paced one rides along in its batches.
+        free = await asyncio.wait_for(collect(engine.submit(request("free", fixed_length=40, seed=4))), 30)
+        assert len(free) == 40
+        paced.want(60)
+        tokens += await asyncio.wait_for(collect(paced), 30)
+    assert len(tokens) == 60
+    # Pausing changes nothing in what is sampled.
+    async with running() as engine:
+        unpaced = engine.submit(request("x", fixed_length=60, seed=3))
+        assert await asyncio.wait_for(collect(unpaced), 30) == tokens
+
+
 async def test_cancel_close_and_consumer_cancellation_free_the_slots() -> None:
     async with running() as engine:
         long = {"fixed_length": 120}

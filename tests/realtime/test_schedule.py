@@ -53,6 +53,16 @@ def test_no_chunk_before_hop_plus_lookahead_tokens():
     assert scheduler.next_chunk(18, ended=False) == Chunk(0, 0, 18, last=False)
 
 
+def test_tokens_wanted_is_what_the_next_chunk_waits_for():
+    scheduler = ChunkScheduler(ExponentialHops())
+    wanted = []
+    for available in range(200):
+        if scheduler.next_chunk(available, ended=False) is not None:
+            assert available == wanted[-1]  # the chunk came exactly when its wanted tokens were there
+        wanted.append(scheduler.tokens_wanted())
+    assert sorted(set(wanted)) == [18, 43, 93, 193, 393]
+
+
 def ended_at_once(scheduler: ChunkScheduler, total: int) -> list[Chunk]:
     chunks = []
     while (chunk := scheduler.next_chunk(total, ended=True)) is not None:

@@ -60,8 +60,10 @@ class TorchLLMConfig:
     max_context: int = 2048  # prompt + generated positions per request
     max_waiting: int = 256
     prefill_chunk: int = 512  # positions of one prompt prefilled per engine step
-    prefill_tokens: int = 4096  # padded positions (rows x chunk length) of one prefill call
-    prefill_rows: tuple[int, ...] = (1, 2, 4, 8)  # prompts per prefill call (padded up to one of these)
+    # Padded positions (rows x chunk length) of one prefill call, and prompts per call (padded up to one
+    # of these): a burst of 64 arrivals is prefilled in two calls rather than eight.
+    prefill_tokens: int = 8192
+    prefill_rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     cuda_graphs: bool = True  # only used on CUDA
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     min_kv_bucket: int = 256  # attended cache lengths: doubling from here up to max_context

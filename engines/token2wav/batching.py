@@ -62,12 +62,14 @@ class Buckets:
 
     batch: row counts; frames: chunk mel frames (2 per token: 30 = the first 15-token hop, 50, 100, …);
     prompt_frames: the summed prompt frames of a batch's voices. Own-cache frames round to 0 (first
-    chunks) or to the cache bound.
+    chunks) or to the cache bound. history_tokens: the encoder's cached tokens per row (prompt and own;
+    at most 1250 at full size, where the relative-position table ends).
     """
 
     batch: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     frames: tuple[int, ...] = (30, 50, 100, 200, 400)
     prompt_frames: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
+    history_tokens: tuple[int, ...] = (128, 256, 512, 1024, 1280)
 
     def shape(self, exact: SolveShape, own_bound: int) -> SolveShape | None:
         """The bucket holding `exact`, or None when a dimension is beyond every bucket."""
@@ -77,6 +79,27 @@ class Buckets:
         if batch is None or frames is None or prompt is None or exact.own_frames > own_bound:
             return None
         return SolveShape(batch, frames, 0 if exact.own_frames == 0 else own_bound, prompt)
+
+
+    def encode_shape(self, exact: EncodeShape, stride: int) -> EncodeShape | None:
+        """The bucket holding an encoder call (tokens round with the frames: `stride` frames per token),
+        or None when a dimension is beyond every bucket."""
+        batch = round_up(exact.batch, self.batch)
+        frames = round_up(stride * exact.tokens, self.frames)
+        history = round_up(exact.history, self.history_tokens)
+        if batch is None or frames is None or history is None or frames % stride:
+            return None
+        return EncodeShape(batch, frames // stride, history)
+
+
+@dataclass(frozen=True)
+class EncodeShape:
+    """One batched encoder call: rows, tokens encoded per row (its lookahead comes on top), cached
+    tokens per row (left-padded history)."""
+
+    batch: int
+    tokens: int
+    history: int
 
 
 @dataclass(frozen=True)

@@ -35,12 +35,22 @@ from torch import nn
 
 from engines.checkpoints import load_checkpoint, load_strict
 from engines.config import MEL_BINS, FlowConfig
-from engines.token2wav.batching import Buckets, RowSpec, SolveShape, plan_batches, span_mask
+from engines.token2wav.batching import Buckets, EncodeShape, RowSpec, SolveShape, plan_batches, span_mask
 from engines.token2wav.cfm import ConditionalCFM, RaggedEstimator
 from engines.token2wav.conformer import ConformerCache, UpsampleConformerEncoder, blocks_attention_mask
 from engines.token2wav.dit import DiT
 from engines.token2wav.flow_base import FlowModel, FlowSpeaker, FlowStream
-from engines.token2wav.graphs import EagerSolver, GraphedSolver, RaggedSolver, SolverLayout
+from engines.token2wav.graphs import (
+    EagerEncoder,
+    EagerSolver,
+    EncoderInputs,
+    EncoderLayout,
+    EncoderRunner,
+    GraphedEncoder,
+    GraphedSolver,
+    RaggedSolver,
+    SolverLayout,
+)
 from engines.voice import VoicePrompt
 
 NOISE_FRAMES = 30000  # 600 s at 50 Hz, the reference's noise buffer
@@ -139,6 +149,7 @@ class DiTFlow(FlowModel):
         self.decoder = ConditionalCFM(DiT(cfg.dit), cfg.n_timesteps, cfg.cfg_rate, NOISE_FRAMES)
         self.buckets = Buckets()
         self._bucketed: RaggedSolver | None = None
+        self._bucketed_encoder: EncoderRunner | None = None
 
     # -- shared pieces ----------------------------------------------------------------------------------
 
@@ -225,22 +236,36 @@ class DiTFlow(FlowModel):
     def graphs(self) -> GraphedSolver | None:
         return self._bucketed if isinstance(self._bucketed, GraphedSolver) else None
 
-    def use_bucketed_solver(self, solver: RaggedSolver | None, buckets: Buckets | None = None) -> None:
-        """Solve batches that fit `buckets` with `solver` at their bucket's shape (a `GraphedSolver`:
-        see `enable_cuda_graphs`); other batches, and all of them when `solver` is None, run eagerly at
-        their exact shape."""
+    def use_bucketed_solver(self, solver: RaggedSolver | None, buckets: Buckets | None = None,
+                            encoder: EncoderRunner | None = None) -> None:
+        """Solve batches that fit `buckets` with `solver` at their bucket's shape, and encode them with
+        `encoder` likewise (`GraphedSolver` / `GraphedEncoder`: see `enable_cuda_graphs`); other batches,
+        and all of them without a solver or encoder, run eagerly at their exact shape."""
         self._bucketed = solver
+        self._bucketed_encoder = encoder
         if buckets is not None:
             self.buckets = buckets
 
     def enable_cuda_graphs(self, buckets: Buckets | None = None) -> GraphedSolver:
-        """Solve batches that fit the buckets with CUDA graphs (captured on the first use of a shape).
-        Needs the flow on a CUDA device, in its final dtype."""
+        """Encode and solve batches that fit the buckets with CUDA graphs (captured on the first use of a
+        shape). Needs the flow on a CUDA device, in its final dtype."""
         graphs = self.graphs
         if graphs is None:
             graphs = GraphedSolver(self.decoder, SolverLayout.of(self.cfg, self.dtype, self.device))
-        self.use_bucketed_solver(graphs, buckets)
+        encoder = self._bucketed_encoder
+        if not isinstance(encoder, GraphedEncoder):
+            encoder = GraphedEncoder(self._encode_inputs, self._encoder_layout)
+        self.use_bucketed_solver(graphs, buckets, encoder)
         return graphs
+
+    @property
+    def encoder_graphs(self) -> GraphedEncoder | None:
+        encoder = self._bucketed_encoder
+        return encoder if isinstance(encoder, GraphedEncoder) else None
+
+    @property
+    def _encoder_layout(self) -> EncoderLayout:
+        return EncoderLayout(self.cfg.encoder, self.cfg.output_size, self.dtype, self.device)
 
     @torch.inference_mode()
     def chunks(
@@ -272,7 +297,9 @@ class DiTFlow(FlowModel):
         ratio = self.cfg.token_mel_ratio
         specs = [RowSpec(ratio * row.out_tokens, voices.setdefault(row.speaker, len(voices)),
                          row.speaker.prompt_frames) for row in rows]
-        for batch in plan_batches(specs, self.buckets):
+        for planned in plan_batches(specs, self.buckets):
+            # Rows of one voice and equal own length side by side: they share prompt copies.
+            batch = sorted(planned, key=lambda i: (specs[i].voice, rows[i].stream.encoder.num_tokens))
             batch_rows = [rows[i] for i in batch]
             solved = self._solve_batch(batch_rows, self._encode_batch(batch_rows))
             for i, mel in zip(batch, solved, strict=True):
@@ -282,25 +309,49 @@ class DiTFlow(FlowModel):
     def _encode_batch(self, rows: Sequence[_Row]) -> torch.Tensor:
         """Encode the rows' chunks (updating their encoder caches); mu (B, 80, 2·M), right-padded."""
         enc = self.cfg.encoder
-        width = max(row.out_tokens for row in rows) + enc.pre_lookahead
-        ids = torch.zeros(len(rows), width, dtype=torch.int64)
+        stride, real = enc.up_stride, len(rows)
+        history = [row.speaker.encoder.num_tokens + row.stream.encoder.num_tokens for row in rows]
+        tokens = max(row.out_tokens for row in rows)
+        encoder, shape = self._encoder(EncodeShape(real, tokens, max(history)))
+        inputs = encoder.buffers(shape)
+        # Host-built ids and lengths, one copy each; padding rows: one token, nothing cached.
+        ids = torch.zeros(shape.batch, shape.tokens + enc.pre_lookahead, dtype=torch.int64)
         for i, row in enumerate(rows):
             ids[i, : row.tokens.numel()] = row.tokens
-        history = [row.speaker.encoder.num_tokens + row.stream.encoder.num_tokens for row in rows]
-        counts = [[row.tokens.numel() for row in rows], [row.out_tokens for row in rows], history]
-        token_lengths, out_lengths, cache_lengths = self._upload(torch.tensor(counts)).unbind()
-        embedded = self.input_embedding(self._upload(ids).clamp_min(0))
-        cache = self._encoder_history(rows, max(history))
-        encoded, update = self.encoder.forward_chunks(
-            embedded, token_lengths, out_lengths, cache, cache_lengths)
-        stride = enc.up_stride
+        lengths = torch.ones(3, shape.batch, dtype=torch.int64)
+        lengths[2] = 0
+        lengths[:, :real] = torch.tensor([[row.tokens.numel() for row in rows],
+                                          [row.out_tokens for row in rows], history])
+        inputs.ids.copy_(self._upload(ids))
+        inputs.lengths.copy_(self._upload(lengths))
+        self._fill_history(inputs.cache, rows, stride)
+        out = encoder.run(shape)
+        update = out.update
+        # Conv contexts are small: one copy for all rows, out of buffers the next call overwrites.
+        lookahead, upsample = update.lookahead[:real].clone(), update.upsample[:real].clone()
         for i, row in enumerate(rows):
-            own = ConformerCache(update.lookahead[i : i + 1], update.upsample[i : i + 1],
+            own = ConformerCache(lookahead[i : i + 1], upsample[i : i + 1],
                                  update.token_kv[:, i : i + 1, :, : row.out_tokens],
                                  update.frame_kv[:, i : i + 1, :, : stride * row.out_tokens])
             kept = self._encoder_recent_tokens(row.speaker)
             row.stream.encoder = row.stream.encoder.extend(own).keep_recent(kept)
-        return self._mu(encoded)
+        return out.mu[:real, :, : stride * tokens]
+
+    def _encoder(self, exact: EncodeShape) -> tuple[EncoderRunner, EncodeShape]:
+        """The bucketed encoder at the bucket holding `exact`, or an eager one at `exact`."""
+        if self._bucketed_encoder is not None:
+            shape = self.buckets.encode_shape(exact, self.cfg.encoder.up_stride)
+            if shape is not None:
+                return self._bucketed_encoder, shape
+        return EagerEncoder(self._encode_inputs, self._encoder_layout), exact
+
+    def _encode_inputs(self, inputs: EncoderInputs) -> tuple[torch.Tensor, ConformerCache]:
+        """mu of a padded batch (see `UpsampleConformerEncoder.forward_chunks`) and the rows' update."""
+        embedded = self.input_embedding(inputs.ids.clamp_min(0))
+        token_lengths, out_lengths, cache_lengths = inputs.lengths.unbind()
+        encoded, update = self.encoder.forward_chunks(embedded, token_lengths, out_lengths, inputs.cache,
+                                                      cache_lengths)
+        return self._mu(encoded), update
 
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
         """A CPU tensor on the flow's device; on CUDA through pinned memory without waiting for the
@@ -310,27 +361,29 @@ class DiTFlow(FlowModel):
         return host.pin_memory().to(self.device, non_blocking=True)
 
     @staticmethod
-    def _encoder_history(rows: Sequence[_Row], tokens: int) -> ConformerCache:
-        """The rows' conv contexts and [prompt, own] keys/values, left-padded to `tokens` tokens."""
-        prompt = rows[0].speaker.encoder
-        stride = prompt.frame_kv.shape[3] // prompt.num_tokens
-        layers, _, heads, _, width = prompt.token_kv.shape
-        token_kv = prompt.token_kv.new_zeros(layers, len(rows), heads, tokens, width)
-        layers, _, heads, _, width = prompt.frame_kv.shape
-        frame_kv = prompt.frame_kv.new_zeros(layers, len(rows), heads, stride * tokens, width)
+    def _fill_history(cache: ConformerCache, rows: Sequence[_Row], stride: int) -> None:
+        """Write the rows' conv contexts and [prompt, own] keys/values into `cache`, left-padded. Rows
+        are ordered by voice and own length (see `chunks`): a run of rows sharing both gets its voice's
+        prompt in one copy."""
+        real, end = len(rows), cache.num_tokens
+        torch.cat([row.stream.encoder.lookahead for row in rows], out=cache.lookahead[:real])
+        torch.cat([row.stream.encoder.upsample for row in rows], out=cache.upsample[:real])
+        first = 0
+        for i in range(1, real + 1):
+            if i < real and (rows[i].speaker, rows[i].stream.encoder.num_tokens) == (
+                    rows[first].speaker, rows[first].stream.encoder.num_tokens):
+                continue
+            prompt, own = rows[first].speaker.encoder.num_tokens, rows[first].stream.encoder.num_tokens
+            start = end - own - prompt
+            cache.token_kv[:, first:i, :, start : end - own] = rows[first].speaker.encoder.token_kv
+            cache.frame_kv[:, first:i, :, stride * start : stride * (end - own)] = (
+                rows[first].speaker.encoder.frame_kv)
+            first = i
         for i, row in enumerate(rows):
-            for target, parts in ((token_kv, (row.speaker.encoder.token_kv, row.stream.encoder.token_kv)),
-                                  (frame_kv, (row.speaker.encoder.frame_kv, row.stream.encoder.frame_kv))):
-                end = target.shape[3]
-                for part in reversed(parts):
-                    target[:, i, :, end - part.shape[3] : end] = part[:, 0]
-                    end -= part.shape[3]
-        return ConformerCache(
-            lookahead=torch.cat([row.stream.encoder.lookahead for row in rows]),
-            upsample=torch.cat([row.stream.encoder.upsample for row in rows]),
-            token_kv=token_kv,
-            frame_kv=frame_kv,
-        )
+            own = row.stream.encoder.num_tokens
+            if own:
+                cache.token_kv[:, i : i + 1, :, end - own :] = row.stream.encoder.token_kv
+                cache.frame_kv[:, i : i + 1, :, stride * (end - own) :] = row.stream.encoder.frame_kv
 
     def _solver(self, exact: SolveShape) -> tuple[RaggedSolver, SolveShape]:
         """The bucketed solver at the bucket holding `exact`, or the eager one at `exact`."""

@@ -1,4 +1,5 @@
-"""CUDA graphs for batched streaming chunks: the CFM solve per bucketed shape, and HiFT per chunk shape.
+"""CUDA graphs for batched streaming chunks: the encoder and the CFM solve per bucketed shape, and HiFT
+per chunk shape.
 
 Both run `ConditionalCFM.solve_ragged` (all Euler steps, all DiT blocks, guidance) behind one interface:
 `buffers(shape)` hands out the input tensors for a padded `SolveShape`, the caller fills them, `run(shape)`
@@ -9,6 +10,10 @@ flat arenas, so memory grows with the largest shape rather than with the number 
 valid until the next `run`; inputs keep whatever was written last (callers write every row they read).
 The weights must not change once graphs exist: they read them in place, and the steps' time
 conditioning is computed once.
+
+`GraphedEncoder` does the same for the conformer encoder of a batch (`EncoderInputs` → `EncoderOutputs`):
+chunks right-padded to a bucket of tokens, histories left-padded to a bucket of cached tokens, padding
+rows of one token; all of it masked, so the bucket computes what the exact shape computes.
 
 `GraphedVocoder` does the same for `HiFTGenerator.vocode_with_noise`: batches pad to a bucket with rows
 nobody reads, but chunk lengths are exact (HiFT's convolutions see both ways), so only the lengths the
@@ -25,9 +30,10 @@ from typing import Any, Protocol
 
 import torch
 
-from engines.config import MEL_BINS, FlowConfig
-from engines.token2wav.batching import SolveShape, round_up
+from engines.config import MEL_BINS, ConformerConfig, FlowConfig
+from engines.token2wav.batching import EncodeShape, SolveShape, round_up
 from engines.token2wav.cfm import ConditionalCFM, RaggedInputs, RaggedOutputs
+from engines.token2wav.conformer import PRE_LOOKAHEAD_LEFT, UPSAMPLE_KERNEL_GROWTH, ConformerCache
 from engines.token2wav.hift import HiFTGenerator, Vocoded
 
 logger = logging.getLogger(__name__)
@@ -203,6 +209,162 @@ def capture_graph(fn: Callable[[], object], pool: Any, device: torch.device) -> 
     with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         fn()
     return graph
+
+
+@dataclass(frozen=True)
+class EncoderInputs:
+    """ids (B, tokens + lookahead) int64, right-padded; lengths (3, B) int64: per row its token count
+    (lookahead included), the tokens it encodes and its cached tokens; cache: the rows' conv contexts and
+    histories, left-padded to `history` tokens."""
+
+    ids: torch.Tensor
+    lengths: torch.Tensor
+    cache: ConformerCache
+
+
+@dataclass(frozen=True)
+class EncoderOutputs:
+    """mu (B, 80, stride·tokens) right-padded, and every row's update (its conv contexts and the
+    keys/values of its `tokens` positions, real ones first)."""
+
+    mu: torch.Tensor
+    update: ConformerCache
+
+
+EncodeFn = Callable[[EncoderInputs], tuple[torch.Tensor, ConformerCache]]
+
+
+@dataclass(frozen=True)
+class EncoderLayout:
+    """Tensor shapes of an encoder call; dtype and device of the flow."""
+
+    cfg: ConformerConfig
+    mel_bins: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def _cache_specs(self, batch: int, tokens: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        cfg = self.cfg
+        kv = (cfg.num_heads, 2 * cfg.head_dim)
+        return {
+            "lookahead": ((batch, cfg.d_model, PRE_LOOKAHEAD_LEFT), self.dtype),
+            "upsample": ((batch, cfg.d_model, UPSAMPLE_KERNEL_GROWTH * cfg.up_stride), self.dtype),
+            "token_kv": ((cfg.num_blocks, batch, kv[0], tokens, kv[1]), self.dtype),
+            "frame_kv": ((cfg.num_up_blocks, batch, kv[0], cfg.up_stride * tokens, kv[1]), self.dtype),
+        }
+
+    def inputs(self, shape: EncodeShape, tensor: TensorSource) -> EncoderInputs:
+        b = shape.batch
+        specs = self._cache_specs(b, shape.history)
+        cache = {name: tensor(f"in.{name}", *spec) for name, spec in specs.items()}
+        return EncoderInputs(tensor("in.ids", (b, shape.tokens + self.cfg.pre_lookahead), torch.int64),
+                             tensor("in.lengths", (3, b), torch.int64), ConformerCache(**cache))
+
+    def outputs(self, shape: EncodeShape, tensor: TensorSource) -> EncoderOutputs:
+        b = shape.batch
+        specs = self._cache_specs(b, shape.tokens)
+        cache = {name: tensor(f"out.{name}", *spec) for name, spec in specs.items()}
+        mu = tensor("out.mu", (b, self.mel_bins, self.cfg.up_stride * shape.tokens), self.dtype)
+        return EncoderOutputs(mu, ConformerCache(**cache))
+
+
+class EncoderRunner(Protocol):
+    def buffers(self, shape: EncodeShape) -> EncoderInputs:
+        """Input tensors of `shape` to fill before `run(shape)`."""
+        ...
+
+    def run(self, shape: EncodeShape) -> EncoderOutputs:
+        """Encode the inputs last handed out for `shape`."""
+        ...
+
+
+class TensorSource(Protocol):
+    def __call__(self, name: str, size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
+
+
+class EagerEncoder:
+    """Fresh inputs per call (padding rows of one token, as the graphs'); `run` calls the encoder."""
+
+    def __init__(self, encode: EncodeFn, layout: EncoderLayout) -> None:
+        self.encode = encode
+        self.layout = layout
+        self._pending: tuple[EncodeShape, EncoderInputs] | None = None
+
+    def buffers(self, shape: EncodeShape) -> EncoderInputs:
+        device = self.layout.device
+
+        def zeros(name: str, size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(size, dtype=dtype, device=device)
+
+        inputs = self.layout.inputs(shape, zeros)
+        self._pending = (shape, inputs)
+        return inputs
+
+    def run(self, shape: EncodeShape) -> EncoderOutputs:
+        if self._pending is None or self._pending[0] != shape:
+            raise RuntimeError(f"run({shape}) without buffers({shape}) first")
+        inputs = self._pending[1]
+        self._pending = None
+        return EncoderOutputs(*self.encode(inputs))
+
+
+@dataclass
+class _EncoderGraph:
+    graph: torch.cuda.CUDAGraph
+    inputs: EncoderInputs
+    outputs: EncoderOutputs
+
+
+class GraphedEncoder:
+    """One CUDA graph of the encoder per `EncodeShape`, captured on first use, then replayed; outputs are
+    valid until the next `run`."""
+
+    def __init__(self, encode: EncodeFn, layout: EncoderLayout) -> None:
+        if layout.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {layout.device}")
+        self.encode = encode
+        self.layout = layout
+        self._pool = torch.cuda.graph_pool_handle()
+        self._arena = _Arena(layout.device)
+        self._graphs: dict[EncodeShape, _EncoderGraph] = {}
+
+    @property
+    def shapes(self) -> list[EncodeShape]:
+        return list(self._graphs)
+
+    def buffers(self, shape: EncodeShape) -> EncoderInputs:
+        return self._graph(shape).inputs
+
+    def run(self, shape: EncodeShape) -> EncoderOutputs:
+        entry = self._graph(shape)
+        entry.graph.replay()
+        return entry.outputs
+
+    def _graph(self, shape: EncodeShape) -> _EncoderGraph:
+        entry = self._graphs.get(shape)
+        if entry is None:
+            entry = self._capture(shape)
+            self._graphs[shape] = entry
+        return entry
+
+    def _capture(self, shape: EncodeShape) -> _EncoderGraph:
+        inputs = self.layout.inputs(shape, self._arena.view)
+        outputs = self.layout.outputs(shape, self._arena.view)
+        inputs.lengths.fill_(1)  # the warm-up run: one token per row, nothing cached
+
+        def run() -> None:
+            mu, update = self.encode(inputs)
+            outputs.mu.copy_(mu)
+            for target, value in zip(_cache_tensors(outputs.update), _cache_tensors(update), strict=True):
+                target.copy_(value)
+
+        graph = capture_graph(run, self._pool, self.layout.device)
+        logger.info("captured token2wav encoder graph %s", shape)
+        return _EncoderGraph(graph, inputs, outputs)
+
+
+def _cache_tensors(cache: ConformerCache) -> tuple[torch.Tensor, ...]:
+    return cache.lookahead, cache.upsample, cache.token_kv, cache.frame_kv
 
 
 @dataclass(frozen=True)

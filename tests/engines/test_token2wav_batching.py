@@ -18,10 +18,10 @@ from weights import randomize
 
 from engines.config import PRE_LOOKAHEAD, SAMPLES_PER_TOKEN, ModelConfigs
 from engines.token2wav.base import ChunkJob, SpeakerState
-from engines.token2wav.batching import Buckets, RowSpec, SolveShape, plan_batches, span_mask
+from engines.token2wav.batching import Buckets, EncodeShape, RowSpec, SolveShape, plan_batches, span_mask
 from engines.token2wav.cfm import RaggedInputs, RaggedOutputs
 from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker
-from engines.token2wav.graphs import SolverLayout
+from engines.token2wav.graphs import EagerEncoder, EncoderInputs, EncoderLayout, EncoderOutputs, SolverLayout
 from engines.token2wav.hift import HiFTGenerator
 from engines.token2wav.torch_backend import TorchStream, TorchToken2Wav
 from engines.voice import VoicePrompt
@@ -150,13 +150,41 @@ class PersistentSolver:
         return self.flow.decoder.solve_ragged(self.inputs[shape], self.layout.recent_frames(shape))
 
 
+class PersistentEncoder:
+    """`PersistentSolver` for the encoder: per shape, garbage input buffers kept across calls."""
+
+    def __init__(self, flow: DiTFlow) -> None:
+        self.layout = EncoderLayout(flow.cfg.encoder, flow.cfg.output_size, flow.dtype, flow.device)
+        self.encode = EagerEncoder(flow._encode_inputs, self.layout).encode
+        self.inputs: dict[EncodeShape, EncoderInputs] = {}
+        self.runs: list[EncodeShape] = []
+
+    def buffers(self, shape: EncodeShape) -> EncoderInputs:
+        if shape not in self.inputs:
+            generator = torch.Generator().manual_seed(len(self.inputs))
+
+            def garbage(name: str, size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+                return (100 * torch.randn(size, generator=generator)).to(dtype)
+
+            self.inputs[shape] = self.layout.inputs(shape, garbage)
+        return self.inputs[shape]
+
+    def run(self, shape: EncodeShape) -> EncoderOutputs:
+        self.runs.append(shape)
+        return EncoderOutputs(*self.encode(self.inputs[shape]))
+
+
 def test_bucketed_shapes_with_stale_buffers_equal_each_stream_alone(speakers: list[DiTSpeaker]) -> None:
-    """Padded rows, frames, own caches and prompt frames, on buffers reused between calls."""
+    """Padded rows, frames, own caches, prompt frames and encoder histories, on buffers reused between
+    calls."""
     flow = DiTFlow(CONFIGS.dit_flow).eval()
     randomize(flow, seed=0)
-    solver = PersistentSolver(flow)
-    flow.use_bucketed_solver(solver, Buckets(batch=(4, 8), frames=(20, 40, 80), prompt_frames=(64,)))
+    solver, encoder = PersistentSolver(flow), PersistentEncoder(flow)
+    buckets = Buckets(batch=(4, 8), frames=(20, 40, 80), prompt_frames=(64,), history_tokens=(16, 48, 96))
+    flow.use_bucketed_solver(solver, buckets, encoder)
     assert_streams_match(flow, speakers, plans())
+    assert {s.batch for s in encoder.runs} >= {4, 8} and len({s.history for s in encoder.runs}) > 1
+    assert len(encoder.inputs) < len(encoder.runs)
     recent = CONFIGS.dit_flow.att_cache_recent_frames
     assert {s.prompt_frames for s in solver.runs} == {64}
     assert {s.own_frames for s in solver.runs} == {0, recent}

@@ -49,6 +49,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 # Text tokens per LLM request when long text is cut into segments.
 SEGMENT_TOKENS = 80
+# How long a first chunk may wait for the first chunks of other new streams, to share their batch.
+FIRST_CHUNK_LINGER_S = 0.004
 
 
 @dataclass
@@ -80,10 +82,13 @@ class _Lane:
     chunk of its stream.
     """
 
-    def __init__(self, name: str, backend: Token2Wav, max_batch: int, metrics: Metrics | None) -> None:
+    def __init__(self, name: str, backend: Token2Wav, max_batch: int, linger_s: float,
+                 metrics: Metrics | None) -> None:
         self.inbox: queue.SimpleQueue[_ChunkTask | _Call | None] = queue.SimpleQueue()
         self.assigned = 0  # streams routed here and not yet closed (event loop side)
         self.open_streams = 0  # streams opened here and not yet closed (this thread's side)
+        self.fresh: set[Token2WavStream] = set()  # opened here, no chunk received yet (this thread's side)
+        self._linger_s = linger_s
         self._backend = backend
         self._max_batch = max_batch
         self._metrics = metrics
@@ -111,10 +116,11 @@ class _Lane:
         pending: list[_ChunkTask] = []
         while True:
             items = [self.inbox.get()] if not pending else []
-            with contextlib.suppress(queue.Empty):
-                while True:
-                    items.append(self.inbox.get_nowait())
-            pending.extend(item for item in items if isinstance(item, _ChunkTask))
+            self._drain(items)
+            self._take_chunks(items, pending)
+            if self.fresh and len(pending) < self._max_batch and any(c.due == -math.inf for c in pending):
+                items += self._linger()
+                self._take_chunks(items, pending)
             calls = [item for item in items if isinstance(item, _Call)]
             stop = any(item is None for item in items)
             pending = [chunk for chunk in pending if not chunk.future.cancelled()]
@@ -128,6 +134,35 @@ class _Lane:
                     batch, pending = pending[: self._max_batch], pending[self._max_batch :]
                     self._run_chunks(batch)
                 return
+
+    def _drain(self, items: list[_ChunkTask | _Call | None]) -> None:
+        with contextlib.suppress(queue.Empty):
+            while True:
+                items.append(self.inbox.get_nowait())
+
+    def _take_chunks(self, items: list[_ChunkTask | _Call | None], pending: list[_ChunkTask]) -> None:
+        """Move the chunks among `items` to `pending` (their streams are no longer fresh)."""
+        for item in items:
+            if isinstance(item, _ChunkTask):
+                self.fresh.discard(item.job.stream)
+                pending.append(item)
+        items[:] = [item for item in items if not isinstance(item, _ChunkTask)]
+
+    def _linger(self) -> list[_ChunkTask | _Call | None]:
+        """What arrives within `linger_s` or until every fresh stream (opened here, no chunk yet) has
+        sent its first chunk: streams that start together become ready a decode step or two apart,
+        and one batch of their first chunks is much cheaper than one after the other."""
+        deadline = time.perf_counter() + self._linger_s
+        waiting_for = set(self.fresh)
+        items: list[_ChunkTask | _Call | None] = []
+        while waiting_for and (left := deadline - time.perf_counter()) > 0:
+            try:
+                items.append(self.inbox.get(timeout=left))
+            except queue.Empty:
+                break
+            self._drain(items)
+            waiting_for.difference_update(item.job.stream for item in items if isinstance(item, _ChunkTask))
+        return items
 
     def _run_chunks(self, chunks: list[_ChunkTask]) -> None:
         live = [c for c in chunks if c.future.set_running_or_notify_cancel()]
@@ -180,11 +215,11 @@ class Token2WavWorker:
     """
 
     def __init__(self, backend: Token2Wav, max_batch: int, capacity: int, threads: int = 1,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, linger_s: float = FIRST_CHUNK_LINGER_S) -> None:
         if threads < 1:
             raise ValueError(f"a token2wav worker needs at least one thread, got {threads}")
         self._backend = backend
-        self._lanes = [_Lane(f"token2wav-{i}", backend, max_batch, metrics) for i in range(threads)]
+        self._lanes = [_Lane(f"token2wav-{i}", backend, max_batch, linger_s, metrics) for i in range(threads)]
         self._lane_of: dict[Token2WavStream, _Lane] = {}
         self._slots = asyncio.Semaphore(capacity)
         self._order = itertools.count()
@@ -225,6 +260,7 @@ class Token2WavWorker:
         def open_() -> Token2WavStream:
             stream = self._backend.open_stream(speaker)
             lane.open_streams += 1
+            lane.fresh.add(stream)
             return stream
 
         lane.assigned += 1
@@ -243,6 +279,7 @@ class Token2WavWorker:
         def close() -> None:
             stream.close()
             lane.open_streams -= 1
+            lane.fresh.discard(stream)
 
         lane.inbox.put(_Call(close, None))
 

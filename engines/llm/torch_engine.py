@@ -501,6 +501,16 @@ class TorchLLMEngine(LLMEngine):
         return runner
 
     def _run(self) -> None:
+        device = self.config.torch_device
+        if device.type != "cuda":
+            self._serve()
+            return
+        # Steps are short and every stream downstream waits on them: on a high-priority CUDA stream their
+        # kernels go ahead of token2wav's long batches.
+        with torch.cuda.stream(torch.cuda.Stream(device, priority=-1)):
+            self._serve()
+
+    def _serve(self) -> None:
         state = self._state
         while not self._stopping:
             if not self._has_work():
@@ -523,7 +533,7 @@ class TorchLLMEngine(LLMEngine):
         """Whether a step would do anything: admit, cancel, prefill, decode for a consumer that wants
         tokens, or read back the last step."""
         state = self._state
-        return bool(self._waiting or self._cancelled or state.in_flight or state.prefilling
+        return bool((self._waiting and state.free) or self._cancelled or state.in_flight or state.prefilling
                     or any(seq.hungry for seq in state.held()))
 
     def _step(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
@@ -102,3 +103,40 @@ async def test_worker_runs_the_most_urgent_chunk_first(tiny_models: Path) -> Non
     finally:
         await asyncio.to_thread(worker.stop)
     assert order == [1, 2, 0, 3]
+
+
+async def test_first_chunks_of_streams_opened_together_share_a_batch(tiny_models: Path) -> None:
+    """A first chunk waits (at most `linger_s`) for the first chunks of the other streams opened on
+    its thread that have sent none yet, so that they run as one batch."""
+    backend = TorchToken2Wav.from_models_dir(tiny_models, "dit", "cpu")
+    voice = VoicePrompt.load(ModelPaths(tiny_models).voices / "default.safetensors")
+    worker = Token2WavWorker(backend, max_batch=8, capacity=8, linger_s=0.3)
+    batches: list[int] = []
+    run_chunks = backend.run_chunks
+
+    def recording(jobs: Sequence[ChunkJob]) -> list[torch.Tensor]:
+        batches.append(len(jobs))
+        return run_chunks(jobs)
+
+    backend.run_chunks = recording  # type: ignore[method-assign]
+    tokens = list(range(18))
+    worker.start()
+    try:
+        speaker = await worker.prepare_speaker(voice)
+        together = [await worker.open_stream(speaker) for _ in range(3)]
+        chunks = []
+        for stream in together:  # ready a few milliseconds apart, like streams a decode step apart
+            chunks.append(asyncio.ensure_future(worker.synthesize(stream, tokens, last=False, due=-math.inf)))
+            await asyncio.sleep(0.02)
+        await asyncio.gather(*chunks)
+        assert batches == [3]
+        # A stream that sends nothing holds the others back for `linger_s` only.
+        lone, silent = await worker.open_stream(speaker), await worker.open_stream(speaker)
+        started = time.perf_counter()
+        await worker.synthesize(lone, tokens, last=False, due=-math.inf)
+        waited = time.perf_counter() - started
+        assert batches == [3, 1] and 0.3 <= waited < 10
+        for stream in (*together, lone, silent):
+            worker.close_stream(stream)
+    finally:
+        await asyncio.to_thread(worker.stop)

@@ -84,6 +84,8 @@ class ServerFigures:
     token2wav_chunks_per_batch: float
     token2wav_batch_ms: float  # mean wall time of one batched call
     token2wav_wait_ms: float  # mean time a chunk waited for its call to start
+    first_tokens_ms: float  # mean time from admission to the first chunk's speech tokens
+    first_chunk_ms: float  # mean time from admission to the first audio, as the server sees it
 
     @staticmethod
     def between(before: dict[str, float], after: dict[str, float]) -> ServerFigures:
@@ -94,15 +96,18 @@ class ServerFigures:
             n = delta(count)
             return delta(total) / n * scale if n else math.nan
 
+        def histogram_mean(name: str, scale: float = 1000.0) -> float:
+            return mean(f"{name}_sum", f"{name}_count", scale)
+
         return ServerFigures(
             llm_steps=int(delta("tts_llm_steps_total")),
             llm_step_ms=mean("tts_llm_step_seconds_total", "tts_llm_steps_total"),
             token2wav_batches=int(delta("tts_token2wav_batch_seconds_count")),
-            token2wav_chunks_per_batch=mean(
-                "tts_token2wav_batch_chunks_sum", "tts_token2wav_batch_chunks_count", scale=1.0
-            ),
-            token2wav_batch_ms=mean("tts_token2wav_batch_seconds_sum", "tts_token2wav_batch_seconds_count"),
-            token2wav_wait_ms=mean("tts_token2wav_wait_seconds_sum", "tts_token2wav_wait_seconds_count"),
+            token2wav_chunks_per_batch=histogram_mean("tts_token2wav_batch_chunks", scale=1.0),
+            token2wav_batch_ms=histogram_mean("tts_token2wav_batch_seconds"),
+            token2wav_wait_ms=histogram_mean("tts_token2wav_wait_seconds"),
+            first_tokens_ms=histogram_mean("tts_first_chunk_tokens_seconds"),
+            first_chunk_ms=histogram_mean("tts_first_chunk_latency_seconds"),
         )
 
 
@@ -250,7 +255,8 @@ def format_table(title: str, levels: Sequence[LevelResult]) -> str:
             lines.append(
                 f"{'':>7} server: {sv.llm_steps} LLM steps of {sv.llm_step_ms:.2f} ms; "
                 f"{sv.token2wav_batches} token2wav calls of {sv.token2wav_chunks_per_batch:.1f} chunks, "
-                f"{sv.token2wav_batch_ms:.1f} ms each, chunks waited {sv.token2wav_wait_ms:.1f} ms"
+                f"{sv.token2wav_batch_ms:.1f} ms each, chunks waited {sv.token2wav_wait_ms:.1f} ms; "
+                f"first chunk: tokens at {sv.first_tokens_ms:.0f} ms, audio at {sv.first_chunk_ms:.0f} ms"
             )
     return "\n".join(lines)
 

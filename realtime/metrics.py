@@ -30,6 +30,13 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.first_chunk_tokens = Histogram(
+            "tts_first_chunk_tokens_seconds",
+            "Time from an admitted request to the speech tokens of its first chunk (the LLM's share of the "
+            "first chunk latency)",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.real_time_factor = Histogram(
             "tts_real_time_factor",
             "Synthesis wall time divided by audio duration, per finished stream",

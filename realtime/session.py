@@ -378,6 +378,8 @@ class Session:
                     except LLMError as exc:
                         raise ServiceError(exc.code, str(exc), 500) from exc
                     continue
+                if self._first_audio_at is None and chunk.index == 0:
+                    self._metrics.first_chunk_tokens.observe(self._clock() - self._created)
                 pcm = np.zeros(0, dtype=np.float32)
                 if chunk.end > chunk.start:
                     pcm = await self._engines.synthesize(

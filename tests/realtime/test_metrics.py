@@ -40,4 +40,5 @@ async def test_a_bench_level_reports_the_engines_work(live_server: LiveServer) -
     assert figures.llm_steps >= 60 and figures.llm_step_ms > 0
     assert figures.token2wav_batches >= 2 and 1 <= figures.token2wav_chunks_per_batch <= 2
     assert figures.token2wav_batch_ms > 0 and figures.token2wav_wait_ms >= 0
+    assert 0 < figures.first_tokens_ms < figures.first_chunk_ms
     assert (await scrape(live_server.http_url))["tts_llm_active_requests"] == 0

@@ -114,7 +114,7 @@ async def test_a_paced_request_pauses_at_what_its_consumer_wants_and_resumes_whe
     async with running() as engine:
         paced = engine.submit(request("paced", fixed_length=60, seed=3))
         paced.want(10)
-        tokens = await asyncio.wait_for(read_until(paced, 10), 30)
+        tokens = await asyncio.wait_for(anext(paced), 30)  # woken once, with all it wanted
         await asyncio.sleep(0.1)  # the step that handed over the last token finishes
         steps = engine.stats().steps
         await asyncio.sleep(0.3)  # paused: no step runs while nobody wants tokens

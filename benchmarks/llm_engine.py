@@ -142,12 +142,12 @@ def graph_times(engine: TorchLLMEngine) -> dict[str, float]:
 
 def profile_tables(loop: asyncio.AbstractEventLoop, engine: TorchLLMEngine, tokens: int, out: Path) -> None:
     """torch.profiler tables (top kernels by device time, top ops by host time) for one request alone
-    and for a burst of 16, in one text file."""
+    and for a burst of 64 up to their first audio's tokens, in one text file."""
     from torch.profiler import ProfilerActivity, profile
 
     scenarios: dict[str, Callable[[], Any]] = {
         "single request": lambda: run_burst(engine, 1, tokens, first_index=7),
-        "burst of 16": lambda: run_burst(engine, 16, 16, first_index=500),
+        "burst of 64": lambda: run_burst(engine, 64, FIRST_AUDIO_TOKENS, first_index=500),
     }
     sections = []
     for name, scenario in scenarios.items():

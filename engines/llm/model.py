@@ -8,6 +8,7 @@ speech ids (codebook + eos + unused stop + fill).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -47,21 +48,25 @@ class CosyVoice2LM(nn.Module):
     def backbone(self) -> Qwen2Model:
         return self.llm.model.model
 
+    def prompt_embeddings_batch(self, text_ids: Tensor, text_lengths: Sequence[int], speech_tokens: Tensor,
+                                speech_lengths: Sequence[int]) -> list[Tensor]:
+        """`prompt_embeddings` of several prompts whose ids are concatenated (`text_ids` holds each
+        prompt's text ids in turn, `text_lengths` long, and likewise the speech tokens): one lookup per
+        table for all of them, then one concatenation per prompt."""
+        special = self.llm_embedding.weight
+        sos, task = special[self.cfg.sos_index].unsqueeze(0), special[self.cfg.task_id_index].unsqueeze(0)
+        texts = self.backbone.embed_tokens(text_ids).split(list(text_lengths))
+        speech = self.speech_embedding(speech_tokens).split(list(speech_lengths))
+        return [torch.cat((sos, text, task, tokens)) for text, tokens in zip(texts, speech, strict=True)]
+
     def prompt_embeddings(self, text_ids: Tensor, prompt_speech_tokens: Tensor) -> Tensor:
         """Embeddings [P, hidden] of one zero-shot prompt (§3.2).
 
         `text_ids` is the prompt text followed by the target text (int64, 1-D); `prompt_speech_tokens`
         may be empty. P = `prompt_length(len(text_ids), len(prompt_speech_tokens))`.
         """
-        special = self.llm_embedding.weight
-        return torch.cat(
-            (
-                special[self.cfg.sos_index].unsqueeze(0),
-                self.backbone.embed_tokens(text_ids),
-                special[self.cfg.task_id_index].unsqueeze(0),
-                self.speech_embedding(prompt_speech_tokens),
-            )
-        )
+        return self.prompt_embeddings_batch(text_ids, [text_ids.numel()], prompt_speech_tokens,
+                                            [prompt_speech_tokens.numel()])[0]
 
     def embed_speech(self, tokens: Tensor) -> Tensor:
         return self.speech_embedding(tokens)

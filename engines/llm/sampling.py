@@ -145,25 +145,34 @@ class SamplingSlots:
             seen=zeros(slots, vocab, dtype=torch.bool),
         )
 
-    def configure(self, slot: int, params: SamplingParams, min_len: int, seed: int) -> None:
-        """Reset `slot` for a new request (a few small kernels; no wait for the device)."""
-        if params.use_ras and params.ras_window > self.history_len:
-            raise ValueError(f"ras_window {params.ras_window} exceeds the sampler history {self.history_len}")
-        # `fill_` launches a kernel with the value as argument; item assignment would copy a host scalar
-        # and wait for the device.
+    def configure(self, slots: Tensor, settings: Sequence[tuple[SamplingParams, int, int]]) -> None:
+        """Reset `slots` (int64 [n] on the device) for new requests: `settings[i]` is the (params,
+        min_len, seed) of slot i. A fixed number of small kernels for any n, and no wait for the device:
+        the values travel in one pinned copy."""
+        for params, _, _ in settings:
+            if params.use_ras and params.ras_window > self.history_len:
+                raise ValueError(
+                    f"ras_window {params.ras_window} exceeds the sampler history {self.history_len}")
+        # One float64 column per field: every value is an integer below 2**53 or a float.
+        columns = torch.tensor([
+            (params.temperature, params.top_k, params.top_p, params.repetition_penalty,
+             ras_threshold(params) if params.use_ras else self.history_len + 1,
+             min(params.ras_window, self.history_len), min_len, params.fixed_length is not None,
+             seed & _MASK32)
+            for params, min_len, seed in settings
+        ], dtype=torch.float64)
+        if slots.is_cuda:
+            columns = columns.pin_memory().to(slots.device, non_blocking=True)
+        else:
+            columns = columns.to(slots.device)
         state = self._state
-        state.temperature[slot].fill_(params.temperature)
-        state.top_k[slot].fill_(params.top_k)
-        state.top_p[slot].fill_(params.top_p)
-        state.repetition_penalty[slot].fill_(params.repetition_penalty)
-        state.ras_threshold[slot].fill_(ras_threshold(params) if params.use_ras else self.history_len + 1)
-        state.ras_window[slot].fill_(min(params.ras_window, self.history_len))
-        state.min_len[slot].fill_(min_len)
-        state.ignore_stop[slot].fill_(params.fixed_length is not None)
-        state.seed[slot].fill_(seed & _MASK32)
-        state.step[slot].fill_(0)
-        state.history[slot].fill_(_EMPTY)
-        state.seen[slot].fill_(False)
+        targets = (state.temperature, state.top_k, state.top_p, state.repetition_penalty, state.ras_threshold,
+                   state.ras_window, state.min_len, state.ignore_stop, state.seed)
+        for index, target in enumerate(targets):
+            target.index_copy_(0, slots, columns[:, index].to(target.dtype))
+        state.step.index_fill_(0, slots, 0)
+        state.history.index_fill_(0, slots, _EMPTY)
+        state.seen.index_fill_(0, slots, False)
 
     def rows(self, rows: RowIndex) -> SamplingRows:
         state = self._state

@@ -259,20 +259,29 @@ class _ModelRunner:
         torch.cuda.synchronize()
 
     @torch.no_grad()
-    def embed_prompt(self, request: LLMRequest) -> Tensor:
-        def on_device(ids: list[int]) -> Tensor:
-            ids_tensor = torch.tensor(ids, dtype=torch.int64)
-            if self.config.torch_device.type == "cuda":  # a pinned copy does not wait for running steps
-                return ids_tensor.pin_memory().to(self.config.torch_device, non_blocking=True)
-            return ids_tensor.to(self.config.torch_device)
+    def begin(self, seqs: Sequence[_Sequence]) -> list[Tensor]:
+        """Set up the slots of newly admitted `seqs` and return their prompt embeddings [P, hidden].
 
-        text = on_device([*request.prompt_text_ids, *request.text_ids])
-        return self.model.prompt_embeddings(text, on_device(list(request.prompt_speech_tokens)))
+        The work is batched over the sequences (admitting a burst costs a few kernels, not a few per
+        request), and nothing waits for the device: the ids and settings travel in pinned copies.
+        """
+        requests = [seq.request for seq in seqs]
+        texts = [[*r.prompt_text_ids, *r.text_ids] for r in requests]
+        speech = [list(r.prompt_speech_tokens) for r in requests]
+        ids = self._to_device(torch.tensor([i for t in texts for i in t] + [i for s in speech for i in s]))
+        text_count = sum(len(t) for t in texts)
+        embeddings = self.model.prompt_embeddings_batch(ids[:text_count], [len(t) for t in texts],
+                                                        ids[text_count:], [len(s) for s in speech])
+        slots = self._to_device(torch.tensor([seq.slot for seq in seqs]))
+        self.sampling.configure(slots, [(seq.request.sampling, seq.min_len, seq.seed) for seq in seqs])
+        self.positions.index_copy_(0, slots, self._to_device(torch.tensor([seq.prompt_len for seq in seqs])))
+        self.active.index_fill_(0, slots, False)
+        return embeddings
 
-    def begin(self, seq: _Sequence) -> None:
-        self.sampling.configure(seq.slot, seq.request.sampling, seq.min_len, seq.seed)
-        self.positions[seq.slot].fill_(seq.prompt_len)  # fill_: no wait for the device (see configure)
-        self.active[seq.slot].fill_(False)
+    def _to_device(self, host: Tensor) -> Tensor:
+        if self.config.torch_device.type == "cuda":  # a pinned copy does not wait for running steps
+            return host.pin_memory().to(self.config.torch_device, non_blocking=True)
+        return host.to(self.config.torch_device)
 
     def release(self, slot: int) -> None:
         self.active[slot].fill_(False)
@@ -561,21 +570,38 @@ class TorchLLMEngine(LLMEngine):
     def _admit(self) -> None:
         state, runner = self._state, self._runner
         assert runner is not None
-        while state.free:
-            with self._lock:
-                if not self._waiting:
-                    return
+        admitted: list[_Sequence] = []
+        with self._lock:
+            while state.free and self._waiting:
                 seq = self._waiting.popleft()
-            seq.slot = heapq.heappop(state.free)
-            state.slots[seq.slot] = seq
-            try:
-                seq.prompt = runner.embed_prompt(seq.request)
-                runner.begin(seq)
-            except Exception:
-                logger.exception("admitting LLM request %s failed", seq.request.request_id)
-                self._finish(seq, LLMError("engine_error", "the LLM engine failed to read the prompt"))
-                continue
+                seq.slot = heapq.heappop(state.free)
+                state.slots[seq.slot] = seq
+                admitted.append(seq)
+        if not admitted:
+            return
+        try:
+            prompts = runner.begin(admitted)
+        except Exception:
+            if len(admitted) > 1:  # one at a time, so that only a faulty request fails
+                for seq in admitted:
+                    self._begin_alone(seq)
+                return
+            logger.exception("admitting LLM request %s failed", admitted[0].request.request_id)
+            self._finish(admitted[0], LLMError("engine_error", "the LLM engine failed to read the prompt"))
+            return
+        for seq, prompt in zip(admitted, prompts, strict=True):
+            seq.prompt = prompt
             state.prefilling.append(seq)
+
+    def _begin_alone(self, seq: _Sequence) -> None:
+        assert self._runner is not None
+        try:
+            seq.prompt = self._runner.begin([seq])[0]
+        except Exception:
+            logger.exception("admitting LLM request %s failed", seq.request.request_id)
+            self._finish(seq, LLMError("engine_error", "the LLM engine failed to read the prompt"))
+            return
+        self._state.prefilling.append(seq)
 
     def _launch(self) -> _Launch | None:
         runner = self._runner

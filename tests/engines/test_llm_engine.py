@@ -6,8 +6,9 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -196,14 +197,14 @@ async def test_an_engine_failure_fails_only_the_affected_stream() -> None:
     async with running() as engine:
         runner = engine._runner
         assert runner is not None
-        original = runner.embed_prompt
+        original = runner.begin
 
-        def embed_prompt(req: LLMRequest) -> torch.Tensor:
-            if req.request_id == "broken":
+        def begin(seqs: Sequence[Any]) -> list[torch.Tensor]:
+            if any(seq.request.request_id == "broken" for seq in seqs):
                 raise RuntimeError("injected failure")
-            return original(req)
+            return original(seqs)
 
-        runner.embed_prompt = embed_prompt  # type: ignore[method-assign]
+        runner.begin = begin  # type: ignore[method-assign]
         broken = engine.submit(request("broken", fixed_length=10))
         healthy = engine.submit(request("healthy", fixed_length=10))
         with pytest.raises(LLMError) as failure:

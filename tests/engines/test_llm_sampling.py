@@ -203,14 +203,14 @@ def test_a_seeded_row_samples_the_same_tokens_alone_or_batched() -> None:
 
     batched = new_slots()
     for slot, p in enumerate(params):
-        batched.configure(slot, p, min_len=5, seed=p.seed or 0)
+        batched.configure(torch.tensor([slot]), [(p, 5, p.seed or 0)])
     # Slot 3 is an idle row in the batch: it is sampled but never recorded.
     together = run_slots(batched, [0, 1, 2], logits_for, 4, steps, [True, True, True, False])
     assert batched.rows(slice(3, 4)).step.item() == 0
     assert batched.rows(slice(0, 1)).step.item() == steps
     for slot, p in enumerate(params):
         alone = new_slots()
-        alone.configure(0, p, min_len=5, seed=p.seed or 0)
+        alone.configure(torch.tensor([0]), [(p, 5, p.seed or 0)])
         tokens = run_slots(alone, [0], {0: logits_for[slot]}, 1, steps, [True])[0]
         assert tokens == together[slot]
     assert together[0] != together[2]  # same seed, different rule: RAS changes the outcome here
@@ -222,8 +222,7 @@ def test_gathered_slots_sample_and_record_like_consecutive_ones() -> None:
     consecutive, gathered = (SamplingSlots(4, SPEECH_VOCAB, HISTORY, STOPS, SPEECH_EOS, torch.device("cpu"))
                              for _ in range(2))
     for slots, slot_ids in ((consecutive, (1, 2)), (gathered, (2, 3))):
-        for slot, seed in zip(slot_ids, (5, 6), strict=True):
-            slots.configure(slot, SamplingParams(), min_len=0, seed=seed)
+        slots.configure(torch.tensor(slot_ids), [(SamplingParams(), 0, 5), (SamplingParams(), 0, 6)])
     for _ in range(12):
         expected = consecutive.sample(logits, slice(1, 3))
         consecutive.record(expected, slice(1, 3), torch.tensor([True, True]))

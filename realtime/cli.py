@@ -66,6 +66,7 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         llm_slots=1 if args.baseline else None,
         token2wav_batch=1 if args.baseline else args.batch,
         token2wav_workers=BASELINE_TOKEN2WAV_WORKERS if args.baseline else 1,
+        llm_pacing=not args.baseline,
         webrtc=webrtc,
     )
 

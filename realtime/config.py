@@ -88,6 +88,9 @@ class ServiceConfig:
     token2wav_workers: token2wav threads (each on its own CUDA stream); a stream stays on the thread
         that opened it. More than one turns the PyTorch backend's CUDA graphs off.
     chunk_queue: chunks (per stream) synthesised ahead of a slow consumer before the stream waits.
+    llm_pacing: streams ask the LLM for their next chunk's tokens only (`TokenStream.want`), which leaves
+        the GPU to token2wav instead of decoding seconds ahead of playback; off, every request decodes
+        to its end at once (the benchmark's baseline, as CosyVoice's runtime does).
     drain_timeout_s: how long shutdown waits for running streams before cancelling them.
     retry_after_s: the Retry-After a busy answer suggests.
     webrtc: the WebRTC transport's limits and ICE policy (`WebRTCConfig`).
@@ -111,6 +114,7 @@ class ServiceConfig:
     token2wav_batch: int = 64
     token2wav_workers: int = 1
     chunk_queue: int = 4
+    llm_pacing: bool = True
     drain_timeout_s: float = 10.0
     retry_after_s: int = 1
     webrtc: WebRTCConfig = field(default_factory=WebRTCConfig)

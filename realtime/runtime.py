@@ -501,6 +501,7 @@ class Runtime:
             self.metrics,
             self.config.chunk_queue,
             on_close=release,
+            pace_llm=self.config.llm_pacing,
         )
         self._sessions.add(session)
         self._track_sessions()

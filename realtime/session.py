@@ -214,6 +214,7 @@ class Session:
         chunk_queue: int,
         on_close: Callable[[], None],
         clock: Callable[[], float] = time.monotonic,
+        pace_llm: bool = True,
     ) -> None:
         if not segments:
             raise ValueError("a session needs at least one segment")
@@ -224,6 +225,7 @@ class Session:
         self._engines = engines
         self._metrics = metrics
         self._clock = clock
+        self._pace_llm = pace_llm
         self._on_close: Callable[[], None] | None = on_close
         self._out: asyncio.Queue[object] = asyncio.Queue(maxsize=chunk_queue)
         self._task: asyncio.Task[None] | None = None
@@ -345,7 +347,8 @@ class Session:
             )
         except LLMError as exc:
             raise ServiceError(exc.code, str(exc), 400) from exc
-        token_stream.want(ChunkScheduler(make_policy(self.request.schedule)).tokens_wanted())
+        if self._pace_llm:
+            token_stream.want(ChunkScheduler(make_policy(self.request.schedule)).tokens_wanted())
         return token_stream
 
     async def _speak_segment(self, segment: Segment, token_stream: TokenStream, next_index: int) -> None:
@@ -367,8 +370,8 @@ class Session:
                 progress = self._progress(len(tokens), decode_started)
                 chunk = scheduler.next_chunk(len(tokens), ended, progress)
                 if chunk is None:
-                    # Pace the LLM: the tokens of the next chunk, not seconds ahead of playback.
-                    token_stream.want(scheduler.tokens_wanted(progress))
+                    if self._pace_llm:  # the tokens of the next chunk, not seconds ahead of playback
+                        token_stream.want(scheduler.tokens_wanted(progress))
                     try:
                         tokens.extend(await anext(token_stream))
                     except StopAsyncIteration:

@@ -50,6 +50,7 @@ async def test_baseline_pool_runs_each_stream_on_one_of_several_threads(
         llm_slots=1,
         token2wav_batch=1,
         token2wav_workers=3,
+        llm_pacing=False,
     )
     runtime = Runtime(config)
     await runtime.start()

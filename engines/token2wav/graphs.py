@@ -26,7 +26,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
@@ -37,6 +37,10 @@ from engines.token2wav.conformer import PRE_LOOKAHEAD_LEFT, UPSAMPLE_KERNEL_GROW
 from engines.token2wav.hift import HiFTGenerator, Vocoded
 
 logger = logging.getLogger(__name__)
+
+ShapeT = TypeVar("ShapeT")
+InputsT = TypeVar("InputsT")
+OutputsT = TypeVar("OutputsT")
 
 
 @dataclass(frozen=True)
@@ -137,46 +141,57 @@ class _Arena:
 
 
 @dataclass
-class _Graph:
+class _Graph(Generic[InputsT, OutputsT]):
     graph: torch.cuda.CUDAGraph
-    inputs: RaggedInputs
-    outputs: RaggedOutputs
+    inputs: InputsT
+    outputs: OutputsT
 
 
-class GraphedSolver:
-    """One CUDA graph per `SolveShape`, captured on first use, then replayed."""
+class _ShapeGraphs(Generic[ShapeT, InputsT, OutputsT]):
+    """One CUDA graph per shape, captured (by `_capture`) on its first use, then replayed. The graphs
+    share one memory pool and one arena of static inputs and outputs."""
 
-    def __init__(self, cfm: ConditionalCFM, layout: SolverLayout) -> None:
-        if layout.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, not {layout.device}")
-        self.cfm = cfm
-        self.layout = layout
+    def __init__(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
         self._pool = torch.cuda.graph_pool_handle()
-        self._arena = _Arena(layout.device)
-        self._graphs: dict[SolveShape, _Graph] = {}
-        # The steps' time conditioning, computed once from the weights and read by every graph.
-        self._conditioning: list[Any] | None = None
+        self._arena = _Arena(device)
+        self._graphs: dict[ShapeT, _Graph[InputsT, OutputsT]] = {}
 
     @property
-    def shapes(self) -> list[SolveShape]:
+    def shapes(self) -> list[ShapeT]:
         return list(self._graphs)
 
-    def buffers(self, shape: SolveShape) -> RaggedInputs:
+    def buffers(self, shape: ShapeT) -> InputsT:
         return self._graph(shape).inputs
 
-    def run(self, shape: SolveShape) -> RaggedOutputs:
+    def run(self, shape: ShapeT) -> OutputsT:
         entry = self._graph(shape)
         entry.graph.replay()
         return entry.outputs
 
-    def _graph(self, shape: SolveShape) -> _Graph:
+    def _graph(self, shape: ShapeT) -> _Graph[InputsT, OutputsT]:
         entry = self._graphs.get(shape)
         if entry is None:
             entry = self._capture(shape)
             self._graphs[shape] = entry
         return entry
 
-    def _capture(self, shape: SolveShape) -> _Graph:
+    def _capture(self, shape: ShapeT) -> _Graph[InputsT, OutputsT]:
+        raise NotImplementedError
+
+
+class GraphedSolver(_ShapeGraphs[SolveShape, RaggedInputs, RaggedOutputs]):
+    """The CFM solve from one CUDA graph per `SolveShape`."""
+
+    def __init__(self, cfm: ConditionalCFM, layout: SolverLayout) -> None:
+        super().__init__(layout.device)
+        self.cfm = cfm
+        self.layout = layout
+        # The steps' time conditioning, computed once from the weights and read by every graph.
+        self._conditioning: list[Any] | None = None
+
+    def _capture(self, shape: SolveShape) -> _Graph[RaggedInputs, RaggedOutputs]:
         inputs = RaggedInputs(**dict(self._views("in", self.layout.input_specs(shape))))
         outputs = RaggedOutputs(**dict(self._views("out", self.layout.output_specs(shape))))
         # Valid rows for the warm-up run: one real frame, which attends to itself.
@@ -308,46 +323,15 @@ class EagerEncoder:
         return EncoderOutputs(*self.encode(inputs))
 
 
-@dataclass
-class _EncoderGraph:
-    graph: torch.cuda.CUDAGraph
-    inputs: EncoderInputs
-    outputs: EncoderOutputs
-
-
-class GraphedEncoder:
-    """One CUDA graph of the encoder per `EncodeShape`, captured on first use, then replayed; outputs are
-    valid until the next `run`."""
+class GraphedEncoder(_ShapeGraphs[EncodeShape, EncoderInputs, EncoderOutputs]):
+    """The encoder from one CUDA graph per `EncodeShape`; outputs are valid until the next `run`."""
 
     def __init__(self, encode: EncodeFn, layout: EncoderLayout) -> None:
-        if layout.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, not {layout.device}")
+        super().__init__(layout.device)
         self.encode = encode
         self.layout = layout
-        self._pool = torch.cuda.graph_pool_handle()
-        self._arena = _Arena(layout.device)
-        self._graphs: dict[EncodeShape, _EncoderGraph] = {}
 
-    @property
-    def shapes(self) -> list[EncodeShape]:
-        return list(self._graphs)
-
-    def buffers(self, shape: EncodeShape) -> EncoderInputs:
-        return self._graph(shape).inputs
-
-    def run(self, shape: EncodeShape) -> EncoderOutputs:
-        entry = self._graph(shape)
-        entry.graph.replay()
-        return entry.outputs
-
-    def _graph(self, shape: EncodeShape) -> _EncoderGraph:
-        entry = self._graphs.get(shape)
-        if entry is None:
-            entry = self._capture(shape)
-            self._graphs[shape] = entry
-        return entry
-
-    def _capture(self, shape: EncodeShape) -> _EncoderGraph:
+    def _capture(self, shape: EncodeShape) -> _Graph[EncoderInputs, EncoderOutputs]:
         inputs = self.layout.inputs(shape, self._arena.view)
         outputs = self.layout.outputs(shape, self._arena.view)
         inputs.lengths.fill_(1)  # the warm-up run: one token per row, nothing cached
@@ -360,7 +344,7 @@ class GraphedEncoder:
 
         graph = capture_graph(run, self._pool, self.layout.device)
         logger.info("captured token2wav encoder graph %s", shape)
-        return _EncoderGraph(graph, inputs, outputs)
+        return _Graph(graph, inputs, outputs)
 
 
 def _cache_tensors(cache: ConformerCache) -> tuple[torch.Tensor, ...]:

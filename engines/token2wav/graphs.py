@@ -100,27 +100,49 @@ class RaggedSolver(Protocol):
         ...
 
 
-class EagerSolver:
-    """Fresh zeroed inputs per call; `run` calls the solver directly. Works on every device."""
+class _EagerCalls(Generic[ShapeT, InputsT, OutputsT]):
+    """Fresh zeroed inputs per call (`_inputs`), computed at once by `run` (`_compute`): any shape, any
+    device. `run(shape)` computes the inputs the last `buffers(shape)` handed out."""
 
-    def __init__(self, cfm: ConditionalCFM, layout: SolverLayout) -> None:
-        self.cfm = cfm
-        self.layout = layout
-        self._pending: tuple[SolveShape, RaggedInputs] | None = None
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pending: tuple[ShapeT, InputsT] | None = None
 
-    def buffers(self, shape: SolveShape) -> RaggedInputs:
-        device = self.layout.device
-        tensors = {name: torch.zeros(size, dtype=dtype, device=device)
-                   for name, (size, dtype) in self.layout.input_specs(shape).items()}
-        inputs = RaggedInputs(**tensors)
+    def buffers(self, shape: ShapeT) -> InputsT:
+        inputs = self._inputs(shape)
         self._pending = (shape, inputs)
         return inputs
 
-    def run(self, shape: SolveShape) -> RaggedOutputs:
+    def run(self, shape: ShapeT) -> OutputsT:
         if self._pending is None or self._pending[0] != shape:
             raise RuntimeError(f"run({shape}) without buffers({shape}) first")
         inputs = self._pending[1]
         self._pending = None
+        return self._compute(shape, inputs)
+
+    def _zeros(self, name: str, size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(size, dtype=dtype, device=self.device)
+
+    def _inputs(self, shape: ShapeT) -> InputsT:
+        raise NotImplementedError
+
+    def _compute(self, shape: ShapeT, inputs: InputsT) -> OutputsT:
+        raise NotImplementedError
+
+
+class EagerSolver(_EagerCalls[SolveShape, RaggedInputs, RaggedOutputs]):
+    """The CFM solve, eagerly at the exact shape."""
+
+    def __init__(self, cfm: ConditionalCFM, layout: SolverLayout) -> None:
+        super().__init__(layout.device)
+        self.cfm = cfm
+        self.layout = layout
+
+    def _inputs(self, shape: SolveShape) -> RaggedInputs:
+        specs = self.layout.input_specs(shape)
+        return RaggedInputs(**{name: self._zeros(name, *spec) for name, spec in specs.items()})
+
+    def _compute(self, shape: SolveShape, inputs: RaggedInputs) -> RaggedOutputs:
         return self.cfm.solve_ragged(inputs, self.layout.recent_frames(shape))
 
 
@@ -297,29 +319,18 @@ class TensorSource(Protocol):
     def __call__(self, name: str, size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
 
 
-class EagerEncoder:
-    """Fresh inputs per call (padding rows of one token, as the graphs'); `run` calls the encoder."""
+class EagerEncoder(_EagerCalls[EncodeShape, EncoderInputs, EncoderOutputs]):
+    """The encoder, eagerly at the exact shape (padding rows of one token, as the graphs')."""
 
     def __init__(self, encode: EncodeFn, layout: EncoderLayout) -> None:
+        super().__init__(layout.device)
         self.encode = encode
         self.layout = layout
-        self._pending: tuple[EncodeShape, EncoderInputs] | None = None
 
-    def buffers(self, shape: EncodeShape) -> EncoderInputs:
-        device = self.layout.device
+    def _inputs(self, shape: EncodeShape) -> EncoderInputs:
+        return self.layout.inputs(shape, self._zeros)
 
-        def zeros(name: str, size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(size, dtype=dtype, device=device)
-
-        inputs = self.layout.inputs(shape, zeros)
-        self._pending = (shape, inputs)
-        return inputs
-
-    def run(self, shape: EncodeShape) -> EncoderOutputs:
-        if self._pending is None or self._pending[0] != shape:
-            raise RuntimeError(f"run({shape}) without buffers({shape}) first")
-        inputs = self._pending[1]
-        self._pending = None
+    def _compute(self, shape: EncodeShape, inputs: EncoderInputs) -> EncoderOutputs:
         return EncoderOutputs(*self.encode(inputs))
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 
 class CodedError(Exception):
-    """`code` names the problem for programs (`empty_text`, `context_too_long`, ...); `str(error)` is
-    the sentence for people."""
+    """`code` names the problem for programs (`empty_text`, `context_too_long`, ...); `message` (also
+    `str(error)`) is the sentence for people."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
+        self.message = message

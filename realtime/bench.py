@@ -241,24 +241,27 @@ async def largest_without_underrun(url: str, tokens: int, voice: str, low: int, 
 def format_table(title: str, levels: Sequence[LevelResult]) -> str:
     head = (f"{'streams':>7} {'ok':>4} {'err':>4} {'p50 first':>10} {'p90 first':>10} {'p99 first':>10} "
             f"{'p50 total':>10} {'RTF':>6} {'underrun':>9} {'audio s/s':>10} {'GPU GiB':>8}")
-    lines = [title, head]
-    for lv in levels:
-        gpu = f"{lv.peak_gpu_memory_gib:8.2f}" if lv.peak_gpu_memory_gib is not None else f"{'-':>8}"
+    return "\n".join([title, head, *(line for lv in levels for line in format_level(lv))])
+
+
+def format_level(lv: LevelResult) -> list[str]:
+    """A level's row of the table, and the server's figures under it when it reported them."""
+    gpu = f"{lv.peak_gpu_memory_gib:8.2f}" if lv.peak_gpu_memory_gib is not None else f"{'-':>8}"
+    lines = [
+        f"{lv.streams:>7} {lv.ok:>4} {lv.errors:>4} "
+        f"{lv.first_chunk_p50_ms:>8.0f}ms {lv.first_chunk_p90_ms:>8.0f}ms "
+        f"{lv.first_chunk_p99_ms:>8.0f}ms {lv.total_p50_ms:>8.0f}ms {lv.rtf_p50:>6.3f} "
+        f"{lv.underrun_streams:>9} {lv.throughput_audio_s_per_s:>10.1f} {gpu}"
+    ]
+    if lv.server is not None:
+        sv = lv.server
         lines.append(
-            f"{lv.streams:>7} {lv.ok:>4} {lv.errors:>4} "
-            f"{lv.first_chunk_p50_ms:>8.0f}ms {lv.first_chunk_p90_ms:>8.0f}ms "
-            f"{lv.first_chunk_p99_ms:>8.0f}ms {lv.total_p50_ms:>8.0f}ms {lv.rtf_p50:>6.3f} "
-            f"{lv.underrun_streams:>9} {lv.throughput_audio_s_per_s:>10.1f} {gpu}"
+            f"{'':>7} server: {sv.llm_steps} LLM steps of {sv.llm_step_ms:.2f} ms; "
+            f"{sv.token2wav_batches} token2wav calls of {sv.token2wav_chunks_per_batch:.1f} chunks, "
+            f"{sv.token2wav_batch_ms:.1f} ms each, chunks waited {sv.token2wav_wait_ms:.1f} ms; "
+            f"first chunk: tokens at {sv.first_tokens_ms:.0f} ms, audio at {sv.first_chunk_ms:.0f} ms"
         )
-        if lv.server is not None:
-            sv = lv.server
-            lines.append(
-                f"{'':>7} server: {sv.llm_steps} LLM steps of {sv.llm_step_ms:.2f} ms; "
-                f"{sv.token2wav_batches} token2wav calls of {sv.token2wav_chunks_per_batch:.1f} chunks, "
-                f"{sv.token2wav_batch_ms:.1f} ms each, chunks waited {sv.token2wav_wait_ms:.1f} ms; "
-                f"first chunk: tokens at {sv.first_tokens_ms:.0f} ms, audio at {sv.first_chunk_ms:.0f} ms"
-            )
-    return "\n".join(lines)
+    return lines
 
 
 def format_ratio(ours: Sequence[LevelResult], base: Sequence[LevelResult]) -> str:
@@ -311,7 +314,7 @@ async def run_levels(url: str, levels: Sequence[int], tokens: int, voice: str, s
     results = []
     for n in levels:
         result = await run_level(url, n, tokens, voice)
-        print("\n".join(format_table(f"{n} streams", [result]).splitlines()[2:]), flush=True)
+        print("\n".join(format_level(result)), flush=True)
         results.append(result)
     best = None
     if search:

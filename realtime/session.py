@@ -55,7 +55,6 @@ class ServiceError(CodedError):
         self, code: str, message: str, http_status: int = 400, retry_after_s: int | None = None
     ) -> None:
         super().__init__(code, message)
-        self.message = message
         self.http_status = http_status
         self.retry_after_s = retry_after_s
 

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from engines.llm.base import SamplingParams
+from engines.transfer import upload
 
 _MASK32 = 0xFFFFFFFF
 _EMPTY = -1  # history entry before any token was generated
@@ -161,10 +162,7 @@ class SamplingSlots:
              seed & _MASK32)
             for params, min_len, seed in settings
         ], dtype=torch.float64)
-        if slots.is_cuda:
-            columns = columns.pin_memory().to(slots.device, non_blocking=True)
-        else:
-            columns = columns.to(slots.device)
+        columns = upload(columns, slots.device)
         state = self._state
         targets = (state.temperature, state.top_k, state.top_p, state.repetition_penalty, state.ras_threshold,
                    state.ras_window, state.min_len, state.ignore_stop, state.seed)

@@ -43,6 +43,7 @@ from engines.llm.base import LLMEngine, LLMError, LLMRequest, LLMStats, QueuedTo
 from engines.llm.model import CosyVoice2LM, load_llm, prompt_length
 from engines.llm.qwen2 import CacheBatch, KVCache
 from engines.llm.sampling import SamplingSlots
+from engines.transfer import upload
 
 logger = logging.getLogger(__name__)
 
@@ -268,20 +269,17 @@ class _ModelRunner:
         requests = [seq.request for seq in seqs]
         texts = [[*r.prompt_text_ids, *r.text_ids] for r in requests]
         speech = [list(r.prompt_speech_tokens) for r in requests]
-        ids = self._to_device(torch.tensor([i for t in texts for i in t] + [i for s in speech for i in s]))
+        device = self.config.torch_device
+        ids = upload(torch.tensor([i for t in texts for i in t] + [i for s in speech for i in s]), device)
         text_count = sum(len(t) for t in texts)
         embeddings = self.model.prompt_embeddings_batch(ids[:text_count], [len(t) for t in texts],
                                                         ids[text_count:], [len(s) for s in speech])
-        slots = self._to_device(torch.tensor([seq.slot for seq in seqs]))
+        placement = torch.tensor([[seq.slot for seq in seqs], [seq.prompt_len for seq in seqs]])
+        slots, prompt_lens = upload(placement, device)
         self.sampling.configure(slots, [(seq.request.sampling, seq.min_len, seq.seed) for seq in seqs])
-        self.positions.index_copy_(0, slots, self._to_device(torch.tensor([seq.prompt_len for seq in seqs])))
+        self.positions.index_copy_(0, slots, prompt_lens)
         self.active.index_fill_(0, slots, False)
         return embeddings
-
-    def _to_device(self, host: Tensor) -> Tensor:
-        if self.config.torch_device.type == "cuda":  # a pinned copy does not wait for running steps
-            return host.pin_memory().to(self.config.torch_device, non_blocking=True)
-        return host.to(self.config.torch_device)
 
     def release(self, slot: int) -> None:
         self.active[slot].fill_(False)
@@ -297,7 +295,7 @@ class _ModelRunner:
         padding = [(self.scratch_slot, 0, 0, False)] * (rows - len(chunks))
         meta = [(c.slot, c.start, c.embeddings.shape[0] - 1, c.last) for c in chunks] + padding
         columns = torch.tensor(list(zip(*meta, strict=True)), dtype=torch.int64)  # [4, rows]
-        self._upload(self.prefill_rows[:, :rows], columns)
+        self.prefill_rows[:, :rows].copy_(upload(columns, self.config.torch_device))
         for row, chunk in enumerate(chunks):
             self.prefill_input[row, : chunk.embeddings.shape[0]] = chunk.embeddings
         kv_len = _bucket(self.config.kv_lengths, max(c.start + c.embeddings.shape[0] for c in chunks))
@@ -323,12 +321,6 @@ class _ModelRunner:
     def synchronize(self) -> None:
         if self.config.torch_device.type == "cuda":
             torch.cuda.synchronize(self.config.torch_device)
-
-    def _upload(self, target: Tensor, values: Tensor) -> None:
-        if target.is_cuda:
-            target.copy_(values.pin_memory(), non_blocking=True)
-        else:
-            target.copy_(values)
 
     def _prefill_step(self, rows: int, length: int, kv_len: int) -> None:
         slots, start, last, ends_prompt = self.prefill_rows[:, :rows]
@@ -568,8 +560,7 @@ class TorchLLMEngine(LLMEngine):
                 self._free(held)
 
     def _admit(self) -> None:
-        state, runner = self._state, self._runner
-        assert runner is not None
+        state = self._state
         admitted: list[_Sequence] = []
         with self._lock:
             while state.free and self._waiting:
@@ -577,31 +568,26 @@ class TorchLLMEngine(LLMEngine):
                 seq.slot = heapq.heappop(state.free)
                 state.slots[seq.slot] = seq
                 admitted.append(seq)
-        if not admitted:
-            return
-        try:
-            prompts = runner.begin(admitted)
-        except Exception:
-            if len(admitted) > 1:  # one at a time, so that only a faulty request fails
-                for seq in admitted:
-                    self._begin_alone(seq)
-                return
-            logger.exception("admitting LLM request %s failed", admitted[0].request.request_id)
-            self._finish(admitted[0], LLMError("engine_error", "the LLM engine failed to read the prompt"))
-            return
-        for seq, prompt in zip(admitted, prompts, strict=True):
-            seq.prompt = prompt
-            state.prefilling.append(seq)
+        if admitted:
+            self._begin(admitted)
 
-    def _begin_alone(self, seq: _Sequence) -> None:
+    def _begin(self, seqs: list[_Sequence]) -> None:
+        """Set up the admitted `seqs` for prefill; if that fails for a batch, one at a time, so that only
+        a faulty request fails."""
         assert self._runner is not None
         try:
-            seq.prompt = self._runner.begin([seq])[0]
+            prompts = self._runner.begin(seqs)
         except Exception:
-            logger.exception("admitting LLM request %s failed", seq.request.request_id)
-            self._finish(seq, LLMError("engine_error", "the LLM engine failed to read the prompt"))
+            if len(seqs) > 1:
+                for seq in seqs:
+                    self._begin([seq])
+                return
+            logger.exception("admitting LLM request %s failed", seqs[0].request.request_id)
+            self._finish(seqs[0], LLMError("engine_error", "the LLM engine failed to read the prompt"))
             return
-        self._state.prefilling.append(seq)
+        for seq, prompt in zip(seqs, prompts, strict=True):
+            seq.prompt = prompt
+            self._state.prefilling.append(seq)
 
     def _launch(self) -> _Launch | None:
         runner = self._runner

@@ -57,6 +57,16 @@ class SolveShape:
 
 
 @dataclass(frozen=True)
+class EncodeShape:
+    """One batched encoder call: rows, tokens encoded per row (its lookahead comes on top), cached
+    tokens per row (left-padded history)."""
+
+    batch: int
+    tokens: int
+    history: int
+
+
+@dataclass(frozen=True)
 class Buckets:
     """Shapes rounded up for CUDA graphs; a dimension beyond its largest size runs eagerly at its exact size.
 
@@ -80,7 +90,6 @@ class Buckets:
             return None
         return SolveShape(batch, frames, 0 if exact.own_frames == 0 else own_bound, prompt)
 
-
     def encode_shape(self, exact: EncodeShape, stride: int) -> EncodeShape | None:
         """The bucket holding an encoder call (tokens round with the frames: `stride` frames per token),
         or None when a dimension is beyond every bucket."""
@@ -90,16 +99,6 @@ class Buckets:
         if batch is None or frames is None or history is None or frames % stride:
             return None
         return EncodeShape(batch, frames // stride, history)
-
-
-@dataclass(frozen=True)
-class EncodeShape:
-    """One batched encoder call: rows, tokens encoded per row (its lookahead comes on top), cached
-    tokens per row (left-padded history)."""
-
-    batch: int
-    tokens: int
-    history: int
 
 
 @dataclass(frozen=True)

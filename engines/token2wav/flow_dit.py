@@ -25,6 +25,7 @@ estimator's `forward_chunk`, which exported estimators (TensorRT) implement.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,7 @@ from engines.token2wav.graphs import (
     RaggedSolver,
     SolverLayout,
 )
+from engines.transfer import upload
 from engines.voice import VoicePrompt
 
 NOISE_FRAMES = 30000  # 600 s at 50 Hz, the reference's noise buffer
@@ -259,11 +261,6 @@ class DiTFlow(FlowModel):
         return graphs
 
     @property
-    def encoder_graphs(self) -> GraphedEncoder | None:
-        encoder = self._bucketed_encoder
-        return encoder if isinstance(encoder, GraphedEncoder) else None
-
-    @property
     def _encoder_layout(self) -> EncoderLayout:
         return EncoderLayout(self.cfg.encoder, self.cfg.output_size, self.dtype, self.device)
 
@@ -322,8 +319,8 @@ class DiTFlow(FlowModel):
         lengths[2] = 0
         lengths[:, :real] = torch.tensor([[row.tokens.numel() for row in rows],
                                           [row.out_tokens for row in rows], history])
-        inputs.ids.copy_(self._upload(ids))
-        inputs.lengths.copy_(self._upload(lengths))
+        inputs.ids.copy_(upload(ids, self.device))
+        inputs.lengths.copy_(upload(lengths, self.device))
         self._fill_history(inputs.cache, rows, stride)
         out = encoder.run(shape)
         update = out.update
@@ -353,32 +350,23 @@ class DiTFlow(FlowModel):
                                                       cache_lengths)
         return self._mu(encoded), update
 
-    def _upload(self, host: torch.Tensor) -> torch.Tensor:
-        """A CPU tensor on the flow's device; on CUDA through pinned memory without waiting for the
-        device, so the host keeps queueing work while earlier kernels run."""
-        if self.device.type != "cuda":
-            return host.to(self.device)
-        return host.pin_memory().to(self.device, non_blocking=True)
-
     @staticmethod
     def _fill_history(cache: ConformerCache, rows: Sequence[_Row], stride: int) -> None:
         """Write the rows' conv contexts and [prompt, own] keys/values into `cache`, left-padded. Rows
         are ordered by voice and own length (see `chunks`): a run of rows sharing both gets its voice's
         prompt in one copy."""
-        real, end = len(rows), cache.num_tokens
-        torch.cat([row.stream.encoder.lookahead for row in rows], out=cache.lookahead[:real])
-        torch.cat([row.stream.encoder.upsample for row in rows], out=cache.upsample[:real])
+        end = cache.num_tokens
+        torch.cat([row.stream.encoder.lookahead for row in rows], out=cache.lookahead[: len(rows)])
+        torch.cat([row.stream.encoder.upsample for row in rows], out=cache.upsample[: len(rows)])
         first = 0
-        for i in range(1, real + 1):
-            if i < real and (rows[i].speaker, rows[i].stream.encoder.num_tokens) == (
-                    rows[first].speaker, rows[first].stream.encoder.num_tokens):
-                continue
-            prompt, own = rows[first].speaker.encoder.num_tokens, rows[first].stream.encoder.num_tokens
-            start = end - own - prompt
-            cache.token_kv[:, first:i, :, start : end - own] = rows[first].speaker.encoder.token_kv
-            cache.frame_kv[:, first:i, :, stride * start : stride * (end - own)] = (
-                rows[first].speaker.encoder.frame_kv)
-            first = i
+        runs = itertools.groupby(rows, key=lambda row: (row.speaker, row.stream.encoder.num_tokens))
+        for (speaker, own), run in runs:
+            count = sum(1 for _ in run)
+            start, stop = end - own - speaker.encoder.num_tokens, end - own
+            run_rows = slice(first, first + count)
+            cache.token_kv[:, run_rows, :, start:stop] = speaker.encoder.token_kv
+            cache.frame_kv[:, run_rows, :, stride * start : stride * stop] = speaker.encoder.frame_kv
+            first += count
         for i, row in enumerate(rows):
             own = row.stream.encoder.num_tokens
             if own:
@@ -418,9 +406,9 @@ class DiTFlow(FlowModel):
         for i, row in enumerate(rows):
             prompt_mask[i, starts[row.speaker] : starts[row.speaker] + row.speaker.prompt_frames] = True
         mask = torch.cat([prompt_mask, span_mask(own_frames, shape.frames, own, row_lengths)], dim=1)
-        inputs.lengths.copy_(self._upload(row_lengths))
-        inputs.offsets.copy_(self._upload(offsets))
-        inputs.mask.copy_(self._upload(torch.cat([mask, mask])))
+        inputs.lengths.copy_(upload(row_lengths, self.device))
+        inputs.offsets.copy_(upload(offsets, self.device))
+        inputs.mask.copy_(upload(torch.cat([mask, mask]), self.device))
 
         inputs.mu.zero_()
         inputs.mu[:real, :, :frames] = mu

@@ -69,7 +69,6 @@ class ProtocolError(CodedError):
 
     def __init__(self, code: str, message: str, context_id: str | None = None) -> None:
         super().__init__(code, message)
-        self.message = message
         self.context_id = context_id
 
 

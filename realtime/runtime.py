@@ -502,6 +502,7 @@ class Runtime:
             self.config.chunk_queue,
             on_close=release,
             pace_llm=self.config.llm_pacing,
+            schedule=self.config.schedule,
         )
         self._sessions.add(session)
         self._track_sessions()

@@ -67,7 +67,6 @@ class SpeechRequest:
     voice: str = "default"
     sampling: SamplingParams = field(default_factory=SamplingParams)
     speed: float = 1.0
-    schedule: ScheduleKind = ScheduleKind.EXPONENTIAL
 
     def __post_init__(self) -> None:
         if not MIN_SPEED <= self.speed <= MAX_SPEED:
@@ -214,6 +213,7 @@ class Session:
         on_close: Callable[[], None],
         clock: Callable[[], float] = time.monotonic,
         pace_llm: bool = True,
+        schedule: ScheduleKind = ScheduleKind.EXPONENTIAL,
     ) -> None:
         if not segments:
             raise ValueError("a session needs at least one segment")
@@ -225,6 +225,7 @@ class Session:
         self._metrics = metrics
         self._clock = clock
         self._pace_llm = pace_llm
+        self._policy = make_policy(schedule)  # stateless: one for every segment
         self._on_close: Callable[[], None] | None = on_close
         self._out: asyncio.Queue[object] = asyncio.Queue(maxsize=chunk_queue)
         self._task: asyncio.Task[None] | None = None
@@ -347,7 +348,7 @@ class Session:
         except LLMError as exc:
             raise ServiceError(exc.code, str(exc), 400) from exc
         if self._pace_llm:
-            token_stream.want(ChunkScheduler(make_policy(self.request.schedule)).tokens_wanted())
+            token_stream.want(ChunkScheduler(self._policy).tokens_wanted())
         return token_stream
 
     async def _speak_segment(self, segment: Segment, token_stream: TokenStream, next_index: int) -> None:
@@ -358,7 +359,7 @@ class Session:
         expected_tokens = min(high, max(low, len(segment.text) * SPEECH_SECONDS_PER_CHAR * TOKEN_RATE_HZ))
         timer = WordTimer(segment.words, expected_tokens / TOKEN_RATE_HZ)
         segment_start_s = self._speech_s
-        scheduler = ChunkScheduler(make_policy(self.request.schedule))
+        scheduler = ChunkScheduler(self._policy)
         stream: Token2WavStream | None = None
         tokens: list[int] = []
         try:

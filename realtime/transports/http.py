@@ -121,10 +121,9 @@ async def _encode(encoder: StreamEncoder, inline: bool, pcm: Any) -> bytes:
     return encoder.encode(pcm) if inline else await asyncio.to_thread(encoder.encode, pcm)
 
 
-async def _audio_bytes(session: Session, response_format: str) -> AsyncIterator[bytes]:
-    """The encoded file, piece by piece as chunks are synthesised; closes the session at the end."""
-    encoder = make_stream_encoder(response_format)
-    inline = response_format in _INLINE_FORMATS
+async def _audio_bytes(session: Session, encoder: StreamEncoder, inline: bool) -> AsyncIterator[bytes]:
+    """The encoded file, piece by piece as chunks are synthesised; closes the session at the end.
+    `inline`: the encoder is cheap enough to run on the event loop."""
     try:
         async for chunk in session:
             data = await _encode(encoder, inline, chunk.pcm)
@@ -137,21 +136,21 @@ async def _audio_bytes(session: Session, response_format: str) -> AsyncIterator[
         await session.aclose()
 
 
-async def _speech_bytes(session: Session, response_format: str) -> AsyncIterator[bytes]:
+async def _speech_bytes(session: Session, encoder: StreamEncoder, inline: bool) -> AsyncIterator[bytes]:
     try:
-        async for data in _audio_bytes(session, response_format):
+        async for data in _audio_bytes(session, encoder, inline):
             yield data
     except ServiceError as exc:
         # Headers are gone: end the body early; the client sees a truncated file.
         logger.warning("[%s] speech stream ended early: %s", session.session_id, exc.code)
 
 
-async def _speech_events(session: Session, response_format: str) -> AsyncIterator[bytes]:
+async def _speech_events(session: Session, encoder: StreamEncoder, inline: bool) -> AsyncIterator[bytes]:
     def event(payload: dict[str, Any]) -> bytes:
         return f"data: {json.dumps(payload)}\n\n".encode()
 
     try:
-        async for data in _audio_bytes(session, response_format):
+        async for data in _audio_bytes(session, encoder, inline):
             yield event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
     except ServiceError as exc:
         yield event(
@@ -198,14 +197,15 @@ def routes(runtime: Runtime) -> list[BaseRoute]:
                 if exc.code in ("empty_text", "text_too_long")
                 else None,
             )
+        encoder = make_stream_encoder(params.response_format)
+        inline = params.response_format in _INLINE_FORMATS
         if params.stream_format == "sse":
             return StreamingResponse(
-                _speech_events(session, params.response_format),
+                _speech_events(session, encoder, inline),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        encoder_type = make_stream_encoder(params.response_format).content_type
-        return StreamingResponse(_speech_bytes(session, params.response_format), media_type=encoder_type)
+        return StreamingResponse(_speech_bytes(session, encoder, inline), media_type=encoder.content_type)
 
     async def list_voices(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [_voice_json(v) for v in runtime.voices.list()]})

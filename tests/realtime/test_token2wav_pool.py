@@ -20,6 +20,7 @@ from engines.token2wav.torch_backend import TorchToken2Wav
 from engines.voice import VoicePrompt
 from realtime.config import ServiceConfig
 from realtime.runtime import Runtime, Token2WavWorker
+from realtime.schedule import ScheduleKind
 from realtime.session import SpeechRequest
 
 TOKENS = 70  # the exponential schedule cuts this into three chunks
@@ -141,3 +142,33 @@ async def test_first_chunks_of_streams_opened_together_share_a_batch(tiny_models
             worker.close_stream(stream)
     finally:
         await asyncio.to_thread(worker.stop)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "first_chunk"), [(ScheduleKind.EXPONENTIAL, 18), (ScheduleKind.EQUAL, 28)]
+)
+async def test_the_configured_schedule_cuts_the_chunks(
+    tiny_models: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    schedule: ScheduleKind,
+    first_chunk: int,
+) -> None:
+    chunk_tokens: list[int] = []
+    run_chunks = TorchToken2Wav.run_chunks
+
+    def recording(self: TorchToken2Wav, jobs: Sequence[ChunkJob]) -> list[torch.Tensor]:
+        chunk_tokens.extend(job.tokens.numel() for job in jobs)
+        return run_chunks(self, jobs)
+
+    monkeypatch.setattr(TorchToken2Wav, "run_chunks", recording)
+    config = ServiceConfig(models_dir=tiny_models, voices_dir=tmp_path, device="cpu", schedule=schedule)
+    runtime = Runtime(config)
+    await runtime.start()
+    try:
+        request = SpeechRequest("Hello there.", sampling=SamplingParams(seed=0, fixed_length=TOKENS))
+        async with runtime.speak(request) as session:
+            assert sum([chunk.pcm.size async for chunk in session]) == TOKENS * SAMPLES_PER_TOKEN
+    finally:
+        await runtime.stop(config.drain_timeout_s)
+    assert chunk_tokens[0] == first_chunk

@@ -52,10 +52,6 @@ def create_app(config: ServiceConfig, runtime: Runtime | None = None) -> Starlet
         return JSONResponse({"status": "starting"}, status_code=503)
 
     async def metrics(request: Request) -> Response:
-        if runtime.ready:
-            stats = runtime.stats()
-            runtime.metrics.active_streams.set(stats.active_streams)
-            runtime.metrics.queue_depth.set(stats.token2wav_queue)
         return Response(runtime.metrics.render(), media_type=runtime.metrics.content_type)
 
     routes: list[BaseRoute] = [

@@ -369,13 +369,12 @@ class Runtime:
         self,
         config: ServiceConfig,
         loader: Callable[[ServiceConfig], LoadedEngines] = load_engines,
-        metrics: Metrics | None = None,
     ) -> None:
         self.config = config
         self.voices = VoiceRegistry(
             config.voice_store, ModelPaths(config.models_dir).voices / "default.safetensors"
         )
-        self.metrics = metrics or Metrics()
+        self.metrics = Metrics()
         self._loader = loader
         self._engines: LoadedEngines | None = None
         self._worker: Token2WavWorker | None = None
@@ -385,6 +384,9 @@ class Runtime:
         self._idle = asyncio.Event()
         self._idle.set()
         self._accepting = False
+        # Read when scraped rather than kept in step by hand.
+        self.metrics.active_streams.set_function(lambda: len(self._sessions))
+        self.metrics.queue_depth.set_function(lambda: 0 if self._worker is None else self._worker.queue_depth)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -497,7 +499,7 @@ class Runtime:
             request,
             voice,
             segments,
-            _Engines(engines.llm, worker, self.metrics),
+            _Engines(engines.llm, worker),
             self.metrics,
             self.config.chunk_queue,
             on_close=release,
@@ -523,12 +525,6 @@ class Runtime:
 
     def _segments(self, text: str) -> list[Segment]:
         """`text` cut into LLM requests, or ServiceError (`text_too_long`, `empty_text`, ...)."""
-        if len(text) > self.config.max_text_chars:
-            raise ServiceError(
-                "text_too_long",
-                f"the text has {len(text)} characters; the limit is {self.config.max_text_chars}",
-                400,
-            )
         engines, _ = self._running()
         try:
             pieces = engines.text.split_segments(text, SEGMENT_TOKENS)
@@ -582,7 +578,6 @@ class Runtime:
             worker.close_stream(stream)
 
     def _track_sessions(self) -> None:
-        self.metrics.active_streams.set(len(self._sessions))
         if self._sessions:
             self._idle.clear()
         else:
@@ -629,11 +624,10 @@ class Runtime:
 
 @dataclass(frozen=True)
 class _Engines:
-    """The `session.Engines` a session sees: the LLM and the token2wav worker, with queue metrics."""
+    """The `session.Engines` a session sees: the LLM and the token2wav worker."""
 
     llm: LLMEngine
     worker: Token2WavWorker
-    metrics: Metrics
 
     def submit_llm(self, request: LLMRequest) -> TokenStream:
         return self.llm.submit(request)
@@ -644,11 +638,7 @@ class _Engines:
     async def synthesize(
         self, stream: Token2WavStream, tokens: Sequence[int], last: bool, due: float
     ) -> np.ndarray:
-        self.metrics.queue_depth.set(self.worker.queue_depth + 1)
-        try:
-            return await self.worker.synthesize(stream, tokens, last, due)
-        finally:
-            self.metrics.queue_depth.set(self.worker.queue_depth)
+        return await self.worker.synthesize(stream, tokens, last, due)
 
     def close_stream(self, stream: Token2WavStream) -> None:
         self.worker.close_stream(stream)

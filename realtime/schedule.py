@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
-from engines.config import PRE_LOOKAHEAD, TOKEN_RATE_HZ
+from engines.config import PRE_LOOKAHEAD
 
 
 class ScheduleKind(enum.Enum):
@@ -133,18 +133,12 @@ class Chunk:
         """Tokens this chunk moves the offset by (the lookahead of a non-final chunk is not consumed)."""
         return self.end - self.start if self.last else self.end - self.start - PRE_LOOKAHEAD
 
-    @property
-    def duration_s(self) -> float:
-        """Seconds of speech this chunk accounts for."""
-        return self.consumed / TOKEN_RATE_HZ
-
 
 class ChunkScheduler:
     """Applies a hop policy to one growing token sequence."""
 
-    def __init__(self, policy: HopPolicy, lookahead: int = PRE_LOOKAHEAD) -> None:
+    def __init__(self, policy: HopPolicy) -> None:
         self._policy = policy
-        self._lookahead = lookahead
         self._offset = 0
         self._index = 0
         self._finished = False
@@ -161,7 +155,7 @@ class ChunkScheduler:
 
     def tokens_wanted(self, progress: Progress | None = None) -> int:
         """Tokens in all (consumed ones included) that the next chunk needs before it is due."""
-        return self._offset + self._policy.hop(self._index, progress or Progress()) + self._lookahead
+        return self._offset + self._policy.hop(self._index, progress or Progress()) + PRE_LOOKAHEAD
 
     def next_chunk(self, available: int, ended: bool, progress: Progress | None = None) -> Chunk | None:
         """The chunk due with `available` tokens known, or None if more tokens are needed.
@@ -177,8 +171,8 @@ class ChunkScheduler:
         if hop < 1:
             raise ValueError(f"hop policy returned {hop} for chunk {self._index}")
         pending = available - self._offset
-        if pending >= hop + self._lookahead and not (ended and pending == hop + self._lookahead):
-            chunk = Chunk(self._index, self._offset, self._offset + hop + self._lookahead, last=False)
+        if pending >= hop + PRE_LOOKAHEAD and not (ended and pending == hop + PRE_LOOKAHEAD):
+            chunk = Chunk(self._index, self._offset, self._offset + hop + PRE_LOOKAHEAD, last=False)
             self._offset += hop
         elif ended:
             chunk = Chunk(self._index, self._offset, available, last=True)

@@ -78,12 +78,17 @@ class Resampler:
         return _frames_to_array(self._resampler.resample(None))
 
 
+# Speech speeds the service offers (a request's `speed`); atempo handles them in at most two stages.
+MIN_SPEED = 0.25
+MAX_SPEED = 4.0
+
+
 class TempoStretcher:
     """Stateful speed change without a pitch change (ffmpeg `atempo`), for 24 kHz float32 audio."""
 
     def __init__(self, speed: float) -> None:
-        if not 0.25 <= speed <= 4.0:
-            raise ValueError(f"speed must be in [0.25, 4], got {speed}")
+        if not MIN_SPEED <= speed <= MAX_SPEED:
+            raise ValueError(f"speed must be in [{MIN_SPEED}, {MAX_SPEED:g}], got {speed}")
         # One atempo stage handles factors >= 0.5; slower speeds chain two.
         factors = [speed] if speed >= 0.5 else [0.5, speed / 0.5]
         self._graph = av.filter.Graph()

@@ -35,14 +35,12 @@ from engines.config import SAMPLE_RATE, TOKEN_RATE_HZ
 from engines.errors import CodedError
 from engines.llm.base import LLMError, LLMRequest, SamplingParams, TokenStream
 from engines.token2wav.base import SpeakerState, Token2WavStream
-from realtime.audio import TempoStretcher
+from realtime.audio import MAX_SPEED, MIN_SPEED, TempoStretcher
 from realtime.metrics import Metrics
 from realtime.schedule import ChunkScheduler, Progress, ScheduleKind, chunk_due, make_policy
 
 logger = logging.getLogger(__name__)
 
-MIN_SPEED = 0.25
-MAX_SPEED = 4.0
 # A rough speaking rate (about 15 characters per second), only used to spread word timings inside a
 # segment before its real length is known.
 SPEECH_SECONDS_PER_CHAR = 0.065

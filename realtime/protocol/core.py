@@ -57,7 +57,7 @@ from typing import Any, Protocol
 
 from engines.errors import CodedError
 from engines.text import StreamingSentenceSplitter
-from realtime.audio import SUPPORTED_RATES, Encoding
+from realtime.audio import MAX_SPEED, MIN_SPEED, SUPPORTED_RATES, Encoding
 from realtime.session import WordTiming
 
 AUDIO_FRAME_KIND = 0x01
@@ -280,10 +280,9 @@ class AgentProtocol:
             )
         if not self._voice_exists(command.voice):
             raise ProtocolError("voice_not_found", f"there is no voice {command.voice!r}", cid)
-        if not 0.25 <= command.speed <= 4.0:
-            raise ProtocolError(
-                "invalid_speed", f"speed must be between 0.25 and 4, got {command.speed}", cid
-            )
+        if not MIN_SPEED <= command.speed <= MAX_SPEED:
+            message = f"speed must be between {MIN_SPEED} and {MAX_SPEED:g}, got {command.speed}"
+            raise ProtocolError("invalid_speed", message, cid)
         self._contexts[cid] = _Context(command, StreamingSentenceSplitter(self._limits.sentence_max_chars))
         return []
 

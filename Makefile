@@ -1,5 +1,12 @@
 # The two entry points the README documents: `make serve` and `make test`.
-PYTHON ?= python3
+VENV := .venv
+# A distribution's own Python refuses pip installs (PEP 668, EXTERNALLY-MANAGED): there the project gets
+# its own virtual environment in $(VENV); any other python3 (a venv, pyenv, a container's) is used as is.
+ifndef PYTHON
+PYTHON := $(shell python3 -c "import os, sys, sysconfig; managed = os.path.exists(os.path.join(\
+	sysconfig.get_path('stdlib'), 'EXTERNALLY-MANAGED')) and sys.prefix == sys.base_prefix; \
+	print('$(VENV)/bin/python' if managed else 'python3')")
+endif
 PIP := $(PYTHON) -m pip
 HOST ?= 127.0.0.1
 PORT ?= 8080
@@ -8,13 +15,18 @@ SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 .PHONY: install install-test chromium serve test lint
 
 # torch first: an explicit pin keeps pip from replacing an installed build with another one.
-install:
+install: $(if $(filter $(VENV)/bin/python,$(PYTHON)),$(VENV)/bin/python)
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q "torch==2.13.0"
 	$(PIP) install -q -e .
 
 install-test: install
 	$(PIP) install -q -e ".[test]"
 	@command -v chromium >/dev/null || $(MAKE) --no-print-directory chromium
+
+# Debian ships venv's ensurepip separately (python3-venv).
+$(VENV)/bin/python:
+	python3 -m venv $(VENV) || { $(SUDO) apt-get update -qq && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv && python3 -m venv $(VENV); }
 
 # The browser test drives Debian's chromium package (as root, or through sudo).
 chromium:

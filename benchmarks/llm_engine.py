@@ -27,11 +27,11 @@ import torch
 # The engine package comes from PYTHONPATH when set (so another checkout can be measured), else this repo.
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
+from engines.config import SPEECH_CODEBOOK  # noqa: E402
 from engines.llm.base import LLMRequest, SamplingParams  # noqa: E402
 from engines.llm.torch_engine import TorchLLMEngine  # noqa: E402
 
 TEXT_VOCAB_USED = 2000  # text ids are drawn below this (valid in the tiny test vocabulary too)
-SPEECH_CODEBOOK = 6561
 FIRST_AUDIO_TOKENS = 18
 
 

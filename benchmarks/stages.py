@@ -28,7 +28,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engines.build.synthetic import build_random  # noqa: E402
-from engines.config import SAMPLE_RATE, ModelPaths, read_manifest  # noqa: E402
+from engines.config import (  # noqa: E402
+    SAMPLE_RATE,
+    SAMPLES_PER_TOKEN,
+    SPEECH_CODEBOOK,
+    TOKEN_RATE_HZ,
+    ModelPaths,
+    read_manifest,
+)
 from engines.llm.base import LLMRequest, SamplingParams  # noqa: E402
 from engines.llm.torch_engine import TorchLLMEngine  # noqa: E402
 from engines.text import TextFrontend  # noqa: E402
@@ -141,9 +148,9 @@ def main() -> None:
     timer.add("LLM first token (prefill)", ttft, f"prompt {len(request.prompt_speech_tokens)} speech tokens")
     timer.add("LLM per decode step", (total - ttft) / max(1, count - 1), f"batch 1, {count} tokens")
     timer.add("LLM all tokens", total, f"{count / (total / 1000):.0f} tokens/s = "
-              f"{count / 25 / (total / 1000):.1f}x real time")
+              f"{count / TOKEN_RATE_HZ / (total / 1000):.1f}x real time")
 
-    tokens = torch.randint(0, 6561, (args.tokens,))
+    tokens = torch.randint(0, SPEECH_CODEBOOK, (args.tokens,))
 
     def stream_once() -> list[float]:
         scheduler = ChunkScheduler(make_policy(ScheduleKind.EXPONENTIAL))
@@ -163,10 +170,11 @@ def main() -> None:
     chunks = [statistics.median(c) for c in zip(*runs, strict=True)]
     for i, ms in enumerate(chunks):
         timer.add(f"token2wav chunk {i}", ms, "first chunk: 15+3 tokens" if i == 0 else "")
-    speed = args.tokens / 25 / (sum(chunks) / 1000)
+    speed = args.tokens / TOKEN_RATE_HZ / (sum(chunks) / 1000)
     timer.add("token2wav streaming total", sum(chunks), f"{speed:.1f}x real time")
     offline = statistics.median(repeat_ms(timer, lambda: t2w.offline(speaker, tokens), args.repeats))
-    timer.add("token2wav offline", offline, f"{args.tokens} tokens = {args.tokens * 960 / SAMPLE_RATE:.1f} s")
+    audio_s = args.tokens * SAMPLES_PER_TOKEN / SAMPLE_RATE
+    timer.add("token2wav offline", offline, f"{args.tokens} tokens = {audio_s:.1f} s")
     step = (total - ttft) / max(1, count - 1)
     timer.add("first audio (LLM 18 tokens + chunk 0)", ttft + 17 * step + chunks[0], "estimate, batch 1")
 

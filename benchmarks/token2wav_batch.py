@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engines.build.synthetic import build_random  # noqa: E402
-from engines.config import PRE_LOOKAHEAD, SAMPLE_RATE, TOKEN_RATE_HZ, ModelPaths  # noqa: E402
+from engines.config import PRE_LOOKAHEAD, SAMPLE_RATE, SPEECH_CODEBOOK, TOKEN_RATE_HZ, ModelPaths  # noqa: E402
 from engines.token2wav.base import ChunkJob, SpeakerState  # noqa: E402
 from engines.token2wav.flow_dit import DiTFlow  # noqa: E402
 from engines.token2wav.torch_backend import TorchToken2Wav  # noqa: E402
@@ -100,14 +100,12 @@ def main() -> None:
     models = args.models or Path(tempfile.gettempdir()) / f"cosyvoice-synthetic-{args.size}"
     if args.models is None:
         build_random(models, args.size)
-    t2w = TorchToken2Wav.from_models_dir(models, "dit", device)
-    if args.eager and isinstance(t2w.flow, DiTFlow):
-        t2w.flow.use_bucketed_solver(None)
-    if args.eager or args.eager_vocoder:
+    t2w = TorchToken2Wav.from_models_dir(models, "dit", device, cuda_graphs=not args.eager)
+    if args.eager_vocoder:
         t2w.vocoder_graphs = None
     speaker = t2w.prepare_speaker(VoicePrompt.load(ModelPaths(models).voices / "default.safetensors"))
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 6561, (sum(args.hops) + PRE_LOOKAHEAD,), generator=generator)
+    tokens = torch.randint(0, SPEECH_CODEBOOK, (sum(args.hops) + PRE_LOOKAHEAD,), generator=generator)
 
     began = time.perf_counter()
     t2w.warmup(speaker, batches=[1] if args.eager else args.batches)

@@ -250,7 +250,7 @@ class ConformerCache:
     @property
     def nbytes(self) -> int:
         tensors = (self.lookahead, self.upsample, self.token_kv, self.frame_kv)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.nbytes for t in tensors)
 
     def extend(self, newer: ConformerCache) -> ConformerCache:
         """`newer`'s conv contexts, with its keys/values appended after ours."""

@@ -59,10 +59,6 @@ NOISE_FRAMES = 30000  # 600 s at 50 Hz, the reference's noise buffer
 GUIDANCE_BATCH = 2  # conditional + unconditional rows of every estimator call
 
 
-def _nbytes(*tensors: torch.Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 @dataclass(frozen=True, eq=False)
 class DiTSpeaker(FlowSpeaker):
     """A voice's prompt state, shared read-only by its streams.
@@ -86,7 +82,7 @@ class DiTSpeaker(FlowSpeaker):
     @property
     def nbytes(self) -> int:
         tensors = (self.tokens, self.spks, self.prompt_mel, self.estimator_cnn, self.estimator_kv)
-        return _nbytes(*tensors) + self.encoder.nbytes
+        return sum(t.nbytes for t in tensors) + self.encoder.nbytes
 
 
 class DiTStream(FlowStream):
@@ -114,7 +110,7 @@ class DiTStream(FlowStream):
     def nbytes(self) -> int:
         if self.closed:
             return 0
-        return self.encoder.nbytes + _nbytes(self.estimator_cnn, self.estimator_kv)
+        return self.encoder.nbytes + self.estimator_cnn.nbytes + self.estimator_kv.nbytes
 
     def close(self) -> None:
         if self.closed:

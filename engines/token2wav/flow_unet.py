@@ -47,7 +47,7 @@ class UNetSpeaker(FlowSpeaker):
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.tokens, self.spks, self.prompt_mel))
+        return sum(t.nbytes for t in (self.tokens, self.spks, self.prompt_mel))
 
 
 class UNetStream(FlowStream):
@@ -60,7 +60,7 @@ class UNetStream(FlowStream):
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.closed else self.tokens.numel() * self.tokens.element_size()
+        return 0 if self.closed else self.tokens.nbytes
 
     def close(self) -> None:
         if not self.closed:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -41,6 +41,10 @@ logger = logging.getLogger(__name__)
 ShapeT = TypeVar("ShapeT")
 InputsT = TypeVar("InputsT")
 OutputsT = TypeVar("OutputsT")
+
+
+class TensorSource(Protocol):
+    def __call__(self, name: str, size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,14 @@ class SolverLayout:
             "own_kv": ((*lead, 2 * b, self.heads, shape.own_frames, kv), self.dtype),
             "mask": ((2 * b, shape.prompt_frames + shape.own_frames + shape.frames), torch.bool),
         }
+
+    def inputs(self, shape: SolveShape, tensor: TensorSource) -> RaggedInputs:
+        specs = self.input_specs(shape)
+        return RaggedInputs(**{name: tensor(f"in.{name}", *spec) for name, spec in specs.items()})
+
+    def outputs(self, shape: SolveShape, tensor: TensorSource) -> RaggedOutputs:
+        specs = self.output_specs(shape)
+        return RaggedOutputs(**{name: tensor(f"out.{name}", *spec) for name, spec in specs.items()})
 
     def output_specs(self, shape: SolveShape) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         b, lead = shape.batch, (self.steps, self.depth)
@@ -139,8 +151,7 @@ class EagerSolver(_EagerCalls[SolveShape, RaggedInputs, RaggedOutputs]):
         self.layout = layout
 
     def _inputs(self, shape: SolveShape) -> RaggedInputs:
-        specs = self.layout.input_specs(shape)
-        return RaggedInputs(**{name: self._zeros(name, *spec) for name, spec in specs.items()})
+        return self.layout.inputs(shape, self._zeros)
 
     def _compute(self, shape: SolveShape, inputs: RaggedInputs) -> RaggedOutputs:
         return self.cfm.solve_ragged(inputs, self.layout.recent_frames(shape))
@@ -176,6 +187,7 @@ class _ShapeGraphs(Generic[ShapeT, InputsT, OutputsT]):
     def __init__(self, device: torch.device) -> None:
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
+        self.device = device
         self._pool = torch.cuda.graph_pool_handle()
         self._arena = _Arena(device)
         self._graphs: dict[ShapeT, _Graph[InputsT, OutputsT]] = {}
@@ -214,8 +226,8 @@ class GraphedSolver(_ShapeGraphs[SolveShape, RaggedInputs, RaggedOutputs]):
         self._conditioning: list[Any] | None = None
 
     def _capture(self, shape: SolveShape) -> _Graph[RaggedInputs, RaggedOutputs]:
-        inputs = RaggedInputs(**dict(self._views("in", self.layout.input_specs(shape))))
-        outputs = RaggedOutputs(**dict(self._views("out", self.layout.output_specs(shape))))
+        inputs = self.layout.inputs(shape, self._arena.view)
+        outputs = self.layout.outputs(shape, self._arena.view)
         # Valid rows for the warm-up run: one real frame, which attends to itself.
         inputs.lengths.fill_(1)
         inputs.mask.fill_(True)
@@ -227,11 +239,6 @@ class GraphedSolver(_ShapeGraphs[SolveShape, RaggedInputs, RaggedOutputs]):
                         self._pool, self.layout.device)
         logger.info("captured token2wav solve graph %s", shape)
         return _Graph(graph, inputs, outputs)
-
-    def _views(self, role: str, specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
-               ) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, (size, dtype) in specs.items():
-            yield name, self._arena.view(f"{role}.{name}", size, dtype)
 
 
 def capture_graph(fn: Callable[[], object], pool: Any, device: torch.device) -> torch.cuda.CUDAGraph:
@@ -315,10 +322,6 @@ class EncoderRunner(Protocol):
         ...
 
 
-class TensorSource(Protocol):
-    def __call__(self, name: str, size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
-
-
 class EagerEncoder(_EagerCalls[EncodeShape, EncoderInputs, EncoderOutputs]):
     """The encoder, eagerly at the exact shape (padding rows of one token, as the graphs')."""
 
@@ -371,16 +374,14 @@ class VocodeShape:
     cached: int
 
 
-@dataclass
-class _VocoderGraph:
-    graph: torch.cuda.CUDAGraph
+@dataclass(frozen=True)
+class _VocoderInputs:
     mel: torch.Tensor
     cache: tuple[torch.Tensor, torch.Tensor] | None  # source samples and sine phases
     noise: torch.Tensor
-    out: Vocoded
 
 
-class GraphedVocoder:
+class GraphedVocoder(_ShapeGraphs[VocodeShape, _VocoderInputs, Vocoded]):
     """`HiFTGenerator.vocode_with_noise` from CUDA graphs for chunk shapes in `chunks`, eager otherwise.
 
     chunks: (mel frames, cached source samples) pairs to serve from graphs, e.g. a first chunk of 30
@@ -391,19 +392,10 @@ class GraphedVocoder:
     def __init__(
         self, hift: HiFTGenerator, chunks: Iterable[tuple[int, int]], batches: tuple[int, ...]
     ) -> None:
+        super().__init__(hift.stft_window.device)
         self.hift = hift
-        self.device = hift.stft_window.device
-        if self.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
         self.chunks = frozenset(chunks)
         self.batches = batches
-        self._pool = torch.cuda.graph_pool_handle()
-        self._arena = _Arena(self.device)
-        self._graphs: dict[VocodeShape, _VocoderGraph] = {}
-
-    @property
-    def shapes(self) -> list[VocodeShape]:
-        return list(self._graphs)
 
     def vocode(self, mel: torch.Tensor, cache_source: torch.Tensor | None, cache_phase: torch.Tensor | None,
                noise: torch.Tensor) -> Vocoded:
@@ -413,24 +405,17 @@ class GraphedVocoder:
         batch = round_up(rows, self.batches)
         if batch is None or (frames, cached) not in self.chunks or (cached and cache is None):
             return self.hift.vocode_with_noise(mel, cache_source, cache_phase, noise)
-        entry = self._graph(VocodeShape(batch, frames, cached))
-        entry.mel[:rows].copy_(mel)
-        entry.noise[:rows].copy_(noise)
-        if entry.cache is not None and cache is not None:
-            for target, value in zip(entry.cache, cache, strict=True):
+        shape = VocodeShape(batch, frames, cached)
+        inputs = self.buffers(shape)
+        inputs.mel[:rows].copy_(mel)
+        inputs.noise[:rows].copy_(noise)
+        if inputs.cache is not None and cache is not None:
+            for target, value in zip(inputs.cache, cache, strict=True):
                 target[:rows].copy_(value)
-        entry.graph.replay()
-        out = entry.out
+        out = self.run(shape)
         return Vocoded(out.speech[:rows].clone(), out.source[:rows].clone(), out.end_phase[:rows].clone())
 
-    def _graph(self, shape: VocodeShape) -> _VocoderGraph:
-        entry = self._graphs.get(shape)
-        if entry is None:
-            entry = self._capture(shape)
-            self._graphs[shape] = entry
-        return entry
-
-    def _capture(self, shape: VocodeShape) -> _VocoderGraph:
+    def _capture(self, shape: VocodeShape) -> _Graph[_VocoderInputs, Vocoded]:
         hift, b, f32 = self.hift, shape.batch, torch.float32
         samples = shape.frames * hift.hop_samples
         mel = self._arena.view("mel", (b, hift.cfg.in_channels, shape.frames), f32)
@@ -451,5 +436,5 @@ class GraphedVocoder:
 
         graph = capture_graph(run, self._pool, self.device)
         logger.info("captured HiFT graph %s", shape)
-        return _VocoderGraph(graph, mel, cache, noise, out)
+        return _Graph(graph, _VocoderInputs(mel, cache, noise), out)
 

@@ -355,7 +355,7 @@ class HiFTStream:
     @property
     def nbytes(self) -> int:
         cached = (self._mel, self._source, self._phase, self._speech_tail)
-        return sum(t.numel() * t.element_size() for t in cached if t is not None)
+        return sum(t.nbytes for t in cached if t is not None)
 
     @torch.inference_mode()
     def process(self, mel: Tensor, last: bool) -> Tensor:

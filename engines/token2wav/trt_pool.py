@@ -356,7 +356,8 @@ class TrtToken2Wav(TorchToken2Wav):
     """`TorchToken2Wav` whose DiT flow estimates with TensorRT; a batch's chunks run concurrently."""
 
     def __init__(self, flow: DiTFlow, hift: HiFTGenerator, workers: int) -> None:
-        super().__init__(flow, hift, name="tensorrt-dit")
+        # No HiFT graphs: chunks run on several threads, and graphs replay from shared buffers.
+        super().__init__(flow, hift, name="tensorrt-dit", cuda_graphs=False)
         self._workers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="token2wav-trt")
 
     def run_chunks(self, jobs: Sequence[ChunkJob]) -> list[torch.Tensor]:

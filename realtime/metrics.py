@@ -126,6 +126,8 @@ class _LLMCollector(Collector):
                                 value=stats.waiting)
         yield GaugeMetricFamily("tts_llm_kv_tokens_used", "KV cache positions in use",
                                 value=stats.kv_tokens_used)
+        yield GaugeMetricFamily("tts_llm_kv_tokens_total", "KV cache positions the engine holds",
+                                value=stats.kv_tokens_total)
         yield CounterMetricFamily("tts_llm_steps", "LLM engine steps (batched decode and/or prefill)",
                                   value=stats.steps)
         yield CounterMetricFamily("tts_llm_step_seconds", "Wall time of the LLM engine's steps",

@@ -19,7 +19,6 @@ QWEN2_SPLIT_PATTERN = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 QWEN2_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json")
 
 CORPUS = """\
 The quick brown fox jumps over the lazy dog while the morning sun rises above the quiet hills.

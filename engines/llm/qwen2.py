@@ -150,8 +150,8 @@ def rope_tables(positions: Tensor, head_dim: int, theta: float, dtype: torch.dty
     exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
     inv_freq = 1.0 / (theta**exponents)
     angles = positions.float().unsqueeze(-1) * inv_freq  # [B, T, head_dim / 2]
-    sin = angles.sin()
-    cos = torch.cat((angles.cos(), angles.cos()), dim=-1).unsqueeze(2)
+    sin, cos = angles.sin(), angles.cos()
+    cos = torch.cat((cos, cos), dim=-1).unsqueeze(2)
     return cos.to(dtype), torch.cat((-sin, sin), dim=-1).unsqueeze(2).to(dtype)
 
 

@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -84,33 +84,33 @@ class TorchLLMConfig:
             raise ValueError(f"prefill_tokens {self.prefill_tokens} must hold one chunk of "
                              f"{self.prefill_lengths[-1]}")
 
-    @property
+    @cached_property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
 
-    @property
+    @cached_property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return _DTYPES[self.dtype]
 
-    @property
+    @cached_property
     def batch_sizes(self) -> tuple[int, ...]:
         """Decode batch sizes, ascending; the largest is `max_slots`."""
         return tuple(sorted({b for b in self.decode_buckets if b < self.max_slots} | {self.max_slots}))
 
-    @property
+    @cached_property
     def kv_lengths(self) -> tuple[int, ...]:
         """Cache prefixes attention reads, ascending; the largest is `max_context`."""
         return _doubling(self.min_kv_bucket, self.max_context)
 
-    @property
+    @cached_property
     def prefill_lengths(self) -> tuple[int, ...]:
         """Padded prefill chunk lengths, ascending; the largest is `prefill_chunk`."""
         step = self.prefill_length_step
         return (*range(step, self.prefill_chunk, step), self.prefill_chunk)
 
-    @property
+    @cached_property
     def prefill_shapes(self) -> tuple[tuple[int, int], ...]:
         """(rows, chunk length) of every prefill call: the padded positions stay within `prefill_tokens`."""
         return tuple((rows, length) for rows in sorted(set(self.prefill_rows))
@@ -395,8 +395,6 @@ class TorchLLMEngine(LLMEngine):
         self._stopping = False
         self._stop_tokens: frozenset[int] = frozenset()
         self._state = _EngineState(slots=[None] * config.max_slots, free=list(range(config.max_slots)))
-        self._active = 0
-        self._kv_used = 0
         self._steps = 0
         self._step_seconds = 0.0
 
@@ -447,11 +445,12 @@ class TorchLLMEngine(LLMEngine):
         return seq.stream
 
     def stats(self) -> LLMStats:
+        held = list(self._state.held())  # a snapshot of the engine thread's slots, read when asked
         return LLMStats(
             max_slots=self.config.max_slots,
-            active=self._active,
+            active=len(held),
             waiting=len(self._waiting),
-            kv_tokens_used=self._kv_used,
+            kv_tokens_used=sum(seq.kv_tokens for seq in held),
             kv_tokens_total=self.config.max_slots * self.config.max_context,
             steps=self._steps,
             step_seconds=self._step_seconds,
@@ -545,8 +544,6 @@ class TorchLLMEngine(LLMEngine):
         previous, self._state.in_flight = self._state.in_flight, launch
         if previous is not None:
             self._complete(previous)
-        self._active = sum(1 for _ in self._state.held())
-        self._kv_used = sum(seq.kv_tokens for seq in self._state.held())
 
     def _drain_cancellations(self) -> None:
         while self._cancelled:
@@ -720,5 +717,4 @@ class TorchLLMEngine(LLMEngine):
         self._state.in_flight = None
         assert self._runner is not None
         self._runner.synchronize()  # nothing may still run on the device once the engine is stopped
-        self._active = self._kv_used = 0
         self._flush()

@@ -1,8 +1,8 @@
 """Load benchmark: N concurrent agents' websocket streams against a server, measured on the client.
 
-Each stream opens its own socket (as a voice agent does), starts a context with a fixed number of
-speech tokens per sentence (synthetic weights never stop on their own), sends one text and waits for
-`done`. Per stream we record when the request went out, when each audio frame arrived and how much
+Each stream has its own socket (as a voice agent does; all are open before the clock starts), starts
+a context with a fixed number of speech tokens per sentence (synthetic weights never stop on their own),
+sends one text and waits for `done`; all streams of a level start in the same instant. Per stream we record when the request went out, when each audio frame arrived and how much
 audio it carried; a simulated player starts at the first byte and plays in real time, so an underrun
 is the player catching up with the received audio before the end.
 
@@ -31,6 +31,7 @@ from pathlib import Path
 
 import httpx
 import websockets
+from websockets.asyncio.client import ClientConnection
 from prometheus_client.parser import text_string_to_metric_families
 
 from realtime.protocol.core import parse_audio_frame
@@ -140,43 +141,67 @@ class Player:
         self.buffered_s += seconds
 
 
-async def run_stream(url: str, index: int, tokens: int, voice: str) -> StreamResult:
+async def run_stream(ws: ClientConnection, index: int, tokens: int, voice: str) -> StreamResult:
+    """Speak one text on an open socket and measure it."""
     result = StreamResult()
     context = f"s{index}"
     player = Player()
     try:
-        async with websockets.connect(url, max_size=None, open_timeout=30) as ws:
-            await ws.send(json.dumps({"type": "start", "context_id": context, "voice": voice,
-                                      "sample_rate": SAMPLE_RATE, "encoding": "pcm_s16le",
-                                      "fixed_length": tokens, "seed": index}))
-            sent = time.perf_counter()
-            text = TEXTS[index % len(TEXTS)]
-            await ws.send(json.dumps({"type": "text", "context_id": context, "text": text}))
-            await ws.send(json.dumps({"type": "end", "context_id": context}))
-            async for frame in ws:
-                now = time.perf_counter()
-                if isinstance(frame, bytes):
-                    _, _, payload = parse_audio_frame(frame)
-                    seconds = len(payload) / BYTES_PER_SAMPLE / SAMPLE_RATE
-                    if math.isnan(result.first_chunk_s) and payload:
-                        result.first_chunk_s = now - sent
-                    if payload:
-                        player.receive(now, seconds)
-                    result.audio_s += seconds
-                    continue
-                event = json.loads(frame)
-                if event["type"] == "error":
-                    result.error = event.get("code", "error")
-                    break
-                if event["type"] == "done":
-                    result.total_s = now - sent
-                    break
-            await ws.send(json.dumps({"type": "close"}))
+        await ws.send(json.dumps({"type": "start", "context_id": context, "voice": voice,
+                                  "sample_rate": SAMPLE_RATE, "encoding": "pcm_s16le",
+                                  "fixed_length": tokens, "seed": index}))
+        sent = time.perf_counter()
+        text = TEXTS[index % len(TEXTS)]
+        await ws.send(json.dumps({"type": "text", "context_id": context, "text": text}))
+        await ws.send(json.dumps({"type": "end", "context_id": context}))
+        async for frame in ws:
+            now = time.perf_counter()
+            if isinstance(frame, bytes):
+                _, _, payload = parse_audio_frame(frame)
+                seconds = len(payload) / BYTES_PER_SAMPLE / SAMPLE_RATE
+                if math.isnan(result.first_chunk_s) and payload:
+                    result.first_chunk_s = now - sent
+                if payload:
+                    player.receive(now, seconds)
+                result.audio_s += seconds
+                continue
+            event = json.loads(frame)
+            if event["type"] == "error":
+                result.error = event.get("code", "error")
+                break
+            if event["type"] == "done":
+                result.total_s = now - sent
+                break
+        await ws.send(json.dumps({"type": "close"}))
     except (TimeoutError, OSError, websockets.WebSocketException) as exc:
         result.error = type(exc).__name__
     result.underruns = player.underruns
     result.stall_s = player.stall_s
     return result
+
+
+async def run_streams(url: str, streams: int, tokens: int, voice: str) -> list[StreamResult]:
+    """Open every socket first, then start all streams in the same instant.
+
+    Voice agents keep their socket open across utterances, so the handshakes are not part of a
+    request's latency (and would otherwise load the server while the first streams are timed).
+    """
+    sockets = await asyncio.gather(
+        *(websockets.connect(url, max_size=None, open_timeout=30) for _ in range(streams)),
+        return_exceptions=True,
+    )
+    try:
+        return list(await asyncio.gather(*(
+            run_stream(ws, i, tokens, voice) if isinstance(ws, ClientConnection) else _failed(ws)
+            for i, ws in enumerate(sockets)
+        )))
+    finally:
+        await asyncio.gather(*(ws.close() for ws in sockets if isinstance(ws, ClientConnection)),
+                             return_exceptions=True)
+
+
+async def _failed(error: BaseException) -> StreamResult:
+    return StreamResult(error=type(error).__name__)
 
 
 async def scrape(http_url: str) -> dict[str, float]:
@@ -194,7 +219,7 @@ async def run_level(url: str, streams: int, tokens: int, voice: str) -> LevelRes
     http_url = url.replace("ws://", "http://").replace("wss://", "https://").rsplit("/v1/", 1)[0]
     before = await scrape(http_url)
     start = time.perf_counter()
-    results = await asyncio.gather(*(run_stream(url, i, tokens, voice) for i in range(streams)))
+    results = await run_streams(url, streams, tokens, voice)
     wall = time.perf_counter() - start
     ok = [r for r in results if r.error is None and not math.isnan(r.total_s)]
     firsts = [r.first_chunk_s * 1000 for r in ok]

@@ -116,13 +116,13 @@ class TokenStream(AsyncIterator[list[int]], abc.ABC):
 class QueuedTokenStream(TokenStream):
     """A `TokenStream` an engine thread feeds through the event loop.
 
-    Every method runs on the event loop thread: the engine hands tokens over with
-    `loop.call_soon_threadsafe(stream.deliver, ...)`. `on_cancel(stream)` runs once when the consumer
-    cancels before the stream finished; the engine then frees the request. Deliveries after the end
-    (done, or cancelled) are dropped. `wanted` is what the consumer last asked for with `want` (the
-    engine thread reads it); `on_want()` tells the engine it went up. A paced consumer is woken once
-    its wanted tokens are in, not for every token: with many streams that spares the loop a task
-    switch per stream and decode step.
+    Every method runs on the event loop thread: the engine thread hands tokens over with
+    `deliver_threadsafe`. `on_cancel(stream)` runs once when the consumer cancels before the stream
+    finished; the engine then frees the request. Deliveries after the end (done, or cancelled) are
+    dropped. `wanted` is what the consumer last asked for with `want` (the engine thread reads it);
+    `on_want()` tells the engine it went up. A paced consumer is woken once its wanted tokens are in,
+    not for every token: with many streams that spares the loop a task switch per stream and decode
+    step.
     """
 
     def __init__(self, request_id: str, on_cancel: Callable[[Self], None],
@@ -178,6 +178,25 @@ class QueuedTokenStream(TokenStream):
             error, self._error = self._error, None
             raise error
         raise StopAsyncIteration
+
+
+Delivery = tuple[QueuedTokenStream, list[int], bool, LLMError | None]
+"""`QueuedTokenStream.deliver`'s arguments, with the stream they are for."""
+
+
+def deliver_threadsafe(loop: asyncio.AbstractEventLoop | None, deliveries: Sequence[Delivery]) -> None:
+    """From an engine thread: `deliver` each of `deliveries` on `loop`, in one callback.
+
+    One callback per engine step rather than per stream keeps the loop's wake-ups down under load. A
+    loop that is not set or already closed gets nothing: no consumer is left to read the tokens.
+    """
+    if deliveries and loop is not None and not loop.is_closed():
+        loop.call_soon_threadsafe(_deliver_all, deliveries)
+
+
+def _deliver_all(deliveries: Sequence[Delivery]) -> None:
+    for stream, tokens, done, error in deliveries:
+        stream.deliver(tokens, done, error)
 
 
 class LLMEngine(abc.ABC):

@@ -39,7 +39,16 @@ import torch
 from torch import Tensor
 
 from engines.config import SPEECH_CODEBOOK, ModelPaths, configs_for_models_dir
-from engines.llm.base import LLMEngine, LLMError, LLMRequest, LLMStats, QueuedTokenStream, TokenStream
+from engines.llm.base import (
+    Delivery,
+    LLMEngine,
+    LLMError,
+    LLMRequest,
+    LLMStats,
+    QueuedTokenStream,
+    TokenStream,
+    deliver_threadsafe,
+)
 from engines.llm.model import CosyVoice2LM, load_llm, prompt_length
 from engines.llm.qwen2 import CacheBatch, KVCache
 from engines.llm.sampling import SamplingSlots
@@ -347,9 +356,6 @@ class _ModelRunner:
         self.sampled[rows] = tokens
 
 
-_Delivery = tuple[QueuedTokenStream, list[int], bool, LLMError | None]
-
-
 @dataclass
 class _EngineState:
     """What the engine thread owns: sequences by phase and the free slots."""
@@ -357,7 +363,7 @@ class _EngineState:
     slots: list[_Sequence | None]
     free: list[int]  # heap: the lowest free slot is taken first, which keeps decode batches small
     prefilling: collections.deque[_Sequence] = field(default_factory=collections.deque)
-    outbox: list[_Delivery] = field(default_factory=list)
+    outbox: list[Delivery] = field(default_factory=list)
     in_flight: _Launch | None = None  # the last step's calls, whose tokens are not read back yet
 
     def held(self) -> Iterator[_Sequence]:
@@ -485,11 +491,6 @@ class TorchLLMEngine(LLMEngine):
     def _cancel(self, stream: QueuedTokenStream) -> None:
         self._cancelled.append(stream)
         self._wake.set()
-
-    @staticmethod
-    def _deliver(deliveries: list[_Delivery]) -> None:
-        for stream, tokens, done, error in deliveries:
-            stream.deliver(tokens, done, error)
 
     # -- engine thread ---------------------------------------------------------------------------------
 
@@ -705,8 +706,7 @@ class TorchLLMEngine(LLMEngine):
 
     def _flush(self) -> None:
         outbox, self._state.outbox = self._state.outbox, []
-        if outbox and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._deliver, outbox)
+        deliver_threadsafe(self._loop, outbox)
 
     def _shut_down(self) -> None:
         stopped = LLMError("stopped", "the LLM engine stopped")

@@ -37,6 +37,7 @@ import torch
 
 from engines.config import ModelPaths
 from engines.llm.base import (
+    Delivery,
     LLMEngine,
     LLMError,
     LLMRequest,
@@ -44,6 +45,7 @@ from engines.llm.base import (
     QueuedTokenStream,
     SamplingParams,
     TokenStream,
+    deliver_threadsafe,
 )
 from engines.llm.hf_export import SpeechVocab, read_lm_head_bias
 
@@ -210,9 +212,6 @@ class _ExecutorStream(QueuedTokenStream):
         self.started = False  # a first response arrived (it is decoding, not waiting)
 
 
-_Delivery = tuple[_ExecutorStream, list[int], bool, "LLMError | None"]
-
-
 class TrtLlmEngine(LLMEngine):
     """`LLMEngine` over a TensorRT-LLM executor with in-flight batching and streaming responses.
 
@@ -231,7 +230,7 @@ class TrtLlmEngine(LLMEngine):
         self._executor: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()  # guards `_streams` (event loop and response thread)
+        self._lock = threading.Lock()  # guards `_streams` and their `started` (event loop, response thread)
         self._streams: dict[int, _ExecutorStream] = {}
         self._stopping = False
 
@@ -327,12 +326,6 @@ class TrtLlmEngine(LLMEngine):
                 return
         self._executor.cancel_request(stream.executor_id)
 
-    @staticmethod
-    def _deliver(deliveries: list[_Delivery]) -> None:
-        for stream, tokens, done, error in deliveries:
-            stream.started = True
-            stream.deliver(tokens, done, error)
-
     # -- response thread -------------------------------------------------------------------------------
 
     def _pump_responses(self) -> None:
@@ -344,19 +337,18 @@ class TrtLlmEngine(LLMEngine):
                 logger.exception("waiting for TensorRT-LLM responses failed")
                 self._fail_all()
                 return
-            deliveries = self._collect(responses)
-            if deliveries and self._loop is not None and not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(self._deliver, deliveries)
+            deliver_threadsafe(self._loop, self._collect(responses))
 
-    def _collect(self, responses: Sequence[Any]) -> list[_Delivery]:
+    def _collect(self, responses: Sequence[Any]) -> list[Delivery]:
         """Deliveries for `responses`; finished requests leave `_streams` here."""
-        deliveries: list[_Delivery] = []
+        deliveries: list[Delivery] = []
         stopped: list[int] = []
         with self._lock:
             for response in responses:
                 stream = self._streams.get(response.request_id)
                 if stream is None:  # cancelled by its consumer: nothing more to say
                     continue
+                stream.started = True
                 if response.has_error():
                     logger.error("TensorRT-LLM request %s failed: %s", stream.request_id, response.error_msg)
                     del self._streams[response.request_id]
@@ -378,6 +370,4 @@ class TrtLlmEngine(LLMEngine):
         with self._lock:
             streams, self._streams = list(self._streams.values()), {}
         failed = LLMError("engine_error", "the LLM engine failed")
-        deliveries: list[_Delivery] = [(stream, [], True, failed) for stream in streams]
-        if deliveries and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._deliver, deliveries)
+        deliver_threadsafe(self._loop, [(stream, [], True, failed) for stream in streams])

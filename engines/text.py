@@ -15,8 +15,12 @@ import logging
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engines.errors import CodedError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +74,20 @@ def split_sentences(text: str) -> list[str]:
     return [s.strip() for s in _cut_after(text, _SENTENCE_END) if s.strip()]
 
 
+def load_text_tokenizer(tokenizer_dir: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of a `CosyVoice-BlankEN` directory with CosyVoice2's special tokens added."""
+    from transformers import AutoTokenizer
+
+    tokenizer_dir = Path(tokenizer_dir)
+    if not tokenizer_dir.is_dir():
+        raise FileNotFoundError(f"tokenizer directory {tokenizer_dir} does not exist")
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer.add_special_tokens(
+        {"eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN, "additional_special_tokens": [*SPECIAL_TOKENS]}
+    )
+    return tokenizer
+
+
 class TextFrontend:
     """Tokenizer + normalisation + segmentation for one `CosyVoice-BlankEN` directory.
 
@@ -82,17 +100,9 @@ class TextFrontend:
         normalize: Normalizer = collapse_whitespace,
         max_text_chars: int = DEFAULT_MAX_TEXT_CHARS,
     ) -> None:
-        from transformers import AutoTokenizer
-
         if max_text_chars <= 0:
             raise ValueError(f"max_text_chars must be positive, got {max_text_chars}")
-        tokenizer_dir = Path(tokenizer_dir)
-        if not tokenizer_dir.is_dir():
-            raise FileNotFoundError(f"tokenizer directory {tokenizer_dir} does not exist")
-        self._tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-        self._tokenizer.add_special_tokens(
-            {"eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN, "additional_special_tokens": [*SPECIAL_TOKENS]}
-        )
+        self._tokenizer = load_text_tokenizer(tokenizer_dir)
         self._normalize = normalize
         self.max_text_chars = max_text_chars
         logger.info("text tokenizer %s: %d ids", tokenizer_dir, self.vocab_size)

@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 
 from engines.checkpoints import CheckpointError, describe_mismatch, load_checkpoint
 from engines.config import SPEECH_CODEBOOK, SPEECH_VOCAB, LLMConfig
+from engines.text import load_text_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -214,14 +215,7 @@ def generation_config(vocab: SpeechVocab) -> dict[str, object]:
 
 def export_tokenizer(tokenizer_dir: Path, out_dir: Path) -> SpeechVocab:
     """Save the text tokenizer extended with the speech and control tokens; returns the id layout."""
-    from transformers import AutoTokenizer
-
-    from engines.text import EOS_TOKEN, SPECIAL_TOKENS
-
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    tokenizer.add_special_tokens(
-        {"eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN, "additional_special_tokens": list(SPECIAL_TOKENS)}
-    )
+    tokenizer = load_text_tokenizer(tokenizer_dir)
     vocab = SpeechVocab(len(tokenizer))
     tokenizer.add_tokens([speech_token_name(code) for code in range(SPEECH_CODEBOOK)] + list(CONTROL_TOKENS))
     # The added tokens must land exactly on the layout the weights are written for.

@@ -26,10 +26,8 @@ from engines.build.manifest import check_manifest, remove_manifest, write_manife
 from engines.build.onnx_models import export_campplus, export_speech_tokenizer
 from engines.build.tokenizer import write_qwen2_tokenizer
 from engines.build.verify import (
-    BLANKEN_PREFIX,
     CAMPPLUS_INPUT_RANKS,
     CHECKPOINTS,
-    LLM_BACKBONE_PREFIX,
     SPEECH_TOKENIZER_INPUT_RANKS,
     CheckpointSpec,
     config_files,
@@ -41,6 +39,7 @@ from engines.build.verify import (
 )
 from engines.checkpoints import CheckpointError, load_checkpoint
 from engines.config import SAMPLE_RATE, ModelConfigs, ModelPaths, ModelSize
+from engines.llm.hf_export import hf_backbone_state
 from engines.voice import VoicePrompt
 
 logger = logging.getLogger(__name__)
@@ -211,12 +210,8 @@ def _write_tokenizer_dir(directory: Path, paths: ModelPaths, cfgs: ModelConfigs)
     num_ids = write_qwen2_tokenizer(directory, TOKENIZER_VOCAB, cfgs.llm.qwen.max_position_embeddings)
     eos_id = num_ids - 3  # `<|endoftext|>` is the first Qwen2 special token after the trained vocabulary
     (directory / "config.json").write_text(json.dumps(_qwen2_config(cfgs, eos_id), indent=2) + "\n")
-    llm_state = load_checkpoint(paths.llm)
-    backbone = {
-        BLANKEN_PREFIX + k[len(LLM_BACKBONE_PREFIX):]: v.to(torch.bfloat16).contiguous()
-        for k, v in llm_state.items()
-        if k.startswith(LLM_BACKBONE_PREFIX)
-    }
+    backbone = {name: tensor.to(torch.bfloat16).contiguous()
+                for name, tensor in hf_backbone_state(load_checkpoint(paths.llm)).items()}
     save_file(backbone, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 

@@ -83,10 +83,9 @@ CHECKPOINTS: tuple[CheckpointSpec, ...] = (
                    canonical=_hift_names),
 )
 
-# Released CosyVoice-BlankEN/model.safetensors = the LLM's Qwen2 backbone under `model.` (no lm_head).
+# Released CosyVoice-BlankEN/model.safetensors = the LLM's Qwen2 backbone under Hugging Face's names
+# (`hf_export.hf_backbone_state`; no lm_head).
 BLANKEN_TSV = "cosyvoice2-0.5b.CosyVoice-BlankEN.safetensors.tsv"
-LLM_BACKBONE_PREFIX = "llm.model.model."
-BLANKEN_PREFIX = "model."
 
 TOKENIZER_FILES = ("config.json", "vocab.json", "merges.txt", "tokenizer_config.json")
 

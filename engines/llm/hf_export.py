@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 
 from engines.checkpoints import CheckpointError, describe_mismatch, load_checkpoint
 from engines.config import SPEECH_CODEBOOK, SPEECH_VOCAB, LLMConfig
+from engines.llm.model import LLM_BACKBONE_PREFIX
 from engines.text import load_text_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,14 @@ CHAT_TEMPLATE = (
     "{%- elif message['role'] == 'assistant' %}{{- message['content'] }}{%- endif %}"
     "{%- endfor %}"
 )
-_BACKBONE_PREFIX = "llm.model.model."
+HF_BACKBONE_PREFIX = "model."  # where Hugging Face's Qwen2 keeps the backbone (as CosyVoice-BlankEN does)
+HF_EMBED_TOKENS = HF_BACKBONE_PREFIX + "embed_tokens.weight"
+
+
+def hf_backbone_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The Qwen2 backbone's tensors of an `llm.pt` state dict, under Hugging Face's names."""
+    return {HF_BACKBONE_PREFIX + name.removeprefix(LLM_BACKBONE_PREFIX): tensor
+            for name, tensor in state.items() if name.startswith(LLM_BACKBONE_PREFIX)}
 
 
 def speech_token_name(code: int) -> str:
@@ -139,13 +147,10 @@ def convert_state(
         )
     hidden = cfg.qwen.hidden_size
     offset, speech_end = vocab.text_vocab, vocab.text_vocab + SPEECH_VOCAB
-    out = {
-        "model." + name[len(_BACKBONE_PREFIX):]: tensor.float()
-        for name, tensor in state.items()
-        if name.startswith(_BACKBONE_PREFIX) and name != _BACKBONE_PREFIX + "embed_tokens.weight"
-    }
+    backbone = hf_backbone_state(state)
+    out = {name: tensor.float() for name, tensor in backbone.items() if name != HF_EMBED_TOKENS}
     embed = torch.zeros(vocab.padded_size, hidden)
-    embed[:offset] = state[_BACKBONE_PREFIX + "embed_tokens.weight"][:offset]
+    embed[:offset] = backbone[HF_EMBED_TOKENS][:offset]
     embed[offset:speech_end] = state["speech_embedding.weight"]
     embed[vocab.sos_id] = state["llm_embedding.weight"][cfg.sos_index]
     embed[vocab.task_id] = state["llm_embedding.weight"][cfg.task_id_index]
@@ -153,7 +158,7 @@ def convert_state(
     head_bias = torch.full((vocab.padded_size,), float("-inf"))
     head_weight[offset:speech_end] = state["llm_decoder.weight"]
     head_bias[offset:speech_end] = state["llm_decoder.bias"]
-    out["model.embed_tokens.weight"] = embed
+    out[HF_EMBED_TOKENS] = embed
     out["lm_head.weight"] = head_weight
     out[LM_HEAD_BIAS] = head_bias
     return out

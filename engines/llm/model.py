@@ -18,6 +18,9 @@ from engines.checkpoints import load_checkpoint, load_strict
 from engines.config import LLMConfig
 from engines.llm.qwen2 import CacheBatch, KVCache, Qwen2ForCausalLM, Qwen2Model
 
+# Where the Qwen2 backbone's tensors sit in `llm.pt` (and in `CosyVoice2LM`'s state dict).
+LLM_BACKBONE_PREFIX = "llm.model.model."
+
 
 class Qwen2Encoder(nn.Module):
     """Holds the causal LM as `model`, so the backbone's keys nest as `llm.model.model.*` (as in llm.pt)."""

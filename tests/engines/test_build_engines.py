@@ -20,15 +20,11 @@ from safetensors.torch import load_file
 from engines.build.download import COSYVOICE2, DownloadError, fetch, finalize_models_dir
 from engines.build.manifest import check_manifest
 from engines.build.synthetic import DEFAULT_VOICE_TEXT, build_random, voiced_clip
-from engines.build.verify import (
-    BLANKEN_PREFIX,
-    CHECKPOINTS,
-    LLM_BACKBONE_PREFIX,
-    verify_checkpoint,
-    verify_models_dir,
-)
+from engines.build.verify import CHECKPOINTS, verify_checkpoint, verify_models_dir
 from engines.checkpoints import CheckpointError, load_checkpoint, load_strict
 from engines.config import MANIFEST_NAME, ModelConfigs, ModelPaths, configs_for_models_dir
+from engines.llm.hf_export import HF_BACKBONE_PREFIX
+from engines.llm.model import LLM_BACKBONE_PREFIX
 from engines.text import TextFrontend
 from engines.voice import VoicePrompt
 
@@ -104,10 +100,11 @@ def test_llm_head_is_tied_and_blanken_holds_the_backbone(built: Path) -> None:
     assert torch.equal(llm["llm.model.lm_head.weight"], llm["llm.model.model.embed_tokens.weight"])
     blanken = load_file(str(paths.text_tokenizer / "model.safetensors"))
     backbone = {k[len(LLM_BACKBONE_PREFIX):]: v for k, v in llm.items() if k.startswith(LLM_BACKBONE_PREFIX)}
-    assert {k.removeprefix(BLANKEN_PREFIX) for k in blanken} == set(backbone)
+    assert {k.removeprefix(HF_BACKBONE_PREFIX) for k in blanken} == set(backbone)
     name = "embed_tokens.weight"
-    assert blanken[BLANKEN_PREFIX + name].dtype == torch.bfloat16
-    torch.testing.assert_close(blanken[BLANKEN_PREFIX + name].float(), backbone[name], atol=1e-2, rtol=1e-2)
+    assert blanken[HF_BACKBONE_PREFIX + name].dtype == torch.bfloat16
+    torch.testing.assert_close(blanken[HF_BACKBONE_PREFIX + name].float(), backbone[name], atol=1e-2,
+                               rtol=1e-2)
     config = json.loads((paths.text_tokenizer / "config.json").read_text())
     assert config["hidden_size"] == TINY.llm.qwen.hidden_size
     assert config["vocab_size"] == TINY.llm.qwen.vocab_size

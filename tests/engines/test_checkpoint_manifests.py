@@ -12,16 +12,11 @@ import pytest
 import torch
 from reference import REFERENCE_DIR
 
-from engines.build.verify import (
-    BLANKEN_PREFIX,
-    BLANKEN_TSV,
-    CHECKPOINTS,
-    LLM_BACKBONE_PREFIX,
-    CheckpointSpec,
-    meta_module,
-)
+from engines.build.verify import BLANKEN_TSV, CHECKPOINTS, CheckpointSpec, meta_module
 from engines.checkpoints import load_strict, read_manifest_tsv
 from engines.config import ModelConfigs
+from engines.llm.hf_export import HF_BACKBONE_PREFIX
+from engines.llm.model import LLM_BACKBONE_PREFIX
 
 HF_CONVERTED_TSV = "cosyvoice2-0.5b.llm.hf-converted.DERIVED.tsv"
 
@@ -45,7 +40,7 @@ def test_released_checkpoint_loads_strictly(spec: CheckpointSpec) -> None:
 def test_blanken_weights_are_the_llm_backbone() -> None:
     llm = next(spec for spec in CHECKPOINTS if spec.name == "llm")
     backbone = meta_module(llm, ModelConfigs.full()).get_submodule(LLM_BACKBONE_PREFIX.rstrip("."))
-    state = {name.removeprefix(BLANKEN_PREFIX): tensor
+    state = {name.removeprefix(HF_BACKBONE_PREFIX): tensor
              for name, tensor in _meta_state(REFERENCE_DIR / BLANKEN_TSV).items()}
     load_strict(backbone, state, BLANKEN_TSV)
 

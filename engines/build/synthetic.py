@@ -39,7 +39,7 @@ from engines.build.verify import (
 )
 from engines.checkpoints import CheckpointError, load_checkpoint
 from engines.config import SAMPLE_RATE, ModelConfigs, ModelPaths, ModelSize
-from engines.llm.hf_export import hf_backbone_state
+from engines.llm.hf_export import hf_backbone_state, qwen2_hf_config
 from engines.voice import VoicePrompt
 
 logger = logging.getLogger(__name__)
@@ -216,22 +216,11 @@ def _write_tokenizer_dir(directory: Path, paths: ModelPaths, cfgs: ModelConfigs)
 
 
 def _qwen2_config(cfgs: ModelConfigs, eos_id: int) -> dict[str, Any]:
-    qwen = cfgs.llm.qwen
+    """BlankEN's `config.json`: the plain Qwen2 LM, text vocabulary and tied head."""
     return {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "hidden_act": "silu",
-        "hidden_size": qwen.hidden_size,
-        "intermediate_size": qwen.intermediate_size,
-        "num_hidden_layers": qwen.num_layers,
-        "num_attention_heads": qwen.num_heads,
-        "num_key_value_heads": qwen.num_kv_heads,
-        "max_position_embeddings": qwen.max_position_embeddings,
-        "rms_norm_eps": qwen.rms_norm_eps,
-        "rope_theta": qwen.rope_theta,
-        "vocab_size": qwen.vocab_size,
+        **qwen2_hf_config(cfgs.llm.qwen),
+        "vocab_size": cfgs.llm.qwen.vocab_size,
         "tie_word_embeddings": True,
-        "use_sliding_window": False,
         "bos_token_id": eos_id,
         "eos_token_id": eos_id,
         "torch_dtype": "bfloat16",

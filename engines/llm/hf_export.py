@@ -33,7 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engines.checkpoints import CheckpointError, describe_mismatch, load_checkpoint
-from engines.config import SPEECH_CODEBOOK, SPEECH_VOCAB, LLMConfig
+from engines.config import SPEECH_CODEBOOK, SPEECH_VOCAB, LLMConfig, Qwen2Config
 from engines.llm.model import LLM_BACKBONE_PREFIX
 from engines.text import load_text_tokenizer
 
@@ -174,28 +174,36 @@ def _check_llm_state(state: Mapping[str, torch.Tensor], cfg: LLMConfig) -> None:
         raise CheckpointError(f"llm.pt does not match the LLM configuration:\n  {problem}")
 
 
-def hf_config(cfg: LLMConfig, vocab: SpeechVocab, dtype: torch.dtype) -> dict[str, object]:
-    """`config.json`, written with transformers 4.x key names (`rope_theta`, `torch_dtype`).
+def qwen2_hf_config(qwen: Qwen2Config) -> dict[str, object]:
+    """The architecture part of a Hugging Face Qwen2 `config.json`, with transformers 4.x key names
+    (`rope_theta`).
 
     TensorRT-LLM's converter reads them through the transformers of its own image; transformers 5 reads
     them too (it maps `rope_theta` to `rope_parameters`).
     """
-    q = cfg.qwen
     return {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
-        "hidden_size": q.hidden_size,
-        "intermediate_size": q.intermediate_size,
-        "num_hidden_layers": q.num_layers,
-        "num_attention_heads": q.num_heads,
-        "num_key_value_heads": q.num_kv_heads,
         "hidden_act": "silu",
-        "max_position_embeddings": q.max_position_embeddings,
-        "max_window_layers": q.num_layers,
-        "rms_norm_eps": q.rms_norm_eps,
-        "rope_theta": q.rope_theta,
-        "attention_dropout": 0.0,
+        "hidden_size": qwen.hidden_size,
+        "intermediate_size": qwen.intermediate_size,
+        "num_hidden_layers": qwen.num_layers,
+        "num_attention_heads": qwen.num_heads,
+        "num_key_value_heads": qwen.num_kv_heads,
+        "max_position_embeddings": qwen.max_position_embeddings,
+        "rms_norm_eps": qwen.rms_norm_eps,
+        "rope_theta": qwen.rope_theta,
         "use_sliding_window": False,
+    }
+
+
+def hf_config(cfg: LLMConfig, vocab: SpeechVocab, dtype: torch.dtype) -> dict[str, object]:
+    """The export's `config.json`: the architecture with the speech vocabulary and an untied head
+    (`torch_dtype` is also the transformers 4.x name)."""
+    return {
+        **qwen2_hf_config(cfg.qwen),
+        "max_window_layers": cfg.qwen.num_layers,
+        "attention_dropout": 0.0,
         "sliding_window": None,
         "tie_word_embeddings": False,
         "vocab_size": vocab.padded_size,

@@ -11,6 +11,7 @@ from reference import reference_manifest
 
 from engines.checkpoints import CheckpointError, load_strict, read_manifest_tsv
 from engines.config import LLMConfig, ModelConfigs
+from engines.llm.hf_export import qwen2_hf_config
 from engines.llm.model import CosyVoice2LM, load_llm, prompt_length
 from engines.llm.qwen2 import CacheBatch, KVCache, Qwen2Model
 
@@ -105,12 +106,8 @@ def test_prompt_embeddings_follow_the_zero_shot_layout() -> None:
 def test_backbone_matches_hugging_face_qwen2() -> None:
     transformers = pytest.importorskip("transformers")
     cfg = TINY.qwen
-    hf_config = transformers.Qwen2Config(
-        hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,
-        vocab_size=cfg.vocab_size, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
-        max_position_embeddings=cfg.max_position_embeddings,
-    )
+    # The fields the Hugging Face export writes: they alone must configure the same backbone.
+    hf_config = transformers.Qwen2Config(**qwen2_hf_config(cfg), vocab_size=cfg.vocab_size)
     reference = transformers.Qwen2Model(hf_config).eval()
     ours = tiny_model().backbone
     reference.load_state_dict(ours.state_dict(), strict=True)

@@ -48,13 +48,23 @@ def describe_mismatch(expected: Mapping[str, tuple[int, ...]], actual: Mapping[s
     return "\n  ".join(parts)
 
 
-def load_strict(module: nn.Module, state: Mapping[str, torch.Tensor], source: str) -> None:
-    """Copy `state` into `module`, requiring exactly the module's names and shapes."""
-    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-    actual = {k: tuple(v.shape) for k, v in state.items()}
+def state_shapes(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(tensor.shape) for name, tensor in state.items()}
+
+
+def require_layout(expected: Mapping[str, tuple[int, ...]], actual: Mapping[str, tuple[int, ...]],
+                   what: str) -> None:
+    """Raise CheckpointError (`what`, then the differences) unless `actual` has exactly the names and
+    shapes of `expected`."""
     problem = describe_mismatch(expected, actual)
     if problem:
-        raise CheckpointError(f"{source} does not match {type(module).__name__}:\n  {problem}")
+        raise CheckpointError(f"{what}:\n  {problem}")
+
+
+def load_strict(module: nn.Module, state: Mapping[str, torch.Tensor], source: str) -> None:
+    """Copy `state` into `module`, requiring exactly the module's names and shapes."""
+    require_layout(state_shapes(module.state_dict()), state_shapes(state),
+                   f"{source} does not match {type(module).__name__}")
     module.load_state_dict(state, strict=True)
 
 

@@ -37,7 +37,7 @@ from engines.build.verify import (
     verify_onnx,
     verify_tokenizer,
 )
-from engines.checkpoints import CheckpointError, load_checkpoint
+from engines.checkpoints import CheckpointError, load_checkpoint, state_shapes
 from engines.config import SAMPLE_RATE, ModelConfigs, ModelPaths, ModelSize
 from engines.llm.hf_export import hf_backbone_state, qwen2_hf_config
 from engines.voice import VoicePrompt
@@ -165,8 +165,7 @@ def _checkpoint_writer(
     def write(path: Path) -> None:
         state = random_state(spec, cfgs, seed)
         if reference_dir is not None and cfgs.size == "full":
-            verify_against_reference({k: tuple(v.shape) for k, v in state.items()},
-                                     reference_dir / spec.reference_tsv)
+            verify_against_reference(state_shapes(state), reference_dir / spec.reference_tsv)
         torch.save(state, path)
 
     return write

@@ -15,7 +15,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engines.checkpoints import CheckpointError, describe_mismatch, load_checkpoint, read_manifest_tsv
+from engines.checkpoints import (
+    CheckpointError,
+    load_checkpoint,
+    read_manifest_tsv,
+    require_layout,
+    state_shapes,
+)
 from engines.config import ModelConfigs, ModelPaths
 
 
@@ -97,23 +103,20 @@ def meta_module(spec: CheckpointSpec, cfgs: ModelConfigs) -> nn.Module:
 
 
 def expected_shapes(spec: CheckpointSpec, cfgs: ModelConfigs) -> dict[str, tuple[int, ...]]:
-    return {k: tuple(v.shape) for k, v in meta_module(spec, cfgs).state_dict().items()}
+    return state_shapes(meta_module(spec, cfgs).state_dict())
 
 
 def verify_checkpoint(path: Path, spec: CheckpointSpec, cfgs: ModelConfigs) -> None:
     """Raise CheckpointError unless `path` holds exactly the names and shapes of `spec`'s module."""
     state = spec.canonical(load_checkpoint(path))
-    problem = describe_mismatch(expected_shapes(spec, cfgs), {k: tuple(v.shape) for k, v in state.items()})
-    if problem:
-        raise CheckpointError(f"{path} does not match {spec.name} at size {cfgs.size!r}:\n  {problem}")
+    require_layout(expected_shapes(spec, cfgs), state_shapes(state),
+                   f"{path} does not match {spec.name} at size {cfgs.size!r}")
 
 
 def verify_against_reference(shapes: Mapping[str, tuple[int, ...]], tsv: Path) -> None:
     """Raise CheckpointError unless `shapes` equals the released file's manifest `tsv`."""
     reference = dict(read_manifest_tsv(tsv))
-    problem = describe_mismatch(reference, shapes)
-    if problem:
-        raise CheckpointError(f"weights differ from the released layout {tsv.name}:\n  {problem}")
+    require_layout(reference, shapes, f"weights differ from the released layout {tsv.name}")
 
 
 def verify_onnx(path: Path, input_ranks: tuple[int, ...]) -> None:

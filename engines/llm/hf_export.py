@@ -32,9 +32,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engines.checkpoints import CheckpointError, describe_mismatch, load_checkpoint
+from engines.checkpoints import load_checkpoint, require_layout, state_shapes
 from engines.config import SPEECH_CODEBOOK, SPEECH_VOCAB, LLMConfig, Qwen2Config
-from engines.llm.model import LLM_BACKBONE_PREFIX
+from engines.llm.model import LLM_BACKBONE_PREFIX, CosyVoice2LM
 from engines.text import load_text_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -165,13 +165,9 @@ def convert_state(
 
 
 def _check_llm_state(state: Mapping[str, torch.Tensor], cfg: LLMConfig) -> None:
-    from engines.llm.model import CosyVoice2LM
-
     with torch.device("meta"):
-        expected = {name: tuple(t.shape) for name, t in CosyVoice2LM(cfg).state_dict().items()}
-    problem = describe_mismatch(expected, {name: tuple(t.shape) for name, t in state.items()})
-    if problem:
-        raise CheckpointError(f"llm.pt does not match the LLM configuration:\n  {problem}")
+        expected = state_shapes(CosyVoice2LM(cfg).state_dict())
+    require_layout(expected, state_shapes(state), "llm.pt does not match the LLM configuration")
 
 
 def qwen2_hf_config(qwen: Qwen2Config) -> dict[str, object]:

@@ -75,19 +75,10 @@ def serve(config: ServiceConfig) -> int:
     """Run uvicorn until SIGINT/SIGTERM; running streams get `drain_timeout_s` to finish."""
     import uvicorn
 
-    from realtime.app import create_app
+    from realtime.app import create_app, server_config
 
-    server_config = uvicorn.Config(
-        create_app(config),
-        host=config.host,
-        port=config.port,
-        loop="uvloop" if sys.platform != "win32" else "asyncio",
-        ws="websockets-sansio",
-        ws_max_size=1 << 20,
-        timeout_graceful_shutdown=int(config.drain_timeout_s) + 1,
-        log_level="info",
-    )
-    uvicorn.Server(server_config).run()
+    app = create_app(config)
+    uvicorn.Server(server_config(app, config, host=config.host, port=config.port, log_level="info")).run()
     return 0
 
 

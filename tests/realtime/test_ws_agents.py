@@ -183,6 +183,20 @@ async def test_close_message_closes_the_socket_normally(live_server):
         assert ws.close_code == 1000
 
 
+async def test_the_server_declines_per_message_compression(live_server):
+    """Clients offer permessage-deflate by default; PCM does not compress, so the server says no and
+    audio frames go out as they are."""
+    async with connect(f"{live_server.ws_url}/v1/ws", compression="deflate") as ws:
+        assert ws.response is not None
+        assert "Sec-WebSocket-Extensions" not in ws.response.headers
+        await send(ws, type="start", context_id="c", voice="default", fixed_length=FIXED)
+        await send(ws, type="text", context_id="c", text="Hello there.")
+        await send(ws, type="end", context_id="c")
+        contexts = {"c": Received()}
+        await collect(ws, contexts, until=lambda: contexts["c"].done is not None)
+        assert sum(len(a) for a in contexts["c"].audio.values()) == FIXED * TOKEN_S * 24000 * 2
+
+
 async def test_busy_server_refuses_with_429_and_retry_after(live_server, eventually):
     limit = live_server.config.max_streams
     async with httpx.AsyncClient(base_url=live_server.http_url, timeout=60) as http:

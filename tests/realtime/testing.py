@@ -16,7 +16,7 @@ from pathlib import Path
 
 import uvicorn
 
-from realtime.app import create_app
+from realtime.app import create_app, server_config
 from realtime.config import ServiceConfig, WebRTCConfig
 from realtime.runtime import Runtime
 
@@ -57,17 +57,8 @@ def service_config(models: Path, voices: Path, **overrides: object) -> ServiceCo
 async def serve(config: ServiceConfig) -> AsyncIterator[LiveServer]:
     """Run the app under uvicorn on 127.0.0.1 (port 0) until the block exits, then shut down gracefully."""
     runtime = Runtime(config)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(config, runtime),
-            host=LOOPBACK,
-            port=0,
-            ws="websockets-sansio",
-            lifespan="on",
-            log_level="warning",
-            timeout_graceful_shutdown=int(config.drain_timeout_s) + 1,
-        )
-    )
+    app = create_app(config, runtime)
+    server = uvicorn.Server(server_config(app, config, host=LOOPBACK, port=0, log_level="warning"))
     task = asyncio.create_task(server.serve(sockets=None))
     while not server.started:
         if task.done():

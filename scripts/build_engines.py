@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import get_args
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a file from a checkout without `pip install -e .`
@@ -92,8 +93,10 @@ def _stage_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _convert_hf_arguments(parser: argparse.ArgumentParser) -> None:
+    from engines.llm.model import DTYPES
+
     _stage_arguments(parser)
-    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16")
 
 
 def _convert_hf(args: argparse.Namespace) -> None:
@@ -103,11 +106,11 @@ def _convert_hf(args: argparse.Namespace) -> None:
 
 
 def _build_trtllm_arguments(parser: argparse.ArgumentParser) -> None:
-    from engines.build.tensorrt import TrtllmBuildOptions
+    from engines.build.tensorrt import LlmDtype, TrtllmBuildOptions
 
     _stage_arguments(parser)
     defaults = TrtllmBuildOptions()
-    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default=defaults.dtype)
+    parser.add_argument("--dtype", choices=get_args(LlmDtype), default=defaults.dtype)
     for name in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
 

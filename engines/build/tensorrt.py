@@ -27,6 +27,7 @@ import torch
 
 from engines.config import ModelPaths, configs_for_models_dir
 from engines.llm.hf_export import export_hf, is_exported
+from engines.llm.model import DTYPES
 from engines.llm.trtllm import engine_dir
 from engines.token2wav.dit import DiT
 from engines.token2wav.onnx_export import (
@@ -48,7 +49,6 @@ from engines.token2wav.trt_pool import (
 logger = logging.getLogger(__name__)
 
 LlmDtype = Literal["bfloat16", "float16"]
-_HF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 CAMPPLUS_PROFILE_FRAMES = (4, 300, 3000)  # fbank frames (10 ms): min, opt, max (MODEL_FACTS §2.2)
 STAMP_SUFFIX = ".stamp.json"
 
@@ -108,7 +108,7 @@ def convert_hf(models_dir: Path, dtype: str = "bfloat16", force: bool = False) -
     logger.info("convert-hf: %s → %s (%s)", paths.llm, paths.hf_llm, dtype)
     tmp = paths.hf_llm.with_name(paths.hf_llm.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    export_hf(paths.llm, paths.text_tokenizer, tmp, configs_for_models_dir(paths.root).llm, _HF_DTYPES[dtype])
+    export_hf(paths.llm, paths.text_tokenizer, tmp, configs_for_models_dir(paths.root).llm, DTYPES[dtype])
     shutil.rmtree(paths.hf_llm, ignore_errors=True)
     tmp.replace(paths.hf_llm)
     _write_stamp(paths.hf_llm, sources, options)

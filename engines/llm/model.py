@@ -20,6 +20,9 @@ from engines.llm.qwen2 import CacheBatch, KVCache, Qwen2ForCausalLM, Qwen2Model
 
 # Where the Qwen2 backbone's tensors sit in `llm.pt` (and in `CosyVoice2LM`'s state dict).
 LLM_BACKBONE_PREFIX = "llm.model.model."
+# The dtypes the LLM runs, is exported and computes logits in, by the names our options and the Hugging
+# Face and TensorRT-LLM configs use.
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class Qwen2Encoder(nn.Module):

@@ -49,7 +49,7 @@ from engines.llm.base import (
     TokenStream,
     deliver_threadsafe,
 )
-from engines.llm.model import CosyVoice2LM, load_llm, prompt_length
+from engines.llm.model import DTYPES, CosyVoice2LM, load_llm, prompt_length
 from engines.llm.qwen2 import CacheBatch, KVCache
 from engines.llm.sampling import SamplingSlots
 from engines.transfer import upload
@@ -57,7 +57,6 @@ from engines.transfer import upload
 logger = logging.getLogger(__name__)
 
 ModelLoader = Callable[[torch.device, torch.dtype], CosyVoice2LM]
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -101,7 +100,7 @@ class TorchLLMConfig:
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
-        return _DTYPES[self.dtype]
+        return DTYPES[self.dtype]
 
     @cached_property
     def batch_sizes(self) -> tuple[int, ...]:

@@ -48,11 +48,11 @@ from engines.llm.base import (
     deliver_threadsafe,
 )
 from engines.llm.hf_export import SpeechVocab, read_lm_head_bias
+from engines.llm.model import DTYPES
 
 logger = logging.getLogger(__name__)
 
 ENGINE_SUBDIR = "trtllm"
-_LOGITS_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class TensorRTLLMUnavailable(RuntimeError):
@@ -99,7 +99,7 @@ class EngineLimits:
                 max_input_len=int(build["max_input_len"]),
                 max_seq_len=int(build["max_seq_len"]),
                 vocab_size=int(pretrained["vocab_size"]),
-                logits_dtype=_LOGITS_DTYPES[logits],
+                logits_dtype=DTYPES[logits],
             )
         except (OSError, KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
             raise ValueError(f"{path} is not a TensorRT-LLM engine config: {exc!r}") from exc

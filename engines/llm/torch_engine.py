@@ -50,13 +50,18 @@ from engines.llm.base import (
     deliver_threadsafe,
 )
 from engines.llm.model import DTYPES, CosyVoice2LM, load_llm, prompt_length
-from engines.llm.qwen2 import CacheBatch, KVCache
+from engines.llm.qwen2 import CacheBatch, ElementwiseOps, KVCache
 from engines.llm.sampling import SamplingSlots
 from engines.transfer import upload
 
 logger = logging.getLogger(__name__)
 
 ModelLoader = Callable[[torch.device, torch.dtype], CosyVoice2LM]
+
+
+def _within(ids: Sequence[int], bound: int) -> bool:
+    """All of `ids` in [0, bound)."""
+    return not ids or (min(ids) >= 0 and max(ids) < bound)
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,7 @@ class TorchLLMConfig:
     prefill_tokens: int = 8192
     prefill_rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     cuda_graphs: bool = True  # only used on CUDA
+    fused_elementwise: bool = True  # only used on CUDA: rope and SwiGLU compiled into one kernel each
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     min_kv_bucket: int = 256  # attended cache lengths: doubling from here up to max_context
     prefill_length_step: int = 64  # prefill chunk lengths: multiples of this up to prefill_chunk
@@ -466,9 +472,10 @@ class TorchLLMEngine(LLMEngine):
     def _sequence(self, request: LLMRequest, text_vocab: int) -> _Sequence:
         """Validate `request` and size it, or raise `LLMError`."""
         params = request.sampling
-        if any(not 0 <= t < text_vocab for t in (*request.prompt_text_ids, *request.text_ids)):
+        # min/max run in C: this is on the event loop for every request, over hundreds of prompt tokens.
+        if not _within(request.prompt_text_ids, text_vocab) or not _within(request.text_ids, text_vocab):
             raise LLMError("invalid_request", f"text token ids must be in [0, {text_vocab})")
-        if any(not 0 <= t < SPEECH_CODEBOOK for t in request.prompt_speech_tokens):
+        if not _within(request.prompt_speech_tokens, SPEECH_CODEBOOK):
             raise LLMError("invalid_request", f"prompt speech tokens must be in [0, {SPEECH_CODEBOOK})")
         if params.use_ras and params.ras_window > self.config.ras_history:
             raise LLMError("invalid_request", f"ras_window {params.ras_window} is above this engine's limit "
@@ -495,6 +502,8 @@ class TorchLLMEngine(LLMEngine):
 
     def _build_runner(self) -> _ModelRunner:
         model = self._load_model(self.config.torch_device, self.config.torch_dtype)
+        if self.config.fused_elementwise and self.config.torch_device.type == "cuda":
+            model.backbone.ops = ElementwiseOps.compiled()  # compiled by the first call of each shape
         runner = _ModelRunner(model, self.config)
         if self.config.cuda_graphs and self.config.torch_device.type == "cuda":
             runner.capture_graphs()

@@ -13,7 +13,7 @@ from engines.checkpoints import CheckpointError, load_strict, read_manifest_tsv
 from engines.config import LLMConfig, ModelConfigs
 from engines.llm.hf_export import qwen2_hf_config
 from engines.llm.model import CosyVoice2LM, load_llm, prompt_length
-from engines.llm.qwen2 import CacheBatch, KVCache, Qwen2Model
+from engines.llm.qwen2 import CacheBatch, ElementwiseOps, KVCache, Qwen2Model
 
 MANIFEST = "cosyvoice2-0.5b.llm.pt.tsv"
 TINY = ModelConfigs.tiny().llm
@@ -172,3 +172,18 @@ def test_gathered_rows_equal_consecutive_rows_and_padding_is_harmless() -> None:
     view_rows = CacheBatch(2, torch.tensor([[29]]), 32)
     logits = model(sequence[None, 29:30], view_rows, cache)
     torch.testing.assert_close(logits[0], expected[29], atol=1e-5, rtol=1e-4)
+
+
+def test_compiled_elementwise_ops_equal_eager() -> None:
+    """The fused (torch.compile) rope and SwiGLU give the eager model's logits, prefill and decode."""
+    eager, fused = tiny_model(), tiny_model()
+    fused.backbone.ops = ElementwiseOps.compiled()
+    sequence = torch.randn(9, TINY.qwen.hidden_size)
+    caches = cache_for(eager), cache_for(fused)
+    prompt, step = sequence[None, :8].expand(2, -1, -1), sequence[None, 8:].expand(2, -1, -1)
+    logits = []
+    for model, cache in zip((eager, fused), caches, strict=True):
+        model(prompt, CacheBatch(0, torch.arange(8)[None].expand(2, -1), 8), cache)
+        logits.append(model(step, CacheBatch(0, torch.tensor([[8], [8]]), 16), cache))
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(caches[1].kv, caches[0].kv, atol=1e-5, rtol=1e-4)

@@ -11,7 +11,7 @@ Voices: `GET /v1/voices`; `POST /v1/voices` (multipart: `audio` file, `transcrip
 `DELETE /v1/voices/{voice_id}`.
 
 Every error has OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`; a busy server
-answers 429 with `Retry-After`.
+answers 429 with `Retry-After`; a speech body over 256 KiB, 413 (`body_too_large`).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from engines.llm.base import SamplingParams
 from realtime.audio import StreamEncoder, make_stream_encoder
 from realtime.runtime import Runtime
 from realtime.session import ServiceError, Session, SpeechRequest
+from realtime.transports.body import BodyTooLarge, read_body
 from realtime.voices import check_voice_id
 
 logger = logging.getLogger(__name__)
@@ -178,7 +179,7 @@ def routes(runtime: Runtime) -> list[BaseRoute]:
 
     async def speech(request: Request) -> Response:
         try:
-            raw = await _read_limited(request, MAX_JSON_BYTES)
+            raw = await read_body(request, MAX_JSON_BYTES)
             try:
                 body = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError):
@@ -188,6 +189,9 @@ def routes(runtime: Runtime) -> list[BaseRoute]:
         except _ParamError as exc:
             runtime.metrics.error(exc.code)
             return error_response(exc, exc.param)
+        except BodyTooLarge as exc:
+            runtime.metrics.error(exc.code)
+            return error_response(exc, "body")
         except ServiceError as exc:
             return error_response(
                 exc,
@@ -246,18 +250,6 @@ def _voice_json(info: Any) -> dict[str, Any]:
         "prompt_seconds": round(info.prompt_seconds, 3),
         "builtin": info.builtin,
     }
-
-
-async def _read_limited(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _ParamError("body", f"the body is larger than {limit} bytes", "body_too_large")
-    body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > limit:
-            raise _ParamError("body", f"the body is larger than {limit} bytes", "body_too_large")
-    return bytes(body)
 
 
 async def _read_voice_upload(request: Request, max_bytes: int) -> tuple[str, bytes, str]:

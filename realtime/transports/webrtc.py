@@ -5,7 +5,8 @@ Signalling (same port as the rest of the API):
 - ``POST /v1/webrtc/offer`` with ``{"sdp", "type": "offer"}`` answers ``{"sdp", "type": "answer",
   "session_id"}``. The offer must carry an audio m-line (the browser receives; ``recvonly`` is enough)
   and a data channel. No trickle ICE: the answer holds all of the server's candidates, and the browser
-  should send its offer after its own gathering completes.
+  should send its offer after its own gathering completes. A body over 64 KiB is refused (413,
+  ``body_too_large``).
 - ``DELETE /v1/webrtc/{session_id}`` closes a session.
 
 Control runs on the data channel the browser opens (any label; ``"control"`` by convention), as JSON
@@ -50,6 +51,7 @@ from realtime.config import WebRTCConfig
 from realtime.runtime import Runtime
 from realtime.session import ServiceError, SpeechRequest
 from realtime.transports.audio_track import OPUS_RATE, Playout, SpeechTrack
+from realtime.transports.body import read_body
 from realtime.transports.http import error_response
 from realtime.transports.ice import advertise_only, rtc_configuration
 
@@ -360,11 +362,7 @@ class WebRTCGateway:
 
 
 async def _read_offer(request: Request) -> RTCSessionDescription:
-    body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > MAX_OFFER_BYTES:
-            raise ServiceError("bad_offer", f"the offer is larger than {MAX_OFFER_BYTES} bytes", 413)
+    body = await read_body(request, MAX_OFFER_BYTES)
     try:
         payload = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError):

@@ -12,6 +12,8 @@ import numpy as np
 import openai
 import pytest
 
+from realtime.transports.http import MAX_JSON_BYTES
+
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 SAMPLES_PER_TOKEN = 960
@@ -138,6 +140,20 @@ async def test_malformed_json_body_is_refused(live_server):
             "/v1/audio/speech", content=b"{not json", headers={"content-type": "application/json"}
         )
     assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json"
+
+
+async def test_oversized_bodies_are_refused_whether_declared_or_streamed(live_server):
+    too_large = b"x" * (MAX_JSON_BYTES + 1)
+
+    async def without_length():
+        yield too_large
+
+    async with httpx.AsyncClient(base_url=live_server.http_url) as http:
+        for content in (too_large, without_length()):
+            response = await http.post("/v1/audio/speech", content=content)
+            assert response.status_code == 413
+            error = response.json()["error"]
+            assert error["code"] == "body_too_large" and error["param"] == "body"
 
 
 async def test_openai_client_raises_its_own_error_type(live_server):

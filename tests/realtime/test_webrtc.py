@@ -25,6 +25,7 @@ from realtime.session import ServiceError
 from realtime.transports.audio_track import FRAME_SAMPLES, OPUS_RATE, Playout, SpeechTrack
 from realtime.transports.ice import advertise_only, rtc_configuration
 from realtime.transports.webrtc import (
+    MAX_OFFER_BYTES,
     Cancel,
     ControlError,
     Speak,
@@ -379,6 +380,13 @@ async def test_signalling_refuses_bad_offers_with_a_json_error(http: httpx.Async
     assert response.status_code == 400 and response.json()["error"]["code"] == "bad_offer"
     response = await http.delete("/v1/webrtc/no-such-session")
     assert response.status_code == 404 and response.json()["error"]["code"] == "unknown_session"
+
+
+@END_TO_END
+async def test_signalling_refuses_oversized_offers(http: httpx.AsyncClient) -> None:
+    too_large = json.dumps({"sdp": "x" * MAX_OFFER_BYTES, "type": "offer"})
+    response = await http.post("/v1/webrtc/offer", content=too_large)
+    assert response.status_code == 413 and response.json()["error"]["code"] == "body_too_large"
 
 
 @END_TO_END

@@ -120,7 +120,7 @@ Command = StartContext | AppendText | Flush | EndContext | CancelContext | Close
 
 @dataclass(frozen=True)
 class AudioOut:
-    """One encoded audio chunk of a context."""
+    """One audio chunk of a context, in the sample rate and encoding its `StartContext` asked for."""
 
     context_id: str
     seq: int
@@ -129,8 +129,6 @@ class AudioOut:
     duration_s: float
     words: tuple[WordTiming, ...]
     final: bool
-    sample_rate: int
-    encoding: Encoding
 
 
 @dataclass(frozen=True)

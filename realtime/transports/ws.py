@@ -118,8 +118,6 @@ class _ContextRunner:
                 duration_s=pcm.size / start.sample_rate,
                 words=words,
                 final=chunk.final,
-                sample_rate=start.sample_rate,
-                encoding=start.encoding,
             )
         )
         self._seq += 1

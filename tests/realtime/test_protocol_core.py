@@ -173,9 +173,7 @@ def test_audio_frames_round_trip_and_carry_metadata():
     assert parse_audio_frame(audio_frame("ctx-1", 7, b"\x01\x02\x03")) == ("ctx-1", 7, b"\x01\x02\x03")
     with pytest.raises(ValueError):
         parse_audio_frame(b"\x02\x00")
-    out = AudioOut(
-        "c", 3, b"ab", 1.0, 0.5, (WordTiming("hi", 1.0, 1.2, True),), True, 24000, Encoding.PCM_S16LE
-    )
+    out = AudioOut("c", 3, b"ab", 1.0, 0.5, (WordTiming("hi", 1.0, 1.2, True),), True)
     binary, meta = NativeDialect().encode(out)
     assert parse_audio_frame(binary) == ("c", 3, b"ab")
     assert json.loads(meta) == {

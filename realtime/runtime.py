@@ -49,8 +49,16 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 # Text tokens per LLM request when long text is cut into segments.
 SEGMENT_TOKENS = 80
-# How long a first chunk may wait for the first chunks of other new streams, to share their batch.
-FIRST_CHUNK_LINGER_S = 0.004
+
+
+@dataclass(frozen=True)
+class FirstChunkLinger:
+    """How long a first chunk may wait for the first chunks of other new streams, to share their batch:
+    while they keep coming (one came within `gap_s`), and `max_s` in all. Streams that start together
+    get their first tokens a few LLM steps apart (their prompts are prefilled in groups)."""
+
+    gap_s: float = 0.004
+    max_s: float = 0.012
 
 
 @dataclass
@@ -82,13 +90,13 @@ class _Lane:
     chunk of its stream.
     """
 
-    def __init__(self, name: str, backend: Token2Wav, max_batch: int, linger_s: float,
+    def __init__(self, name: str, backend: Token2Wav, max_batch: int, linger: FirstChunkLinger,
                  metrics: Metrics | None) -> None:
         self.inbox: queue.SimpleQueue[_ChunkTask | _Call | None] = queue.SimpleQueue()
         self.assigned = 0  # streams routed here and not yet closed (event loop side)
         self.open_streams = 0  # streams opened here and not yet closed (this thread's side)
         self.fresh: set[Token2WavStream] = set()  # opened here, no chunk received yet (this thread's side)
-        self._linger_s = linger_s
+        self._linger_policy = linger
         self._backend = backend
         self._max_batch = max_batch
         self._metrics = metrics
@@ -149,19 +157,26 @@ class _Lane:
         items[:] = [item for item in items if not isinstance(item, _ChunkTask)]
 
     def _linger(self) -> list[_ChunkTask | _Call | None]:
-        """What arrives within `linger_s` or until every fresh stream (opened here, no chunk yet) has
-        sent its first chunk: streams that start together become ready a decode step or two apart,
-        and one batch of their first chunks is much cheaper than one after the other."""
-        deadline = time.perf_counter() + self._linger_s
+        """What arrives while fresh streams (opened here, no chunk yet) keep sending their first
+        chunks (`FirstChunkLinger`), or until every one of them has: one batch of their first chunks
+        is much cheaper than one after the other."""
+        policy = self._linger_policy
+        started = last_arrival = time.perf_counter()
         waiting_for = set(self.fresh)
         items: list[_ChunkTask | _Call | None] = []
-        while waiting_for and (left := deadline - time.perf_counter()) > 0:
+        while waiting_for:
+            left = min(last_arrival + policy.gap_s, started + policy.max_s) - time.perf_counter()
+            if left <= 0:
+                break
             try:
                 items.append(self.inbox.get(timeout=left))
             except queue.Empty:
                 break
             self._drain(items)
+            still_waiting = len(waiting_for)
             waiting_for.difference_update(item.job.stream for item in items if isinstance(item, _ChunkTask))
+            if len(waiting_for) < still_waiting:
+                last_arrival = time.perf_counter()
         return items
 
     def _run_chunks(self, chunks: list[_ChunkTask]) -> None:
@@ -215,11 +230,11 @@ class Token2WavWorker:
     """
 
     def __init__(self, backend: Token2Wav, max_batch: int, capacity: int, threads: int = 1,
-                 metrics: Metrics | None = None, linger_s: float = FIRST_CHUNK_LINGER_S) -> None:
+                 metrics: Metrics | None = None, linger: FirstChunkLinger = FirstChunkLinger()) -> None:
         if threads < 1:
             raise ValueError(f"a token2wav worker needs at least one thread, got {threads}")
         self._backend = backend
-        self._lanes = [_Lane(f"token2wav-{i}", backend, max_batch, linger_s, metrics) for i in range(threads)]
+        self._lanes = [_Lane(f"token2wav-{i}", backend, max_batch, linger, metrics) for i in range(threads)]
         self._lane_of: dict[Token2WavStream, _Lane] = {}
         self._slots = asyncio.Semaphore(capacity)
         self._order = itertools.count()

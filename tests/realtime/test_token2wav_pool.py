@@ -19,7 +19,7 @@ from engines.token2wav.base import ChunkJob
 from engines.token2wav.torch_backend import TorchToken2Wav
 from engines.voice import VoicePrompt
 from realtime.config import ServiceConfig
-from realtime.runtime import Runtime, Token2WavWorker
+from realtime.runtime import FirstChunkLinger, Runtime, Token2WavWorker
 from realtime.schedule import ScheduleKind
 from realtime.session import SpeechRequest
 
@@ -108,11 +108,11 @@ async def test_worker_runs_the_most_urgent_chunk_first(tiny_models: Path) -> Non
 
 
 async def test_first_chunks_of_streams_opened_together_share_a_batch(tiny_models: Path) -> None:
-    """A first chunk waits (at most `linger_s`) for the first chunks of the other streams opened on
-    its thread that have sent none yet, so that they run as one batch."""
+    """A first chunk waits for the first chunks of the other streams opened on its thread that have sent
+    none yet, while they keep coming, so that they run as one batch."""
     backend = TorchToken2Wav.from_models_dir(tiny_models, "dit", "cpu")
     voice = VoicePrompt.load(ModelPaths(tiny_models).voices / "default.safetensors")
-    worker = Token2WavWorker(backend, max_batch=8, capacity=8, linger_s=0.3)
+    worker = Token2WavWorker(backend, max_batch=8, capacity=8, linger=FirstChunkLinger(gap_s=0.3, max_s=2.0))
     batches: list[int] = []
     run_chunks = backend.run_chunks
 
@@ -132,7 +132,7 @@ async def test_first_chunks_of_streams_opened_together_share_a_batch(tiny_models
             await asyncio.sleep(0.02)
         await asyncio.gather(*chunks)
         assert batches == [3]
-        # A stream that sends nothing holds the others back for `linger_s` only.
+        # A stream that sends nothing holds the others back for one gap only.
         lone, silent = await worker.open_stream(speaker), await worker.open_stream(speaker)
         started = time.perf_counter()
         await worker.synthesize(lone, tokens, last=False, due=-math.inf)

@@ -44,10 +44,13 @@ class CachedEstimator(Protocol):
 class RaggedEstimator(Protocol):
     """An estimator that runs a padded batch of chunks with split prompt/own caches (dit.DiT).
 
-    `conditioning(t)` precomputes what a step's time contributes (shared by every row).
+    `conditioning(t)` precomputes what a step's time contributes (shared by every row);
+    `ragged_layout(lengths, mask)` what the batch's padding implies (shared by every step).
     """
 
     def conditioning(self, t: float) -> Any: ...
+
+    def ragged_layout(self, lengths: torch.Tensor, mask: torch.Tensor) -> Any: ...
 
     def forward_ragged(
         self,
@@ -55,11 +58,10 @@ class RaggedEstimator(Protocol):
         mu: torch.Tensor,
         spks: torch.Tensor,
         conditioning: Any,
-        lengths: torch.Tensor,
+        layout: Any,
         cnn_cache: torch.Tensor,
         prompt_kv: torch.Tensor,
         own_kv: torch.Tensor,
-        mask: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
@@ -222,6 +224,7 @@ class ConditionalCFM(nn.Module):
         mu2 = torch.cat([mu, torch.zeros_like(mu)])
         spks2 = torch.cat([inputs.spks, torch.zeros_like(inputs.spks)])
         lengths2 = torch.cat([inputs.lengths, inputs.lengths])
+        layout = estimator.ragged_layout(lengths2, inputs.mask)
         # Each row's last R frames of [own cache (left-padded), chunk]; clamped into the padding when short.
         ends = inputs.own_kv.shape[4] + lengths2[:, None]
         keep = (ends - recent + torch.arange(recent, device=device)).clamp_min(0)
@@ -229,8 +232,8 @@ class ConditionalCFM(nn.Module):
         for step in range(self.n_timesteps):
             own = inputs.own_kv[step]
             v, cnn, kv = estimator.forward_ragged(
-                torch.cat([x, x]), mu2, spks2, conditioning[step], lengths2, inputs.cnn_cache[step],
-                inputs.prompt_kv[step], own, inputs.mask,
+                torch.cat([x, x]), mu2, spks2, conditioning[step], layout, inputs.cnn_cache[step],
+                inputs.prompt_kv[step], own,
             )
             history = torch.cat([own, kv], dim=3)
             depth, _, heads, _, width = history.shape

@@ -283,6 +283,19 @@ class FinalLayer(nn.Module):
 
 
 @dataclass(frozen=True)
+class RaggedLayout:
+    """What the padding of a ragged batch implies, equal for every Euler step of one solve
+    (see `DiT.ragged_layout`).
+
+    bias: (2B, K_p + T_own + T) 0 where a row attends, −inf elsewhere (`SplitKeys.bias`);
+    conv_context: (2B, 2) int64, see CausalConvBranch.forward_ragged.
+    """
+
+    bias: torch.Tensor
+    conv_context: torch.Tensor
+
+
+@dataclass(frozen=True)
 class StepConditioning:
     """What the time t of one Euler step contributes, shared by every row (see `DiT.conditioning`)."""
 
@@ -365,35 +378,42 @@ class DiT(nn.Module):
         return StepConditioning(tuple(block.modulation(c) for block in self._blocks),
                                 self.final_layer.modulation(c))
 
+    def ragged_layout(self, lengths: torch.Tensor, mask: torch.Tensor) -> RaggedLayout:
+        """The attention bias and conv contexts of a padded batch, for every step of its solve.
+
+        lengths (2B,) int64: real chunk frames per row; mask (2B, K_p + T_own + T) bool, True = attend
+        (over [prompt, own cache, chunk] keys, as in `SplitKeys`).
+        """
+        dtype = self.in_proj.weight.dtype
+        bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        return RaggedLayout(bias, frame_index(lengths + CONV_CONTEXT, CONV_CONTEXT))
+
     def forward_ragged(
         self,
         x: torch.Tensor,
         mu: torch.Tensor,
         spks: torch.Tensor,
         conditioning: StepConditioning,
-        lengths: torch.Tensor,
+        layout: RaggedLayout,
         cnn_cache: torch.Tensor,
         prompt_kv: torch.Tensor,
         own_kv: torch.Tensor,
-        mask: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One Euler step of a padded batch of streaming chunks (cond = 0: the prompt is in the caches).
 
-        x, mu (2B, 80, T) right-padded after lengths (2B,) int64; spks (2B, 80); conditioning: of the
-        step's time t, shared by all rows; cnn_cache (depth, 2B, 2·hidden, 2); prompt_kv
-        (depth, 2, heads, K_p, 2·hd) and own_kv (depth, 2B, heads, T_own, 2·hd) with `mask`
-        (2B, K_p + T_own + T) bool, True = attend, as in `SplitKeys`.
+        x, mu (2B, 80, T) right-padded; spks (2B, 80); conditioning: of the step's time t, shared by all
+        rows; layout: `ragged_layout` of the batch; cnn_cache (depth, 2B, 2·hidden, 2); prompt_kv
+        (depth, 2, heads, K_p, 2·hd) and own_kv (depth, 2B, heads, T_own, 2·hd), as in `SplitKeys`.
         Returns velocity (2B, 80, T), the new cnn cache (each row's last real frames) and the chunk's
         keys|values (depth, 2B, heads, T, 2·hd), padded frames included.
         """
         h = self._in(x, mu, spks, torch.zeros_like(x))
-        bias = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))
-        context = frame_index(lengths + CONV_CONTEXT, CONV_CONTEXT)
         new_cnn, new_kv = [], []
         for block, modulation, conv_cache, prompt, own in zip(
             self._blocks, conditioning.blocks, cnn_cache, prompt_kv, own_kv, strict=True
         ):
-            h, kv, conv_cache = block(h, modulation, SplitKeys(prompt, own, bias), conv_cache, context)
+            keys = SplitKeys(prompt, own, layout.bias)
+            h, kv, conv_cache = block(h, modulation, keys, conv_cache, layout.conv_context)
             new_cnn.append(conv_cache)
             new_kv.append(kv)
         v = self.final_layer(h, conditioning.final).transpose(1, 2)

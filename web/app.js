@@ -53,6 +53,19 @@ function setSpeaking(speaking) {
   $("stop").disabled = !speaking;
 }
 
+function showDone(cancelled) {
+  setState(cancelled ? "cancelled" : "connected", "live");
+  setSpeaking(false);
+  log(cancelled ? "cancelled" : "done");
+}
+
+// `line` goes to the log: it says what failed.
+function showError(line) {
+  setState("error", "error");
+  setSpeaking(false);
+  log(line);
+}
+
 function formatBytes(n) {
   if (n < 1024) return `${n} B`;
   if (n < 1024 * 1024) return `${(n / 1024).toFixed(1)} kB`;
@@ -180,14 +193,10 @@ class WebRTCClient {
         log(`first audio after ${event.latency_ms} ms (server)`);
         break;
       case "done":
-        setState(event.cancelled ? "cancelled" : "connected", "live");
-        setSpeaking(false);
-        log(event.cancelled ? "cancelled" : "done");
+        showDone(event.cancelled);
         break;
       case "error":
-        setState("error", "error");
-        setSpeaking(false);
-        log(`error ${event.code}: ${event.message}`);
+        showError(`error ${event.code}: ${event.message}`);
         break;
     }
   }
@@ -357,15 +366,11 @@ class WebSocketClient {
       case "done":
         if (event.context_id !== this.current?.id) return;
         this.current = null; // the server has closed this context: nothing left to cancel
-        setState(event.cancelled ? "cancelled" : "connected", "live");
-        setSpeaking(false);
-        log(event.cancelled ? "cancelled" : "done");
+        showDone(event.cancelled);
         break;
       case "error":
         if (event.context_id && event.context_id !== this.current?.id) return;
-        setState("error", "error");
-        setSpeaking(false);
-        log(`error ${event.code}: ${event.message}`);
+        showError(`error ${event.code}: ${event.message}`);
         break;
     }
   }
@@ -419,9 +424,7 @@ async function speak() {
   try {
     await clients[rt.transport].speak(text, $("voice").value);
   } catch (error) {
-    setState("error", "error");
-    setSpeaking(false);
-    log(String(error.message ?? error));
+    showError(String(error.message ?? error));
   }
 }
 

@@ -2,7 +2,8 @@
 
 Chromium is driven through the DevTools protocol on its own websocket (no browser-automation
 packages). The test plays speech through WebRTC, uploads a voice through the page's form, plays speech
-in that voice through the websocket player, and reads what the page exposes in ``window.__rt``.
+in that voice through the websocket player, shows a server error, and reads what the page exposes in
+``window.__rt``.
 """
 
 from __future__ import annotations
@@ -229,4 +230,14 @@ async def test_page_plays_speech_over_webrtc_and_websocket(live: LiveServer, tmp
         shot = await page.call("Page.captureScreenshot", {"format": "png"}, page=True)
         await asyncio.to_thread(SCREENSHOT.write_bytes, base64.b64decode(shot["data"]))
         await page.evaluate("document.getElementById('stop').click()")
+
+        # An error from the server ends the utterance on the page and says why.
+        await page.evaluate(
+            "document.getElementById('voice').add(new Option('nobody', 'nobody', true, true))"
+        )
+        await page.evaluate("document.getElementById('speak').click()")
+        await page.wait_for(
+            "__rt.state === 'error' && __rt.events.some((line) => line.startsWith('error voice_not_found'))"
+        )
+        await page.wait_for("!document.getElementById('speak').disabled")
         assert page.exceptions == [], page.exceptions

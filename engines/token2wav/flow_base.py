@@ -2,6 +2,7 @@
 
 A flow turns 25 Hz speech tokens into 50 Hz, 80-bin log-mel frames (two per token), conditioned on a
 voice. `torch_backend.TorchToken2Wav` drives any flow through this interface and vocodes its mel.
+`ConformerFlow` holds the encoder front end and checkpoint loading that both flows share.
 
 Chunk protocol (MODEL_FACTS §8): a non-final chunk carries its new tokens followed by 3 lookahead tokens
 (handed again as the first 3 tokens of the next chunk) and yields 2·(N − 3) frames; the final chunk
@@ -11,11 +12,17 @@ carries every remaining token and yields 2·N frames. Concatenating the chunks' 
 from __future__ import annotations
 
 import abc
+from pathlib import Path
+from typing import ClassVar, Literal, Self
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from engines.checkpoints import load_checkpoint, load_strict
+from engines.config import FlowConfig
 from engines.token2wav.base import SpeakerState
+from engines.token2wav.conformer import UpsampleConformerEncoder
 from engines.voice import VoicePrompt
 
 
@@ -65,3 +72,47 @@ class FlowModel(nn.Module, abc.ABC):
     @property
     def dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
+
+
+class ConformerFlow(FlowModel):
+    """The front end both flows share (`CausalMaskedDiffWithXvec`): token embedding, upsample conformer
+    encoder projected to mu, and the speaker vector's projection; parameter names are those of the
+    released `flow.pt` files. Subclasses add `decoder`, the CFM around their estimator."""
+
+    estimator_kind: ClassVar[Literal["dit", "unet"]]
+
+    def __init__(self, cfg: FlowConfig) -> None:
+        super().__init__()
+        if cfg.estimator_kind != self.estimator_kind:
+            raise ValueError(f"{type(self).__name__} needs estimator_kind {self.estimator_kind!r}, "
+                             f"got {cfg.estimator_kind!r}")
+        self.cfg = cfg
+        self.input_embedding = nn.Embedding(cfg.vocab_size, cfg.input_size)
+        self.spk_embed_affine_layer = nn.Linear(cfg.spk_embed_dim, cfg.output_size)
+        self.encoder = UpsampleConformerEncoder(cfg.encoder)
+        self.encoder_proj = nn.Linear(cfg.encoder.d_model, cfg.output_size)
+
+    @classmethod
+    def load(cls, path: Path, cfg: FlowConfig, device: torch.device | str, dtype: torch.dtype) -> Self:
+        """The flow with the weights of a `flow.pt`, strictly checked, in eval mode."""
+        with torch.device(device):
+            flow = cls(cfg)
+        load_strict(flow, load_checkpoint(Path(path)), str(path))
+        return flow.to(device=device, dtype=dtype).eval()
+
+    def _speaker_vector(self, embedding: torch.Tensor) -> torch.Tensor:
+        """spks (1, 80) of an x-vector (192,): normalised in float32, then projected."""
+        unit = F.normalize(embedding.to(self.device, torch.float32)[None], dim=1)
+        return self.spk_embed_affine_layer(unit.to(self.dtype))
+
+    def _prompt_mel(self, voice: VoicePrompt) -> torch.Tensor:
+        """The voice's prompt mel as (1, 80, L_p) on the flow's device and dtype."""
+        return voice.prompt_mel.to(self.device, self.dtype).T[None]
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(1, N, input_size) embeddings of tokens (N,); negative (padding) ids read row 0."""
+        return self.input_embedding(tokens.to(self.device).clamp_min(0))[None]
+
+    def _mu(self, encoded: torch.Tensor) -> torch.Tensor:
+        """The encoder's output (B, T, d_model) → mu (B, 80, T)."""
+        return self.encoder_proj(encoded).transpose(1, 2)

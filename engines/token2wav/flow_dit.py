@@ -31,16 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from engines.checkpoints import load_checkpoint, load_strict
 from engines.config import MEL_BINS, FlowConfig
 from engines.token2wav.batching import Buckets, EncodeShape, RowSpec, SolveShape, plan_batches, span_mask
 from engines.token2wav.cfm import ConditionalCFM, RaggedEstimator
-from engines.token2wav.conformer import ConformerCache, UpsampleConformerEncoder, blocks_attention_mask
+from engines.token2wav.conformer import ConformerCache, blocks_attention_mask
 from engines.token2wav.dit import DiT
-from engines.token2wav.flow_base import FlowModel, FlowSpeaker, FlowStream
+from engines.token2wav.flow_base import ConformerFlow, FlowSpeaker, FlowStream
 from engines.token2wav.graphs import (
     EagerEncoder,
     EagerSolver,
@@ -132,34 +129,17 @@ class _Row:
         return self.stream.speaker
 
 
-class DiTFlow(FlowModel):
+class DiTFlow(ConformerFlow):
     """`CausalMaskedDiffWithXvec` with the Step-Audio2 DiT; state dict = Step-Audio-2-mini `flow.pt`."""
 
+    estimator_kind = "dit"
+
     def __init__(self, cfg: FlowConfig) -> None:
-        super().__init__()
-        if cfg.estimator_kind != "dit":
-            raise ValueError(f"DiTFlow needs estimator_kind 'dit', got {cfg.estimator_kind!r}")
-        self.cfg = cfg
-        self.input_embedding = nn.Embedding(cfg.vocab_size, cfg.input_size)
-        self.spk_embed_affine_layer = nn.Linear(cfg.spk_embed_dim, cfg.output_size)
-        self.encoder = UpsampleConformerEncoder(cfg.encoder)
-        self.encoder_proj = nn.Linear(cfg.encoder.d_model, cfg.output_size)
+        super().__init__(cfg)
         self.decoder = ConditionalCFM(DiT(cfg.dit), cfg.n_timesteps, cfg.cfg_rate, NOISE_FRAMES)
         self.buckets = Buckets()
         self._bucketed: RaggedSolver | None = None
         self._bucketed_encoder: EncoderRunner | None = None
-
-    # -- shared pieces ----------------------------------------------------------------------------------
-
-    def _speaker_vector(self, embedding: torch.Tensor) -> torch.Tensor:
-        unit = F.normalize(embedding.to(self.device, torch.float32)[None], dim=1)
-        return self.spk_embed_affine_layer(unit.to(self.dtype))
-
-    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.input_embedding(tokens.to(self.device).clamp_min(0))[None]
-
-    def _mu(self, encoded: torch.Tensor) -> torch.Tensor:
-        return self.encoder_proj(encoded).transpose(1, 2)
 
     def _empty_estimator_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Zero conv contexts and no keys/values, per Euler step and guidance row."""
@@ -179,7 +159,7 @@ class DiTFlow(FlowModel):
             raise ValueError(f"a voice prompt needs at least {lookahead} tokens, got {voice.num_tokens}")
         tokens = voice.speech_tokens.to(self.device)
         spks = self._speaker_vector(voice.speaker_embedding)
-        prompt_mel = voice.prompt_mel.to(self.device, self.dtype).T[None]
+        prompt_mel = self._prompt_mel(voice)
         empty = ConformerCache.empty(self.cfg.encoder, 1, self.device, self.dtype)
         encoded, encoder = self.encoder.forward_chunk(
             self._embed(torch.cat([tokens, tokens[:lookahead]])), empty, last=False
@@ -472,7 +452,4 @@ class DiTFlow(FlowModel):
 
 def load_dit_flow(path: Path, cfg: FlowConfig, device: torch.device | str, dtype: torch.dtype) -> DiTFlow:
     """A DiTFlow with the weights of a Step-Audio-2-mini `flow.pt`, strictly checked, in eval mode."""
-    with torch.device(device):
-        flow = DiTFlow(cfg)
-    load_strict(flow, load_checkpoint(Path(path)), str(path))
-    return flow.to(device=device, dtype=dtype).eval()
+    return DiTFlow.load(path, cfg, device, dtype)

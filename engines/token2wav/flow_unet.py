@@ -19,13 +19,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from engines.checkpoints import load_checkpoint, load_strict
 from engines.config import MEL_BINS, FlowConfig
 from engines.token2wav.cfm import ConditionalCFM
-from engines.token2wav.conformer import UpsampleConformerEncoder, chunk_attention_mask
-from engines.token2wav.flow_base import FlowModel, FlowSpeaker, FlowStream
+from engines.token2wav.conformer import chunk_attention_mask
+from engines.token2wav.flow_base import ConformerFlow, FlowSpeaker, FlowStream
 from engines.token2wav.unet import CausalConditionalDecoder, streaming_mask
 from engines.voice import VoicePrompt
 
@@ -68,18 +66,13 @@ class UNetStream(FlowStream):
             del self.speaker, self.tokens
 
 
-class UNetFlow(FlowModel):
+class UNetFlow(ConformerFlow):
     """`CausalMaskedDiffWithXvec` with the causal UNet estimator; state dict = CosyVoice2-0.5B `flow.pt`."""
 
+    estimator_kind = "unet"
+
     def __init__(self, cfg: FlowConfig) -> None:
-        super().__init__()
-        if cfg.estimator_kind != "unet":
-            raise ValueError(f"UNetFlow needs estimator_kind 'unet', got {cfg.estimator_kind!r}")
-        self.cfg = cfg
-        self.input_embedding = nn.Embedding(cfg.vocab_size, cfg.input_size)
-        self.spk_embed_affine_layer = nn.Linear(cfg.spk_embed_dim, cfg.output_size)
-        self.encoder = UpsampleConformerEncoder(cfg.encoder)
-        self.encoder_proj = nn.Linear(cfg.encoder.d_model, cfg.output_size)
+        super().__init__(cfg)
         estimator = CausalConditionalDecoder(cfg.unet)
         self.decoder = ConditionalCFM(estimator, cfg.n_timesteps, cfg.cfg_rate, NOISE_FRAMES)
 
@@ -89,7 +82,7 @@ class UNetFlow(FlowModel):
         """Mel (1, 80, 2·n) of the n generated `tokens` after the prompt; with `lookahead` the last 3
         tokens are only PreLookahead's right context (n excludes them)."""
         all_tokens = torch.cat([speaker.tokens, tokens.to(self.device)])
-        embedded = self.input_embedding(all_tokens.clamp_min(0))[None]
+        embedded = self._embed(all_tokens)
         context = None
         if lookahead:
             split = all_tokens.numel() - self.cfg.encoder.pre_lookahead
@@ -99,7 +92,7 @@ class UNetFlow(FlowModel):
         if chunked:
             token_mask = chunk_attention_mask(n, self.cfg.encoder.static_chunk_size, self.device)
         encoded, _ = self.encoder(embedded, torch.tensor([n], device=self.device), token_mask, context)
-        mu = self.encoder_proj(encoded).transpose(1, 2)
+        mu = self._mu(encoded)
         cond = F.pad(speaker.prompt_mel, (0, mu.shape[2] - speaker.prompt_frames))
         frames = mu.shape[2]
         if chunked:
@@ -111,10 +104,8 @@ class UNetFlow(FlowModel):
 
     @torch.inference_mode()
     def prepare_speaker(self, voice: VoicePrompt) -> UNetSpeaker:
-        unit = F.normalize(voice.speaker_embedding.to(self.device, torch.float32)[None], dim=1)
-        spks = self.spk_embed_affine_layer(unit.to(self.dtype))
-        prompt_mel = voice.prompt_mel.to(self.device, self.dtype).T[None]
-        return UNetSpeaker(voice.speech_tokens.to(self.device), spks, prompt_mel)
+        spks = self._speaker_vector(voice.speaker_embedding)
+        return UNetSpeaker(voice.speech_tokens.to(self.device), spks, self._prompt_mel(voice))
 
     def open_stream(self, speaker: FlowSpeaker) -> UNetStream:
         if not isinstance(speaker, UNetSpeaker):
@@ -151,7 +142,4 @@ class UNetFlow(FlowModel):
 
 def load_unet_flow(path: Path, cfg: FlowConfig, device: torch.device | str, dtype: torch.dtype) -> UNetFlow:
     """A UNetFlow with the weights of a CosyVoice2-0.5B `flow.pt`, strictly checked, in eval mode."""
-    with torch.device(device):
-        flow = UNetFlow(cfg)
-    load_strict(flow, load_checkpoint(Path(path)), str(path))
-    return flow.to(device=device, dtype=dtype).eval()
+    return UNetFlow.load(path, cfg, device, dtype)

@@ -117,6 +117,7 @@ class HiFTGenerator(nn.Module):
 
     stft_window: Tensor  # periodic Hann, n_fft samples (buffer)
     harmonic_numbers: Tensor  # 1 … nb_harmonics + 1 (buffer)
+    crossfade: Tensor  # symmetric Hamming, 2·source_cache_samples: fade-in half, then fade-out (buffer)
 
     def __init__(self, cfg: HiFTConfig) -> None:
         super().__init__()
@@ -155,6 +156,9 @@ class HiFTGenerator(nn.Module):
         self.f0_predictor = F0Predictor(cfg.in_channels, cfg.f0_cond_channels)
         self.register_buffer("stft_window", torch.hann_window(cfg.istft_n_fft), persistent=False)
         self.register_buffer("harmonic_numbers", torch.arange(1, self.num_harmonics + 1, dtype=torch.float32),
+                             persistent=False)
+        # Shared by every HiFTStream of this vocoder for the joins between its chunks.
+        self.register_buffer("crossfade", torch.hamming_window(2 * cfg.source_cache_samples, periodic=False),
                              persistent=False)
 
     @property
@@ -344,9 +348,6 @@ class HiFTStream:
             self._noise.seed()
         else:
             self._noise.manual_seed(seed)
-        overlap = cfg.source_cache_samples
-        window = torch.hamming_window(2 * overlap, periodic=False, device=device)
-        self._fade_in, self._fade_out = window.split(overlap)
         self._mel: Tensor | None = None
         self._source: Tensor | None = None
         self._phase: Tensor | None = None
@@ -392,12 +393,13 @@ class HiFTStream:
 
     def _emit(self, mel: Tensor, out: Vocoded, last: bool) -> Tensor:
         """The final audio of one vocoded row (on the vocoder's device); keeps the caches unless `last`."""
-        cfg = self.generator.cfg
+        hift = self.generator
+        cfg = hift.cfg
         speech = out.speech[0]
         overlap = cfg.source_cache_samples
         if self._speech_tail is not None:
-            speech = torch.cat([speech[:overlap] * self._fade_in + self._speech_tail * self._fade_out,
-                                speech[overlap:]])
+            fade_in, fade_out = hift.crossfade.split(overlap)
+            speech = torch.cat([speech[:overlap] * fade_in + self._speech_tail * fade_out, speech[overlap:]])
         if last:
             self.close()
             return speech

@@ -125,24 +125,28 @@ class EstimatorLimits:
         return 2 * self.streams
 
 
+Shapes = Mapping[str, tuple[int, ...]]
 Profile = dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
+
+
+def profile_of(low: Shapes, opt: Shapes, high: Shapes) -> Profile:
+    """The profile whose inputs range from the shapes `low` over `opt` to `high` (same names in each)."""
+    return {name: (low[name], opt[name], high[name]) for name in low}
 
 
 def chunk_profile(cfg: DiTConfig, limits: EstimatorLimits) -> Profile:
     """(min, opt, max) shape of every chunk-graph input: rows 2…2·streams, frames 1…max, cache 0…max."""
     shapes = EstimatorShapes(cfg)
-    low = shapes.chunk_inputs(2, 1, 0)
-    opt = shapes.chunk_inputs(2, limits.opt_frames, limits.opt_cache_frames)
-    high = shapes.chunk_inputs(limits.max_rows, limits.max_frames, limits.max_cache_frames)
-    return {name: (low[name], opt[name], high[name]) for name in low}
+    return profile_of(shapes.chunk_inputs(2, 1, 0),
+                      shapes.chunk_inputs(2, limits.opt_frames, limits.opt_cache_frames),
+                      shapes.chunk_inputs(limits.max_rows, limits.max_frames, limits.max_cache_frames))
 
 
 def offline_profile(cfg: DiTConfig, limits: EstimatorLimits) -> Profile:
+    """(min, opt, max) shape of every offline-graph input: rows 2…2·streams, frames 1…max offline."""
     shapes = EstimatorShapes(cfg)
-    low = shapes.offline_inputs(2, 1)
-    opt = shapes.offline_inputs(2, limits.opt_frames * 10)
-    high = shapes.offline_inputs(limits.max_rows, limits.max_offline_frames)
-    return {name: (low[name], opt[name], high[name]) for name in low}
+    return profile_of(shapes.offline_inputs(2, 1), shapes.offline_inputs(2, limits.opt_frames * 10),
+                      shapes.offline_inputs(limits.max_rows, limits.max_offline_frames))
 
 
 def outside(profile: Profile, feeds: Mapping[str, torch.Tensor]) -> str | None:
@@ -282,18 +286,19 @@ class TrtContextPool:
     def run(self, ctx: _Context, feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Execute with `feeds` (converted to the plan's input dtypes) on the context's stream.
 
-        The context's stream waits for the current torch stream before it reads the inputs, and the
-        current stream waits for the context's before anything uses the outputs.
+        Shapes outside `profile` raise (TensorRT refuses them); callers that can do without the plan
+        check `outside` first. The context's stream waits for the current torch stream before it reads
+        the inputs, and the current stream waits for the context's before anything uses the outputs.
         """
-        problem = outside(self.profile, feeds)
-        if problem is not None:
-            raise ValueError(f"{problem}; rebuild the plans with larger limits (build_engines.py build-trt)")
         current = torch.cuda.current_stream(self.device)
         inputs = {n: feeds[n].to(self.device, dtype).contiguous() for n, dtype in self.inputs.items()}
         context = ctx.context
         for name, tensor in inputs.items():
             if not context.set_input_shape(name, tuple(tensor.shape)):
-                raise RuntimeError(f"TensorRT rejected shape {tuple(tensor.shape)} for input {name}")
+                low, _, high = self.profile[name]
+                raise ValueError(f"TensorRT rejected shape {tuple(tensor.shape)} for input {name} of "
+                                 f"{self.plan.name} (profile {low}…{high}); rebuild the plans with "
+                                 "larger limits (build_engines.py build-trt)")
             context.set_tensor_address(name, tensor.data_ptr())
         outputs = {n: torch.empty(tuple(context.get_tensor_shape(n)), dtype=dtype, device=self.device)
                    for n, dtype in self.outputs.items()}

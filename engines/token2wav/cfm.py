@@ -41,6 +41,14 @@ class CachedEstimator(Protocol):
 
 
 @runtime_checkable
+class PreparedMaskEstimator(Protocol):
+    """An estimator whose mask takes work to turn into what its layers read (the UNet): `solve`
+    prepares it once and passes the result to every step in place of the mask."""
+
+    def prepare_mask(self, mask: torch.Tensor, dtype: torch.dtype) -> Any: ...
+
+
+@runtime_checkable
 class RaggedEstimator(Protocol):
     """An estimator that runs a padded batch of chunks with split prompt/own caches (dit.DiT).
 
@@ -107,8 +115,8 @@ def cosine_time_grid(n_timesteps: int) -> tuple[float, ...]:
 class ConditionalCFM(nn.Module):
     """Euler solver around `estimator` (the only parameters: the checkpoint's `decoder.estimator.*`).
 
-    `estimator(x, mask, mu, t, spks, cond) -> velocity` serves `solve`; `solve_chunk` needs a
-    `CachedEstimator`.
+    `estimator(x, mask, mu, t, spks, cond) -> velocity` serves `solve` (with the mask prepared once per
+    solve for a `PreparedMaskEstimator`); `solve_chunk` needs a `CachedEstimator`.
     """
 
     noise: torch.Tensor
@@ -152,10 +160,13 @@ class ConditionalCFM(nn.Module):
         """
         x = self.noise_at(offset, mu.shape[2]).to(mu.dtype).expand(mu.shape[0], -1, -1)
         mu2, spks2, cond2 = self._doubled(mu, spks, cond)
-        mask2 = torch.cat([mask, mask])
+        estimator = self.estimator
+        step_mask: Any = torch.cat([mask, mask])
+        if isinstance(estimator, PreparedMaskEstimator):
+            step_mask = estimator.prepare_mask(step_mask, x.dtype)
         for step in range(self.n_timesteps):
             t = torch.full((2 * x.shape[0],), self.t_grid[step], device=x.device)
-            v = self.estimator(torch.cat([x, x]), mask2, mu2, t, spks2, cond2)
+            v = estimator(torch.cat([x, x]), step_mask, mu2, t, spks2, cond2)
             x = x + (self.t_grid[step + 1] - self.t_grid[step]) * self._guided(v)
         return x
 

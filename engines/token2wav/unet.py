@@ -9,6 +9,7 @@ Parameter names follow `decoder.estimator.*` of the released CosyVoice2-0.5B `fl
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -151,6 +152,18 @@ def streaming_mask(cfg: UNetConfig, frames: int, device: torch.device | None = N
     return chunk_attention_mask(frames, cfg.static_chunk_size, device)[None]
 
 
+@dataclass(frozen=True)
+class UNetMask:
+    """An estimator mask as the layers read it (`CausalConditionalDecoder.prepare_mask`).
+
+    frames (B, 1, T): 1 for valid frames, 0 for padding, in the activations' dtype;
+    attention bool (B, 1, T, T): True = query i may attend key j.
+    """
+
+    frames: Tensor
+    attention: Tensor
+
+
 class UNetStage(nn.ModuleList):
     """Resnet block, transformer blocks, then an optional causal conv — a ModuleList so the names are
     the checkpoint's `<stage>.0.*`, `<stage>.1.<j>.*` and `<stage>.2.*`."""
@@ -192,19 +205,29 @@ class CausalConditionalDecoder(nn.Module):
         self.final_block = CausalBlock(ch, ch)
         self.final_proj = nn.Conv1d(ch, cfg.out_channels, 1)
 
-    def forward(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor) -> Tensor:
+    def prepare_mask(self, mask: Tensor, dtype: torch.dtype) -> UNetMask:
+        """What the layers read of `mask` (see `forward`), for activations of `dtype`; the same for
+        every Euler step of a solve, so the solver prepares it once."""
+        mask = mask.bool()
+        frames = mask.any(dim=1, keepdim=True).to(dtype)
+        attention = mask.expand(-1, mask.shape[2], -1)
+        # A query with no allowed key attends uniformly, like the reference's additive −1e10 bias; such
+        # rows are padding and zeroed by `frames` anyway.
+        attention = (attention | ~attention.any(dim=2, keepdim=True))[:, None]
+        return UNetMask(frames, attention)
+
+    def forward(
+        self, x: Tensor, mask: Tensor | UNetMask, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor
+    ) -> Tensor:
         """Velocity (B, 80, T).
 
         x, mu, cond (B, 80, T); t (B,) flow time (any float dtype); spks (B, 80).
         mask: bool (B, 1, T) valid frames → full attention among them (offline), or (B, T, T) per
-        query (e.g. `streaming_mask(cfg, T)`); a frame is valid if any query may attend it.
+        query (e.g. `streaming_mask(cfg, T)`); a frame is valid if any query may attend it. Or that
+        mask already prepared (`prepare_mask`, for x's dtype).
         """
-        mask = mask.bool()
-        frames = mask.any(dim=1, keepdim=True).to(x.dtype)
-        attention = mask.expand(-1, x.shape[2], -1)
-        # A query with no allowed key attends uniformly, like the reference's additive −1e10 bias; such
-        # rows are padding and zeroed by `frames` anyway.
-        attention = (attention | ~attention.any(dim=2, keepdim=True))[:, None]
+        prepared = mask if isinstance(mask, UNetMask) else self.prepare_mask(mask, x.dtype)
+        frames, attention = prepared.frames, prepared.attention
         temb = self.time_mlp(sinusoidal_time_features(t, self.cfg.in_channels).to(x.dtype))
         speaker = spks[:, :, None].expand(-1, -1, x.shape[2])
         h = torch.cat([x, mu, speaker, cond], dim=1)

@@ -34,6 +34,7 @@ from engines.config import MEL_BINS, ConformerConfig, FlowConfig
 from engines.token2wav.batching import EncodeShape, SolveShape, round_up
 from engines.token2wav.cfm import ConditionalCFM, RaggedInputs, RaggedOutputs
 from engines.token2wav.conformer import PRE_LOOKAHEAD_LEFT, UPSAMPLE_KERNEL_GROWTH, ConformerCache
+from engines.token2wav.dit import DiT
 from engines.token2wav.hift import HiFTGenerator, Vocoded
 
 logger = logging.getLogger(__name__)
@@ -149,6 +150,9 @@ class EagerSolver(_EagerCalls[SolveShape, RaggedInputs, RaggedOutputs]):
         super().__init__(layout.device)
         self.cfm = cfm
         self.layout = layout
+        if isinstance(cfm.estimator, DiT):
+            # The graphs replay fused kernels: on a GPU a graph of unfused blocks is launch-bound.
+            cfm.estimator.compile_blocks()
 
     def _inputs(self, shape: SolveShape) -> RaggedInputs:
         return self.layout.inputs(shape, self._zeros)
@@ -222,6 +226,9 @@ class GraphedSolver(_ShapeGraphs[SolveShape, RaggedInputs, RaggedOutputs]):
         super().__init__(layout.device)
         self.cfm = cfm
         self.layout = layout
+        if isinstance(cfm.estimator, DiT):
+            # The graphs replay fused kernels: on a GPU a graph of unfused blocks is launch-bound.
+            cfm.estimator.compile_blocks()
         # The steps' time conditioning, computed once from the weights and read by every graph.
         self._conditioning: list[Any] | None = None
 

@@ -2,9 +2,10 @@
 
 Each stream has its own socket (as a voice agent does; all are open before the clock starts), starts
 a context with a fixed number of speech tokens per sentence (synthetic weights never stop on their own),
-sends one text and waits for `done`; all streams of a level start in the same instant. Per stream we record when the request went out, when each audio frame arrived and how much
-audio it carried; a simulated player starts at the first byte and plays in real time, so an underrun
-is the player catching up with the received audio before the end.
+sends one text and waits for `done`; all streams of a level start in the same instant. Per stream we
+record when the request went out, when each audio frame arrived and how much audio it carried; a
+simulated player starts at the first byte and plays in real time, so an underrun is the player
+catching up with the received audio before the end.
 
 `realtime bench --url ws://127.0.0.1:8080/v1/ws` drives a running server; `--spawn --models DIR`
 starts the server itself, once in the normal mode and once in the baseline mode (the design we
@@ -31,8 +32,8 @@ from pathlib import Path
 
 import httpx
 import websockets
-from websockets.asyncio.client import ClientConnection
 from prometheus_client.parser import text_string_to_metric_families
+from websockets.asyncio.client import ClientConnection
 
 from realtime.protocol.core import parse_audio_frame
 

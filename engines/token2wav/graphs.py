@@ -144,15 +144,13 @@ class _EagerCalls(Generic[ShapeT, InputsT, OutputsT]):
 
 
 class EagerSolver(_EagerCalls[SolveShape, RaggedInputs, RaggedOutputs]):
-    """The CFM solve, eagerly at the exact shape."""
+    """The CFM solve, eagerly at the exact shape (uncompiled: a shape beyond the buckets, or a CPU, would
+    otherwise pay a compilation in the middle of traffic)."""
 
     def __init__(self, cfm: ConditionalCFM, layout: SolverLayout) -> None:
         super().__init__(layout.device)
         self.cfm = cfm
         self.layout = layout
-        if isinstance(cfm.estimator, DiT):
-            # The graphs replay fused kernels: on a GPU a graph of unfused blocks is launch-bound.
-            cfm.estimator.compile_blocks()
 
     def _inputs(self, shape: SolveShape) -> RaggedInputs:
         return self.layout.inputs(shape, self._zeros)

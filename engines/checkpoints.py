@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pickle
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -83,3 +84,42 @@ def read_manifest_tsv(path: Path) -> list[tuple[str, tuple[int, ...]]]:
         dims = shape.strip().strip("[]")
         entries.append((name, tuple(int(d) for d in dims.split(",") if d.strip())))
     return entries
+
+
+def store_as_parts(module: nn.Module, fused: str, parts: Sequence[tuple[str, int]]) -> None:
+    """Make `module`'s state dict hold its fused linear child `fused` as the separate linear layers
+    `parts` (name, output features), in that order, and load it back from them.
+
+    Saved parts are views of the fused tensors; a `keep_vars=True` state dict (what tracers such as the ONNX
+    exporter read) keeps the fused parameters. Loading concatenates the parts when all of them are
+    present; otherwise they stay as they are, so a strict load names what is missing.
+    """
+    names = [name for name, _ in parts]
+    sizes = [size for _, size in parts]
+
+    def save(_module: nn.Module, state: dict[str, Any], prefix: str, _metadata: Any) -> None:
+        fused_prefix = f"{prefix}{fused}."
+        if isinstance(state.get(f"{fused_prefix}weight"), nn.Parameter):
+            return  # state_dict(keep_vars=True), as tracers ask: they want the parameters themselves
+        # This module's entries are the newest ones; rebuild them with the parts in the fused tensor's place.
+        entries = [(key, state.pop(key)) for key in [key for key in state if key.startswith(prefix)]]
+        fields = {key.removeprefix(fused_prefix): value
+                  for key, value in entries if key.startswith(fused_prefix)}
+        written = False
+        for key, value in entries:
+            if not key.startswith(fused_prefix):
+                state[key] = value
+            elif not written:  # the parts take the place of the first fused tensor
+                written = True
+                for index, name in enumerate(names):
+                    for field_name, tensor in fields.items():
+                        state[f"{prefix}{name}.{field_name}"] = tensor.split(sizes)[index]
+
+    def load(_module: nn.Module, state: dict[str, Any], prefix: str, *_args: Any) -> None:
+        for field_name in ("weight", "bias"):
+            keys = [f"{prefix}{name}.{field_name}" for name in names]
+            if all(key in state for key in keys):
+                state[f"{prefix}{fused}.{field_name}"] = torch.cat([state.pop(key) for key in keys])
+
+    module.register_state_dict_post_hook(save)
+    module.register_load_state_dict_pre_hook(load)

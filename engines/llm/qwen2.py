@@ -13,14 +13,14 @@ separate tensors.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engines.checkpoints import store_as_parts
 from engines.config import Qwen2Config
 
 
@@ -93,42 +93,6 @@ class _LayerInputs:
     mask: Tensor  # [B, 1, group * T, kv_len] additive (0 or -inf), query heads folded as in grouped_attention
     batch: CacheBatch
     row_index: Tensor
-
-
-def store_as_parts(module: nn.Module, fused: str, parts: Sequence[tuple[str, int]]) -> None:
-    """Make `module`'s state dict hold its fused linear child `fused` as the separate linear layers
-    `parts` (name, output features), in that order, and load it back from them.
-
-    Saved parts are views of the fused tensors. Loading concatenates the parts when all of them are
-    present; otherwise they stay as they are, so a strict load names what is missing.
-    """
-    names = [name for name, _ in parts]
-    sizes = [size for _, size in parts]
-
-    def save(_module: nn.Module, state: dict[str, Any], prefix: str, _metadata: Any) -> None:
-        # This module's entries are the newest ones; rebuild them with the parts in the fused tensor's place.
-        fused_prefix = f"{prefix}{fused}."
-        entries = [(key, state.pop(key)) for key in [key for key in state if key.startswith(prefix)]]
-        fields = {key.removeprefix(fused_prefix): value
-                  for key, value in entries if key.startswith(fused_prefix)}
-        written = False
-        for key, value in entries:
-            if not key.startswith(fused_prefix):
-                state[key] = value
-            elif not written:  # the parts take the place of the first fused tensor
-                written = True
-                for index, name in enumerate(names):
-                    for field_name, tensor in fields.items():
-                        state[f"{prefix}{name}.{field_name}"] = tensor.split(sizes)[index]
-
-    def load(_module: nn.Module, state: dict[str, Any], prefix: str, *_args: Any) -> None:
-        for field_name in ("weight", "bias"):
-            keys = [f"{prefix}{name}.{field_name}" for name in names]
-            if all(key in state for key in keys):
-                state[f"{prefix}{fused}.{field_name}"] = torch.cat([state.pop(key) for key in keys])
-
-    module.register_state_dict_post_hook(save)
-    module.register_load_state_dict_pre_hook(load)
 
 
 class RMSNorm(nn.Module):

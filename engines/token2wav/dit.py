@@ -21,6 +21,7 @@ real ones, so the causal convs never read them; the conv caches are taken at eac
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engines.checkpoints import store_as_parts
 from engines.config import DiTConfig
 from engines.token2wav.batching import frame_index
 
@@ -91,30 +93,33 @@ class TimestepEmbedder(nn.Module):
 
 
 class Attention(nn.Module):
-    """Multi-head attention with per-head LayerNorm on queries and keys; no positions."""
+    """Multi-head attention with per-head LayerNorm on queries and keys; no positions.
+
+    `to_qkv` is the checkpoint's `to_q`, `to_k` and `to_v` stacked: one matmul per call instead of three
+    (a first chunk's call is launch-bound); state-dict hooks keep the checkpoint's names.
+    """
 
     def __init__(self, cfg: DiTConfig) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
         self.head_dim = cfg.head_dim
-        self.to_q = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.to_k = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.to_v = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        hidden = cfg.hidden_size
+        self.to_qkv = nn.Linear(hidden, 3 * hidden)
         self.q_norm = nn.LayerNorm(cfg.head_dim, eps=1e-5)
         self.k_norm = nn.LayerNorm(cfg.head_dim, eps=1e-5)
-        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.proj = nn.Linear(hidden, hidden)
+        store_as_parts(self, "to_qkv", (("to_q", hidden), ("to_k", hidden), ("to_v", hidden)))
 
     def forward(self, x: torch.Tensor, keys: DenseKeys | SplitKeys) -> tuple[torch.Tensor, torch.Tensor]:
         """x (B, T, C) attends to itself and `keys`. Returns (B, T, C) and x's keys|values
         (B, heads, T, 2·head_dim)."""
         b, t, _ = x.shape
         # (B, T, heads, head_dim): the per-head norms run on contiguous rows.
-        q = self.q_norm(self.to_q(x).view(b, t, self.num_heads, self.head_dim))
-        k = self.k_norm(self.to_k(x).view(b, t, self.num_heads, self.head_dim))
-        v = self.to_v(x).view(b, t, self.num_heads, self.head_dim)
+        q, k, v = self.to_qkv(x).view(b, t, 3, self.num_heads, self.head_dim).unbind(2)
+        q, k = self.q_norm(q), self.k_norm(k)
         new_kv = torch.cat([k, v], dim=-1).transpose(1, 2)
         if isinstance(keys, SplitKeys):
-            return self.proj(self._split_attention(q, k, v, keys)), new_kv
+            return self.proj(self._split_attention(q, new_kv, keys)), new_kv
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if keys.past is not None:
             past_k, past_v = keys.past.split(self.head_dim, dim=-1)
@@ -123,34 +128,22 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=keys.mask)
         return self.proj(out.transpose(1, 2).reshape(b, t, -1)), new_kv
 
-    def _split_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: SplitKeys
-    ) -> torch.Tensor:
-        """One softmax over [shared prompt, own cache, chunk] keys; q, k, v (2B, T, heads, head_dim).
+    def _split_attention(self, q: torch.Tensor, new_kv: torch.Tensor, keys: SplitKeys) -> torch.Tensor:
+        """Attention of q (2B, T, heads, head_dim) over [shared prompt, own cache, chunk] keys; new_kv
+        (2B, heads, T, 2·head_dim) are the chunk's. Returns (2B, T, C).
 
-        Everything runs in (guidance half, head, row) order: the prompt part is then one matmul of all
-        rows' queries against the shared prompt keys per half and head (read in place, never per row),
-        and the own part a matmul batched over rows. Returns (2B, T, C).
+        Each row's keys are laid out once per call (one copy that reads the shared prompt in place), so
+        that one fused attention kernel serves the batch: scores over ~300–700 keys per query are never
+        materialised, which on a GPU costs several passes over a tensor of rows · T · keys per head.
         """
         rows, t, heads, dim = q.shape
-        batch = rows // 2
-
-        def by_half(z: torch.Tensor) -> torch.Tensor:  # (2B, T, H, n) → (2, H, B, T, n), a view
-            return z.view(2, batch, t, heads, -1).permute(0, 3, 1, 2, 4)
-
-        q = by_half(q).contiguous()
-        own = keys.own.view(2, batch, heads, -1, 2 * dim).transpose(1, 2)
-        own_k = torch.cat([own[..., :dim], by_half(k)], dim=3)
-        own_v = torch.cat([own[..., dim:], by_half(v)], dim=3)
-        prompt_k, prompt_v = keys.prompt[..., :dim], keys.prompt[..., dim:]
-        prompt_frames = prompt_k.shape[2]
-        prompt_scores = q.view(2, heads, batch * t, dim) @ prompt_k.transpose(-1, -2)
-        scores = torch.cat([prompt_scores.view(2, heads, batch, t, -1), q @ own_k.transpose(-1, -2)], dim=-1)
-        bias = keys.bias.view(2, 1, batch, 1, -1)
-        weights = torch.softmax(torch.add(bias, scores, alpha=dim**-0.5), dim=-1)
-        out = (weights[..., :prompt_frames].reshape(2, heads, batch * t, -1) @ prompt_v).view(-1, t, dim)
-        out.baddbmm_(weights[..., prompt_frames:].flatten(0, 2), own_v.flatten(0, 2))  # += own part
-        return out.view(2, heads, batch, t, dim).permute(0, 2, 3, 1, 4).reshape(rows, t, heads * dim)
+        halves = (2, rows // 2)
+        prompt = keys.prompt.unsqueeze(1).expand(*halves, *keys.prompt.shape[1:])
+        own, new = keys.own.view(*halves, *keys.own.shape[1:]), new_kv.view(*halves, *new_kv.shape[1:])
+        kv = torch.cat([prompt, own, new], dim=3).view(rows, heads, -1, 2 * dim)
+        bias = keys.bias[:, None, None, :]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), kv[..., :dim], kv[..., dim:], attn_mask=bias)
+        return out.transpose(1, 2).reshape(rows, t, heads * dim)
 
 
 class CausalConvBranch(nn.Module):
@@ -313,6 +306,7 @@ class DiT(nn.Module):
         self.in_proj = nn.Linear(cfg.in_channels, cfg.hidden_size)
         self.blocks = nn.ModuleList(DiTBlock(cfg) for _ in range(cfg.depth))
         self.final_layer = FinalLayer(cfg.hidden_size, cfg.out_channels)
+        self._ragged_block: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = DiTBlock.forward
 
     @property
     def _blocks(self) -> list[DiTBlock]:
@@ -373,14 +367,14 @@ class DiT(nn.Module):
         return self._run_blocks(x, mu, t, spks, cond, keys, cnn_cache)
 
     def compile_blocks(self, backend: str = "inductor") -> None:
-        """Run each block through torch.compile (Inductor, dynamic shapes): the elementwise work between
-        its matmuls (norms, modulation, gates, the conv branch's padding and activation) fuses into a few
-        kernels, where a first chunk otherwise launches ~40 per block and Euler step. All blocks share
-        the compiled code of a shape class; a new class compiles on its first call, so run each shape
-        once before capturing it in a CUDA graph (as `graphs.capture_graph` does). `backend`: another
-        torch.compile backend, e.g. "aot_eager" to check the tracing where Inductor would be slow."""
-        for block in self._blocks:
-            block.compile(dynamic=True, backend=backend)
+        """Run the blocks of `forward_ragged` (the batched streaming path that CUDA graphs replay) through
+        torch.compile (Inductor, dynamic shapes): the elementwise work between the matmuls (norms,
+        modulation, gates, the conv branch's padding and activation) fuses into a few kernels. All 16
+        blocks share the compiled code of a shape class; a new class compiles on its first call, so run
+        each shape once before capturing it in a CUDA graph (as `graphs.capture_graph` does). The other
+        paths stay eager: a voice prepared or a chunk run alone never waits for a compilation.
+        `backend`: another torch.compile backend, e.g. "aot_eager" to check the tracing on a CPU."""
+        self._ragged_block = torch.compile(DiTBlock.forward, dynamic=True, backend=backend)
 
     def conditioning(self, t: float) -> StepConditioning:
         """The modulation vectors of time t for every block and the final layer (for `forward_ragged`)."""
@@ -419,11 +413,12 @@ class DiT(nn.Module):
         """
         h = self._in(x, mu, spks, torch.zeros_like(x))
         new_cnn, new_kv = [], []
+        run_block = self._ragged_block
         for block, modulation, conv_cache, prompt, own in zip(
             self._blocks, conditioning.blocks, cnn_cache, prompt_kv, own_kv, strict=True
         ):
             keys = SplitKeys(prompt, own, layout.bias)
-            h, kv, conv_cache = block(h, modulation, keys, conv_cache, layout.conv_context)
+            h, kv, conv_cache = run_block(block, h, modulation, keys, conv_cache, layout.conv_context)
             new_cnn.append(conv_cache)
             new_kv.append(kv)
         v = self.final_layer(h, conditioning.final).transpose(1, 2)

@@ -124,7 +124,8 @@ def main() -> None:
     mode = "eager" if args.eager or device.type != "cuda" else "CUDA graphs"
     if mode != "eager" and args.eager_vocoder:
         mode += " (flow only)"
-    print(f"\ntoken2wav run_chunks: {args.size} synthetic DiT flow ({t2w.flow.dtype}, {mode}), HiFT fp32, "
+    source = f"{args.size} synthetic" if args.models is None else f"{models}:"
+    print(f"\ntoken2wav run_chunks: {source} DiT flow ({t2w.flow.dtype}, {mode}), HiFT fp32, "
           f"{name}, torch {torch.__version__}; warm-up {warmup_s:.1f} s; {SAMPLE_RATE} Hz")
     print(f"{'streams':>7} {'chunk (tokens)':>15} {'ms / call':>10} {'ms / stream':>12} {'x real time':>12}")
     for row in rows:
@@ -138,7 +139,7 @@ def main() -> None:
         for batch in (min(args.batches), max(args.batches)):
             profile_call(t2w, speaker, batch, args.hops[0], tokens, args.profile / f"profile_b{batch}.txt")
     if args.json:
-        report = {"device": name, "size": args.size, "mode": mode, "rows": rows}
+        report = {"device": name, "models": str(models), "mode": mode, "warmup_s": warmup_s, "rows": rows}
         args.json.write_text(json.dumps(report, indent=2))
 
 

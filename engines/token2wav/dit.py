@@ -36,6 +36,7 @@ from engines.token2wav.batching import frame_index
 CONV_CONTEXT = 2  # causal kernel-3 convs
 MODULATIONS = 9  # shift/scale/gate for attention, MLP and conv branches
 SCALES = (1, 4, 7)  # the scale entries among them (applied as 1 + scale)
+RAGGED_SHAPE_CLASSES = 64  # compiled variants of the batched block (see DiT.compile_blocks)
 
 
 def modulated_norm(
@@ -373,8 +374,13 @@ class DiT(nn.Module):
         blocks share the compiled code of a shape class; a new class compiles on its first call, so run
         each shape once before capturing it in a CUDA graph (as `graphs.capture_graph` does). The other
         paths stay eager: a voice prepared or a chunk run alone never waits for a compilation.
-        `backend`: another torch.compile backend, e.g. "aot_eager" to check the tracing on a CPU."""
-        self._ragged_block = torch.compile(DiTBlock.forward, dynamic=True, backend=backend)
+        `backend`: another torch.compile backend, e.g. "aot_eager" to check the tracing on a CPU.
+
+        Shape classes: own cache empty or not, one row or more, and on CUDA whether the key and chunk
+        lengths are multiples of 8 (the fused attention's alignment); the warm-up alone meets more than
+        torch.compile's default of 8 recompilations, past which a shape would run uncompiled."""
+        compiled = torch.compile(DiTBlock.forward, dynamic=True, backend=backend)
+        self._ragged_block = torch._dynamo.config.patch(recompile_limit=RAGGED_SHAPE_CLASSES)(compiled)
 
     def conditioning(self, t: float) -> StepConditioning:
         """The modulation vectors of time t for every block and the final layer (for `forward_ragged`)."""

@@ -13,9 +13,10 @@ It returns the chunk's velocity, the new cnn cache and the chunk's own keys|valu
 the result, so the caller chooses where to keep shared prompt frames and which frames to drop).
 
 `forward_ragged` runs chunks of many streams at once (`SplitKeys`): chunks right-padded to a common
-length, each row's cache split into a prompt part shared by rows of the same voice (never copied per
-row) and the row's own part, one softmax over both. Padded frames are masked as keys and come after the
-real ones, so the causal convs never read them; the conv caches are taken at each row's real end.
+length, each row's cache split into a prompt part shared by rows of the same voice (stored once, laid
+out per row only transiently inside each attention call) and the row's own part, one softmax over both.
+Padded frames are masked as keys and come after the real ones, so the causal convs never read them; the
+conv caches are taken at each row's real end.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ Bounded memory (the reference's rules, with their intent made explicit):
   so the other half stays free for the next chunk.
 
 `chunks` runs the chunks of many streams as one padded batch (batching.py): one encoder pass, one
-10-step solve whose DiT calls cover every stream and both guidance halves, the shared prompt caches read
-in place by attention split into a prompt part and a per-stream part (dit.SplitKeys). On CUDA the solve
+10-step solve whose DiT calls cover every stream and both guidance halves, the shared prompt caches held
+once per voice and read by every row's attention next to its own cache (dit.SplitKeys). On CUDA the solve
 replays a CUDA graph per bucketed shape (graphs.py). `chunk` remains the one-stream path through the
 estimator's `forward_chunk`, which exported estimators (TensorRT) implement.
 """

@@ -437,11 +437,15 @@ class Runtime:
 
     async def _warm_up(self, worker: Token2WavWorker, speaker: SpeakerState) -> None:
         """Run the schedule's chunk shapes at every batch size up to the configured one, so that the
-        first requests do not pay for CUDA-graph capture."""
+        first requests do not pay for CUDA-graph capture or compilation. Then the process stops
+        compiling: a shape the warm-up did not meet (a voice with a longer prompt, say) runs uncompiled
+        rather than stalling every stream of the engine thread for the seconds Inductor takes."""
         batches = [1 << i for i in range(self.config.token2wav_batch.bit_length())]
         started = time.perf_counter()
         await worker.warmup(speaker, batches)
-        logger.info("token2wav warmed up for batches %s in %.1f s", batches, time.perf_counter() - started)
+        torch.compiler.set_stance("eager_on_recompile")
+        logger.info("token2wav warmed up for batches %s in %.1f s; compilation closed", batches,
+                    time.perf_counter() - started)
 
     async def stop(self, drain_timeout_s: float) -> None:
         """Refuse new streams, let running ones finish for up to `drain_timeout_s`, cancel the rest."""

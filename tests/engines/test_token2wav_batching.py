@@ -218,6 +218,21 @@ def test_backend_run_chunks_equal_run_chunk() -> None:
         assert stream.nbytes == 0  # closed after its last chunk
 
 
+def test_batches_without_cuda_graphs_compile_nothing() -> None:
+    """Only the CUDA-graph solver compiles the DiT blocks: on a CPU a batch (and a voice) runs eagerly,
+    never stalling a request on Inductor."""
+    from torch._dynamo.utils import counters
+
+    flow, hift = DiTFlow(CONFIGS.dit_flow).eval(), HiFTGenerator(CONFIGS.hift).eval()
+    backend = TorchToken2Wav(flow, hift)
+    frames_before = counters["frames"]["total"]
+    speaker = backend.prepare_speaker(make_voice(1, 12))
+    streams = [backend.open_stream(speaker) for _ in range(2)]
+    tokens = torch.arange(4 + PRE_LOOKAHEAD)
+    backend.run_chunks([ChunkJob(stream, tokens, last=False) for stream in streams])
+    assert counters["frames"]["total"] == frames_before
+
+
 def test_warmup_runs_the_schedule_and_leaves_no_stream_open(monkeypatch: pytest.MonkeyPatch) -> None:
     flow, hift = DiTFlow(CONFIGS.dit_flow).eval(), HiFTGenerator(CONFIGS.hift).eval()
     backend = TorchToken2Wav(flow, hift, graph_hops=(4, 6))

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import cast
 
 import torch
+import torch.fx.experimental._config as fx_config
 import torch.nn.functional as F
 from torch import nn
 
@@ -379,9 +380,12 @@ class DiT(nn.Module):
 
         Shape classes: own cache empty or not, one row or more, and on CUDA whether the key and chunk
         lengths are multiples of 8 (the fused attention's alignment); the warm-up alone meets more than
-        torch.compile's default of 8 recompilations, past which a shape would run uncompiled."""
+        torch.compile's default of 8 recompilations, past which a shape would run uncompiled. Duck
+        shaping is off: with it, a batch whose row count equals another size of the call (128 rows =
+        2·head_dim at 64 streams) was compiled as a class of its own, once per batch bucket."""
         compiled = torch.compile(DiTBlock.forward, dynamic=True, backend=backend)
-        self._ragged_block = torch._dynamo.config.patch(recompile_limit=RAGGED_SHAPE_CLASSES)(compiled)
+        limited = torch._dynamo.config.patch(recompile_limit=RAGGED_SHAPE_CLASSES)(compiled)
+        self._ragged_block = fx_config.patch(use_duck_shape=False)(limited)  # type: ignore[attr-defined]
 
     def conditioning(self, t: float) -> StepConditioning:
         """The modulation vectors of time t for every block and the final layer (for `forward_ragged`)."""

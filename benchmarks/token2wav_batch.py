@@ -124,7 +124,7 @@ def main() -> None:
     mode = "eager" if args.eager or device.type != "cuda" else "CUDA graphs"
     if mode != "eager" and args.eager_vocoder:
         mode += " (flow only)"
-    source = f"{args.size} synthetic" if args.models is None else f"{models}:"
+    source = f"{args.size} synthetic" if args.models is None else f"{models}"
     print(f"\ntoken2wav run_chunks: {source} DiT flow ({t2w.flow.dtype}, {mode}), HiFT fp32, "
           f"{name}, torch {torch.__version__}; warm-up {warmup_s:.1f} s; {SAMPLE_RATE} Hz")
     print(f"{'streams':>7} {'chunk (tokens)':>15} {'ms / call':>10} {'ms / stream':>12} {'x real time':>12}")

@@ -144,8 +144,9 @@ class _EagerCalls(Generic[ShapeT, InputsT, OutputsT]):
 
 
 class EagerSolver(_EagerCalls[SolveShape, RaggedInputs, RaggedOutputs]):
-    """The CFM solve, eagerly at the exact shape (uncompiled: a shape beyond the buckets, or a CPU, would
-    otherwise pay a compilation in the middle of traffic)."""
+    """The CFM solve, eagerly at the exact shape. It compiles nothing itself (a CPU, or a shape beyond the
+    buckets, would otherwise pay a compilation in the middle of traffic); blocks that the graph solver
+    compiled stay compiled."""
 
     def __init__(self, cfm: ConditionalCFM, layout: SolverLayout) -> None:
         super().__init__(layout.device)

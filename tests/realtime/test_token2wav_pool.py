@@ -19,9 +19,10 @@ from engines.token2wav.base import ChunkJob
 from engines.token2wav.torch_backend import TorchToken2Wav
 from engines.voice import VoicePrompt
 from realtime.config import ServiceConfig
-from realtime.runtime import FirstChunkLinger, Runtime, Token2WavWorker
+from realtime.runtime import Runtime
 from realtime.schedule import ScheduleKind
 from realtime.session import SpeechRequest
+from realtime.token2wav_worker import FirstChunkLinger, Token2WavWorker
 
 TOKENS = 70  # the exponential schedule cuts this into three chunks
 

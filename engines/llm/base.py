@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import enum
 import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -63,19 +64,73 @@ class SamplingParams:
         return int(self.min_token_ratio * target_text_len), int(self.max_token_ratio * target_text_len)
 
 
+class PromptMode(enum.StrEnum):
+    """CosyVoice2's inference modes: what the LLM prompt holds besides the target text (§3.2).
+
+    - `zero_shot`: the voice's transcript before the target text and its speech tokens after task_id;
+    - `cross_lingual`: neither (text in another language than the voice's clip, none of the clip's
+      words to leak in);
+    - `instruct2`: an instruction ending in `<|endofprompt|>` before the target text, no speech tokens.
+
+    token2wav reads the voice's speaker embedding, prompt tokens and prompt mel in every mode.
+    `engines.llm.model.layout_prompt` builds each mode's prompt from a voice.
+    """
+
+    ZERO_SHOT = "zero_shot"
+    CROSS_LINGUAL = "cross_lingual"
+    INSTRUCT2 = "instruct2"
+
+
+ALL_MODES = frozenset(PromptMode)
+
+
+@dataclass(frozen=True)
+class LLMPrompt:
+    """The prompt side of requests: ids before the target text and speech tokens after task_id.
+
+    One per voice and mode (per instruction in instruct2), shared by every request made with it.
+    """
+
+    mode: PromptMode
+    text_ids: tuple[int, ...]
+    speech_tokens: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        check_layout(self.mode, self.text_ids, self.speech_tokens)
+
+    def request(self, request_id: str, text_ids: Sequence[int], sampling: SamplingParams) -> LLMRequest:
+        return LLMRequest(request_id, text_ids, self.text_ids, self.speech_tokens, sampling, self.mode)
+
+
+def check_layout(mode: PromptMode, prompt_text_ids: Sequence[int],
+                 prompt_speech_tokens: Sequence[int]) -> None:
+    """ValueError unless the prompt parts are what `mode` allows (see `PromptMode`)."""
+    if mode is PromptMode.CROSS_LINGUAL and (prompt_text_ids or prompt_speech_tokens):
+        raise ValueError("a cross_lingual prompt has neither prompt text nor prompt speech tokens")
+    if mode is PromptMode.INSTRUCT2 and (not prompt_text_ids or prompt_speech_tokens):
+        raise ValueError("an instruct2 prompt has an instruction as prompt text and no prompt speech tokens")
+
+
 @dataclass(frozen=True)
 class LLMRequest:
-    """One synthesis segment: zero-shot prompt (text + speech tokens) and the target text."""
+    """One synthesis segment: the prompt of its `mode` (see `PromptMode`) and the target text.
+
+    `prompt_text_ids` precede the target text (the voice's transcript in zero_shot, the instruction in
+    instruct2) and `prompt_speech_tokens` follow task_id (zero_shot only). Length bounds count the
+    target text only, in every mode.
+    """
 
     request_id: str
     text_ids: Sequence[int]  # target text token ids
     prompt_text_ids: Sequence[int] = ()
     prompt_speech_tokens: Sequence[int] = ()
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    mode: PromptMode = PromptMode.ZERO_SHOT
 
     def __post_init__(self) -> None:
         if not self.text_ids:
             raise ValueError("text_ids must not be empty")
+        check_layout(self.mode, self.prompt_text_ids, self.prompt_speech_tokens)
 
 
 @dataclass(frozen=True)
@@ -203,6 +258,14 @@ class LLMEngine(abc.ABC):
     """Accepts many requests; one loop owns the accelerator and batches them."""
 
     name: str
+    modes: frozenset[PromptMode] = ALL_MODES  # the prompt modes it serves
+
+    def check_mode(self, request: LLMRequest) -> None:
+        """LLMError `mode_not_supported` unless this engine serves `request.mode`."""
+        if request.mode not in self.modes:
+            served = ", ".join(sorted(self.modes))
+            raise LLMError("mode_not_supported", f"the {self.name} LLM engine does not serve {request.mode} "
+                                                 f"requests (it serves: {served})")
 
     @abc.abstractmethod
     async def start(self) -> None:
@@ -214,7 +277,8 @@ class LLMEngine(abc.ABC):
 
     @abc.abstractmethod
     def submit(self, request: LLMRequest) -> TokenStream:
-        """Queue a request; raises `LLMError` (code `context_too_long`, `busy`, ...) at once if invalid."""
+        """Queue a request; raises `LLMError` (code `context_too_long`, `busy`, `mode_not_supported`, ...)
+        at once if invalid."""
 
     @abc.abstractmethod
     def stats(self) -> LLMStats: ...

@@ -1,9 +1,10 @@
 """CosyVoice2's speech-token LM (`Qwen2LM`, MODEL_FACTS §3.1-3.2) and strict loading of `llm.pt`.
 
 A Qwen2 backbone reads one sequence of embeddings: sos, the prompt text followed by the target text
-(Qwen text embeddings), task_id, then the prompt speech tokens (speech embeddings). Each decoded speech
-token is fed back through `speech_embedding`; `llm_decoder` maps hidden states to logits over the 6564
-speech ids (codebook + eos + unused stop + fill).
+(Qwen text embeddings), task_id, then the prompt speech tokens (speech embeddings). What the prompt text
+and speech tokens are depends on the mode (`layout_prompt`). Each decoded speech token is fed back
+through `speech_embedding`; `llm_decoder` maps hidden states to logits over the 6564 speech ids
+(codebook + eos + unused stop + fill).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import Tensor, nn
 
 from engines.checkpoints import load_checkpoint, load_strict
 from engines.config import LLMConfig
+from engines.llm.base import LLMPrompt, PromptMode
 from engines.llm.qwen2 import CacheBatch, KVCache, Qwen2ForCausalLM, Qwen2Model
 
 # Where the Qwen2 backbone's tensors sit in `llm.pt` (and in `CosyVoice2LM`'s state dict).
@@ -31,6 +33,25 @@ class Qwen2Encoder(nn.Module):
     def __init__(self, cfg: LLMConfig) -> None:
         super().__init__()
         self.model = Qwen2ForCausalLM(cfg.qwen)
+
+
+def layout_prompt(mode: PromptMode, voice_text_ids: Sequence[int], voice_speech_tokens: Sequence[int],
+                  instruction_ids: Sequence[int] = ()) -> LLMPrompt:
+    """The LLM prompt of `mode` for a voice, as the reference front end lays it out (MODEL_FACTS §3.2).
+
+    `voice_text_ids` are the voice's transcript, `voice_speech_tokens` its clip's speech tokens and
+    `instruction_ids` the instruction ending in `<|endofprompt|>` (instruct2 only). Zero-shot keeps
+    both parts of the voice; cross-lingual drops both (`frontend_cross_lingual`); instruct2 puts the
+    instruction where the transcript was and drops the speech tokens (`frontend_instruct2`). The
+    voice's speaker embedding, prompt tokens and prompt mel go to token2wav in every mode.
+    """
+    if mode is not PromptMode.INSTRUCT2 and instruction_ids:
+        raise ValueError(f"an instruction needs the instruct2 mode, not {mode}")
+    if mode is PromptMode.ZERO_SHOT:
+        return LLMPrompt(mode, tuple(voice_text_ids), tuple(voice_speech_tokens))
+    if mode is PromptMode.CROSS_LINGUAL:
+        return LLMPrompt(mode, (), ())
+    return LLMPrompt(mode, tuple(instruction_ids), ())
 
 
 def prompt_length(num_text_ids: int, num_prompt_speech_tokens: int) -> int:
@@ -66,10 +87,10 @@ class CosyVoice2LM(nn.Module):
         return [torch.cat((sos, text, task, tokens)) for text, tokens in zip(texts, speech, strict=True)]
 
     def prompt_embeddings(self, text_ids: Tensor, prompt_speech_tokens: Tensor) -> Tensor:
-        """Embeddings [P, hidden] of one zero-shot prompt (§3.2).
+        """Embeddings [P, hidden] of one prompt (§3.2): sos, `text_ids`, task_id, `prompt_speech_tokens`.
 
-        `text_ids` is the prompt text followed by the target text (int64, 1-D); `prompt_speech_tokens`
-        may be empty. P = `prompt_length(len(text_ids), len(prompt_speech_tokens))`.
+        `text_ids` is the prompt text (see `layout_prompt`) followed by the target text (int64, 1-D);
+        `prompt_speech_tokens` may be empty. P = `prompt_length(len(text_ids), len(prompt_speech_tokens))`.
         """
         return self.prompt_embeddings_batch(text_ids, [text_ids.numel()], prompt_speech_tokens,
                                             [prompt_speech_tokens.numel()])[0]

@@ -40,11 +40,13 @@ from torch import Tensor
 
 from engines.config import SPEECH_CODEBOOK, ModelPaths, configs_for_models_dir
 from engines.llm.base import (
+    ALL_MODES,
     Delivery,
     LLMEngine,
     LLMError,
     LLMRequest,
     LLMStats,
+    PromptMode,
     QueuedTokenStream,
     TokenStream,
     deliver_threadsafe,
@@ -84,8 +86,13 @@ class TorchLLMConfig:
     min_kv_bucket: int = 256  # attended cache lengths: doubling from here up to max_context
     prefill_length_step: int = 64  # prefill chunk lengths: multiples of this up to prefill_chunk
     ras_history: int = 32  # longest RAS window a request may ask for
+    # Prompt modes served: all three by default; a models directory whose LLM was fine-tuned for one
+    # mode only may turn the others off.
+    modes: frozenset[PromptMode] = ALL_MODES
 
     def __post_init__(self) -> None:
+        if not self.modes:
+            raise ValueError("TorchLLMConfig.modes must name at least one prompt mode")
         sizes = ("max_slots", "max_context", "max_waiting", "prefill_chunk", "prefill_tokens",
                  "min_kv_bucket", "prefill_length_step", "ras_history")
         for name in sizes:
@@ -395,6 +402,7 @@ class TorchLLMEngine(LLMEngine):
 
     def __init__(self, config: TorchLLMConfig, load_model: ModelLoader) -> None:
         self.config = config
+        self.modes = config.modes
         self._load_model = load_model
         self._runner: _ModelRunner | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -471,6 +479,7 @@ class TorchLLMEngine(LLMEngine):
 
     def _sequence(self, request: LLMRequest, text_vocab: int) -> _Sequence:
         """Validate `request` and size it, or raise `LLMError`."""
+        self.check_mode(request)
         params = request.sampling
         # min/max run in C: this is on the event loop for every request, over hundreds of prompt tokens.
         if not _within(request.prompt_text_ids, text_vocab) or not _within(request.text_ids, text_vocab):

@@ -37,11 +37,13 @@ import torch
 
 from engines.config import ModelPaths
 from engines.llm.base import (
+    ALL_MODES,
     Delivery,
     LLMEngine,
     LLMError,
     LLMRequest,
     LLMStats,
+    PromptMode,
     QueuedTokenStream,
     SamplingParams,
     TokenStream,
@@ -130,7 +132,10 @@ def sampling_kwargs(params: SamplingParams, min_tokens: int, seed: int) -> dict[
 
 
 def plan_request(request: LLMRequest, vocab: SpeechVocab, limits: EngineLimits, seed: int) -> RequestPlan:
-    """Validate and translate `request`, or raise `LLMError` (`invalid_request`, `context_too_long`)."""
+    """Validate and translate `request`, or raise `LLMError` (`invalid_request`, `context_too_long`).
+
+    The ids are the PyTorch engine's prompt embeddings' rows in the exported vocabulary, in every mode
+    (the request holds its mode's prompt parts already: `engines.llm.model.layout_prompt`)."""
     try:
         input_ids = vocab.prompt_ids(request.prompt_text_ids, request.text_ids, request.prompt_speech_tokens)
     except ValueError as exc:
@@ -189,8 +194,11 @@ class TrtLlmConfig:
     kv_cache_free_gpu_memory_fraction: float = 0.5
     kv_cache_block_reuse: bool = False  # prompts differ from the first text token on: little to reuse
     response_poll_ms: int = 50  # the response thread notices `stop()` within this
+    modes: frozenset[PromptMode] = ALL_MODES  # prompt modes served (see `TorchLLMConfig.modes`)
 
     def __post_init__(self) -> None:
+        if not self.modes:
+            raise ValueError("TrtLlmConfig.modes must name at least one prompt mode")
         if self.max_waiting < 1 or self.response_poll_ms < 1:
             raise ValueError(f"max_waiting/response_poll_ms must be positive, got {self.max_waiting}/"
                              f"{self.response_poll_ms}")
@@ -223,6 +231,7 @@ class TrtLlmEngine(LLMEngine):
 
     def __init__(self, config: TrtLlmConfig, bindings: ModuleType | None = None) -> None:
         self.config = config
+        self.modes = config.modes
         self._tle = bindings if bindings is not None else import_executor_bindings()
         self._vocab = SpeechVocab.load(config.hf_dir)
         self._limits = EngineLimits.read(config.engine_dir)
@@ -272,6 +281,7 @@ class TrtLlmEngine(LLMEngine):
     def submit(self, request: LLMRequest) -> TokenStream:
         if self._executor is None or self._stopping:
             raise LLMError("not_running", "the LLM engine is not running")
+        self.check_mode(request)
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)
         plan = plan_request(request, self._vocab, self._limits, seed)
         stream = _ExecutorStream(request.request_id, self._cancel)

@@ -1,4 +1,4 @@
-"""Audio decoding, resampling and the three feature front ends of the prompt path (MODEL_FACTS §2.1–2.3).
+"""Audio decoding and the three feature front ends of the prompt path (MODEL_FACTS §2.1–2.3).
 
 - `whisper_log_mel`: 16 kHz → (128, T) log-mel for the speech tokenizer, T = N // 160.
 - `kaldi_fbank` / `campplus_features`: 16 kHz → (T, 80) Kaldi log fbank for CAMPPlus,
@@ -6,6 +6,7 @@
 - `flow_mel`: 24 kHz → (T, 80) natural-log mel for the flow prompt, T = N // 480.
 
 Pure numpy/torch (no torchaudio/librosa); filterbanks are computed here from their published formulas.
+Clips reach these rates through `engines.resample` (torchaudio's default sinc kernel, as the reference).
 """
 
 from __future__ import annotations
@@ -13,12 +14,10 @@ from __future__ import annotations
 import io
 import math
 from functools import cache
-from math import gcd
 from pathlib import Path
 
 import numpy as np
 import torch
-from scipy.signal import resample_poly
 
 WHISPER_SAMPLE_RATE = 16000
 WHISPER_N_FFT = 400
@@ -87,18 +86,6 @@ def _decode_av(data: bytes) -> tuple[np.ndarray, int]:
     if not pieces:
         raise AudioDecodeError("the audio stream holds no samples")
     return np.concatenate(pieces).astype(np.float32), sample_rate
-
-
-def resample(samples: np.ndarray, orig_rate: int, target_rate: int) -> np.ndarray:
-    """Band-limited polyphase resampling (Kaiser-windowed sinc FIR) of a 1-D float signal."""
-    if orig_rate <= 0 or target_rate <= 0:
-        raise ValueError(f"sample rates must be positive, got {orig_rate} → {target_rate}")
-    samples = np.asarray(samples, dtype=np.float32)
-    if orig_rate == target_rate:
-        return samples
-    factor = gcd(orig_rate, target_rate)
-    out = resample_poly(samples, target_rate // factor, orig_rate // factor)
-    return np.asarray(out, dtype=np.float32)
 
 
 def hz_to_mel_slaney(hz: np.ndarray | float) -> np.ndarray:

@@ -23,11 +23,11 @@ from engines.audio_features import (
     campplus_features,
     decode_audio,
     flow_mel,
-    resample,
     whisper_log_mel,
 )
 from engines.config import SPEAKER_EMBED_DIM, SPEECH_CODEBOOK, TOKEN_MEL_RATIO
 from engines.errors import CodedError
+from engines.resample import resample
 from engines.voice import VoicePrompt
 
 logger = logging.getLogger(__name__)

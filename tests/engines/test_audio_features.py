@@ -20,7 +20,6 @@ from engines.audio_features import (
     kaldi_fbank,
     kaldi_mel_banks,
     mel_to_hz_slaney,
-    resample,
     slaney_mel_filterbank,
     whisper_log_mel,
 )
@@ -182,29 +181,6 @@ def test_flow_mel_of_a_sine_peaks_in_the_matching_band() -> None:
     bank = slaney_mel_filterbank(24000, 1920, 80, 0.0, 8000.0)
     assert int(mel.mean(dim=0).argmax()) == int(bank[:, round(440 / 12.5)].argmax())
     assert float(mel.min()) >= math.log(1e-5) - 1e-6
-
-
-# --- resampling ------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(("orig", "target"), [(16000, 24000), (24000, 16000), (44100, 16000), (22050, 24000)])
-def test_resample_keeps_the_length_ratio_and_the_pitch(orig: int, target: int) -> None:
-    audio = _sine(1000.0, 1.0, orig)
-    out = resample(audio, orig, target)
-    assert out.dtype == np.float32
-    assert abs(out.size - audio.size * target / orig) <= 1
-    assert abs(_peak_frequency(out, target) - 1000.0) <= 2.0
-
-
-def test_resample_is_band_limited() -> None:
-    # 10 kHz does not exist at 16 kHz: it must be filtered out, not folded to 6 kHz.
-    out = resample(_sine(10000.0, 1.0, 48000), 48000, 16000)
-    assert np.sqrt(np.mean(out[1000:-1000] ** 2)) < 0.005
-
-
-def test_resample_identity() -> None:
-    audio = _sine(300.0, 0.1, 16000)
-    np.testing.assert_array_equal(resample(audio, 16000, 16000), audio)
 
 
 # --- decoding ----------------------------------------------------------------------------------------

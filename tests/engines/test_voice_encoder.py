@@ -10,10 +10,11 @@ import pytest
 import soundfile
 import torch
 
-from engines.audio_features import flow_mel, resample
+from engines.audio_features import flow_mel
 from engines.build.onnx_models import export_campplus, export_speech_tokenizer
 from engines.build.synthetic import voiced_clip
 from engines.config import SPEECH_CODEBOOK
+from engines.resample import resample
 from engines.voice import VoicePrompt
 from engines.voice_encoder import VoiceEncoder, VoiceError, VoiceLimits, onnx_providers
 

@@ -14,6 +14,7 @@ from typing import get_args
 from engines.llm.auto import LLMBackend
 from engines.token2wav.auto import Token2WavBackend
 from realtime.config import DEFAULT_CACHE_DIR, IceServer, ServiceConfig, WebRTCConfig
+from realtime.placement import PlacementKind, parse_devices
 from realtime.schedule import ScheduleKind
 
 logger = logging.getLogger("realtime")
@@ -42,6 +43,13 @@ def _levels(spec: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {spec!r}") from None
 
 
+def _devices(spec: str) -> tuple[str, ...]:
+    try:
+        return parse_devices(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _config(args: argparse.Namespace) -> ServiceConfig:
     webrtc = WebRTCConfig(
         max_sessions=args.max_streams,
@@ -58,6 +66,9 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         llm_backend=args.llm_backend,
         token2wav_backend=args.token2wav_backend,
         device=args.device,
+        placement=PlacementKind(args.placement),
+        llm_devices=args.llm_device,
+        token2wav_devices=args.token2wav_devices,
         schedule=ScheduleKind(args.schedule),
         max_streams=args.max_streams,
         drain_timeout_s=args.drain_timeout,
@@ -132,7 +143,16 @@ def build_parser() -> argparse.ArgumentParser:
             default="auto",
             help="token2wav backend (auto: TensorRT when its plans are built and runnable, else PyTorch)",
         )
-        sub.add_argument("--device", default="auto", help="torch device: auto, cpu, cuda, cuda:1, ...")
+        sub.add_argument("--device", default="auto",
+                         help="torch device of every engine (cpu, cuda, cuda:1, ...), or auto: every visible "
+                              "GPU, spread as --placement says")
+        sub.add_argument("--placement", choices=[k.value for k in PlacementKind], default="disaggregated",
+                         help="with several GPUs: one LLM engine and a token2wav worker per GPU "
+                              "(disaggregated), or both engines on every GPU (replicated)")
+        sub.add_argument("--llm-device", type=_devices, metavar="DEVICES",
+                         help="LLM engine device(s), e.g. cuda:0 (overrides --device)")
+        sub.add_argument("--token2wav-devices", type=_devices, metavar="DEVICES",
+                         help="one token2wav worker per device, e.g. cuda:1,cuda:2 (overrides --device)")
         sub.add_argument(
             "--schedule",
             choices=[k.value for k in ScheduleKind],

@@ -10,6 +10,7 @@ from typing import Literal, get_args
 
 from engines.llm.auto import LLMBackend
 from engines.token2wav.auto import Token2WavBackend
+from realtime.placement import DevicePlan, PlacementKind, plan_devices
 from realtime.schedule import ScheduleKind
 
 FlowKind = Literal["dit", "unet"]
@@ -75,10 +76,16 @@ class ServiceConfig:
 
     models_dir: a directory written by `scripts/build_engines.py` (manifest, checkpoints, voices/).
     voices_dir: where uploaded voices live; defaults to `models_dir/voices` next to `default`.
-    max_streams: utterances synthesised at once; beyond that requests are refused as busy.
+    max_streams: utterances synthesised at once; beyond that requests are refused as busy. With several
+        token2wav workers each takes its share of them (a stream stays on its worker).
     max_text_chars: longest text of one request (HTTP input, one websocket context's buffer).
     max_voice_upload_s / max_voice_upload_bytes: limits on a reference clip for `POST /v1/voices`.
-    device: a torch device (`cpu`, `cuda`, `cuda:1`) or `auto` (CUDA when available).
+    device: a torch device (`cpu`, `cuda`, `cuda:1`) for every engine, or `auto`: every visible GPU,
+        spread as `placement` says (the CPU when there is none).
+    placement: with several GPUs, `disaggregated` (one LLM engine on the first GPU, a token2wav worker on
+        every GPU) or `replicated` (an LLM engine and a token2wav worker on every GPU); see placement.py.
+    llm_devices / token2wav_devices: explicit devices of the LLM engines and of the token2wav workers
+        (each its own thread, CUDA stream, graphs and voice caches); they override `device`.
     llm_backend: `tensorrt_llm`, `torch`, or `auto`: TensorRT-LLM when its engine was built into the
         models directory and can run here, PyTorch otherwise (engines/llm/auto.py).
     token2wav_backend: `tensorrt`, `torch`, or `auto`: TensorRT when the DiT plans were built and can run
@@ -104,6 +111,9 @@ class ServiceConfig:
     llm_backend: LLMBackend = "auto"
     token2wav_backend: Token2WavBackend = "auto"
     device: str = "auto"
+    placement: PlacementKind = PlacementKind.DISAGGREGATED
+    llm_devices: tuple[str, ...] | None = None
+    token2wav_devices: tuple[str, ...] | None = None
     schedule: ScheduleKind = ScheduleKind.EXPONENTIAL
     max_streams: int = 16
     max_text_chars: int = 4096
@@ -142,6 +152,8 @@ class ServiceConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        object.__setattr__(self, "placement", PlacementKind(self.placement))
+        DevicePlan(self.llm_devices or ("cpu",), self.token2wav_devices or ("cpu",))  # refuses an empty list
         if self.llm_slots is not None and self.llm_slots < 1:
             raise ValueError(f"llm_slots must be >= 1, got {self.llm_slots}")
         if not self.drain_timeout_s > 0:
@@ -151,13 +163,12 @@ class ServiceConfig:
             raise ValueError(f"max_voice_upload_s must be in (1, 30], got {self.max_voice_upload_s}")
 
     @property
-    def torch_device(self) -> str:
-        """`device` with `auto` resolved."""
-        if self.device != "auto":
-            return self.device
+    def device_plan(self) -> DevicePlan:
+        """The devices of the LLM engines and token2wav workers (`auto` resolved against the GPUs)."""
         import torch
 
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        gpus = torch.cuda.device_count() if self.device == "auto" and torch.cuda.is_available() else 0
+        return plan_devices(self.device, gpus, self.placement, self.llm_devices, self.token2wav_devices)
 
     @property
     def voice_store(self) -> Path:

@@ -10,6 +10,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from engines.llm.base import LLMStats
+from realtime.placement import WorkerLoad
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
@@ -72,16 +73,23 @@ class Metrics:
             "tts_errors", "Errors reported to clients, by code", ["code"], registry=self.registry
         )
 
-    def track_gpu_memory_peak(self, read_peak_bytes: Callable[[], int]) -> None:
-        """Report `realtime_gpu_memory_peak_bytes`, read at every scrape (the benchmark's memory figure).
+    def track_gpu_memory_peak(self, read_peak_bytes: Callable[[], dict[str, int]]) -> None:
+        """Report the peak GPU memory per device and in all (`realtime_gpu_memory_peak_bytes`, the
+        benchmark's memory figure), read at every scrape from `{device: bytes}`.
 
-        Registered only where there is a GPU; without one the metric is absent.
+        Registered only where there is a GPU; without one the metrics are absent.
         """
         self.registry.register(_PeakMemoryCollector(read_peak_bytes))
 
-    def track_llm(self, read_stats: Callable[[], LLMStats]) -> None:
-        """Report the LLM engine's requests, cache use and steps, read at every scrape."""
+    def track_llm(self, read_stats: Callable[[], list[LLMStats]]) -> None:
+        """Report the LLM engines' requests, cache use and steps (summed over engines), read at every
+        scrape."""
         self.registry.register(_LLMCollector(read_stats))
+
+    def track_placement(self, read_loads: Callable[[], list[tuple[str, WorkerLoad]]]) -> None:
+        """Report each token2wav worker's streams, capacity and health by device, and the free stream
+        capacity in all (what an autoscaler scales on), read at every scrape."""
+        self.registry.register(_PlacementCollector(read_loads))
 
     def error(self, code: str) -> None:
         self.errors.labels(code=code).inc()
@@ -93,34 +101,50 @@ class Metrics:
 class _PeakMemoryCollector(Collector):
     """The peak device memory, read when scraped rather than polled."""
 
-    def __init__(self, read_peak_bytes: Callable[[], int]) -> None:
+    def __init__(self, read_peak_bytes: Callable[[], dict[str, int]]) -> None:
         self._read = read_peak_bytes
 
     def describe(self) -> list[GaugeMetricFamily]:
-        return [self._family()]
+        return list(self._families())
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        family = self._family()
-        family.add_metric([], float(self._read()))
-        yield family
+        total, per_device = self._families()
+        peaks = self._read()
+        total.add_metric([], float(sum(peaks.values())))
+        for device, peak in peaks.items():
+            per_device.add_metric([device], float(peak))
+        yield total
+        yield per_device
 
     @staticmethod
-    def _family() -> GaugeMetricFamily:
-        return GaugeMetricFamily(
-            "realtime_gpu_memory_peak_bytes",
-            "Peak GPU memory held by PyTorch tensors since the start (allocations TensorRT makes itself "
-            "are not counted)",
+    def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        caveat = "(allocations TensorRT makes itself are not counted)"
+        return (
+            GaugeMetricFamily("realtime_gpu_memory_peak_bytes",
+                              f"Peak GPU memory held by PyTorch tensors since the start, all GPUs {caveat}"),
+            GaugeMetricFamily("tts_gpu_memory_peak_bytes",
+                              f"Peak GPU memory held by PyTorch tensors since the start, by GPU {caveat}",
+                              labels=["device"]),
         )
 
 
 class _LLMCollector(Collector):
     """The LLM engine's figures, read from its stats when scraped."""
 
-    def __init__(self, read_stats: Callable[[], LLMStats]) -> None:
+    def __init__(self, read_stats: Callable[[], list[LLMStats]]) -> None:
         self._read = read_stats
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        stats = self._read()
+        engines = self._read()
+        stats = LLMStats(
+            active=sum(s.active for s in engines),
+            waiting=sum(s.waiting for s in engines),
+            max_slots=sum(s.max_slots for s in engines),
+            kv_tokens_used=sum(s.kv_tokens_used for s in engines),
+            kv_tokens_total=sum(s.kv_tokens_total for s in engines),
+            steps=sum(s.steps for s in engines),
+            step_seconds=sum(s.step_seconds for s in engines),
+        )
         yield GaugeMetricFamily("tts_llm_active_requests", "Requests holding an LLM slot", value=stats.active)
         yield GaugeMetricFamily("tts_llm_waiting_requests", "Requests waiting for an LLM slot",
                                 value=stats.waiting)
@@ -132,3 +156,32 @@ class _LLMCollector(Collector):
                                   value=stats.steps)
         yield CounterMetricFamily("tts_llm_step_seconds", "Wall time of the LLM engine's steps",
                                   value=stats.step_seconds)
+
+
+class _PlacementCollector(Collector):
+    """The token2wav workers' loads, read when scraped."""
+
+    def __init__(self, read_loads: Callable[[], list[tuple[str, WorkerLoad]]]) -> None:
+        self._read = read_loads
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        loads = self._read()
+        labels = ["worker", "device"]
+        streams = GaugeMetricFamily("tts_token2wav_worker_streams", "Streams placed on a token2wav worker",
+                                    labels=labels)
+        capacity = GaugeMetricFamily("tts_token2wav_worker_capacity", "Most streams a token2wav worker takes",
+                                     labels=labels)
+        alive = GaugeMetricFamily("tts_token2wav_worker_alive", "1 while a token2wav worker's threads run",
+                                  labels=labels)
+        for index, (device, load) in enumerate(loads):
+            streams.add_metric([str(index), device], load.streams)
+            capacity.add_metric([str(index), device], load.capacity)
+            alive.add_metric([str(index), device], float(load.alive))
+        yield streams
+        yield capacity
+        yield alive
+        yield GaugeMetricFamily(
+            "tts_stream_capacity_free",
+            "New streams the live token2wav workers can still take (scale out when it nears 0)",
+            value=sum(max(0, load.capacity - load.streams) for _, load in loads if load.alive),
+        )

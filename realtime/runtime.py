@@ -31,6 +31,7 @@ from engines.voice_encoder import VoiceEncoder, VoiceError, VoiceLimits
 from realtime.admission import AdmissionPolicy, Load, Refuse
 from realtime.config import ServiceConfig
 from realtime.metrics import Metrics
+from realtime.placement import DevicePlan, WorkerLoad, least_loaded, split_capacity
 from realtime.session import PreparedVoice, Segment, ServiceError, Session, SpeechRequest
 from realtime.token2wav_worker import Token2WavWorker
 from realtime.voices import VoiceInfo, VoiceRegistry, check_voice_id
@@ -54,41 +55,56 @@ class RuntimeStats:
 
 @dataclass(frozen=True)
 class LoadedEngines:
-    """The engines of one models directory, constructed but not started."""
+    """The engines of one models directory, constructed but not started: one LLM engine per device of
+    `plan.llm_devices` and one token2wav backend per device of `plan.token2wav_devices`, in that order."""
 
-    llm: LLMEngine
-    token2wav: Token2Wav
+    llms: tuple[LLMEngine, ...]
+    token2wavs: tuple[Token2Wav, ...]
     text: TextFrontend
     voice_encoder: VoiceEncoder
+    plan: DevicePlan
+
+    def __post_init__(self) -> None:
+        if (len(self.llms), len(self.token2wavs)) != (len(self.plan.llm_devices),
+                                                      len(self.plan.token2wav_devices)):
+            raise ValueError("one LLM engine per LLM device and one token2wav backend per token2wav device")
 
 
 def load_engines(config: ServiceConfig) -> LoadedEngines:
-    """The engines over `config.models_dir`, backends picked by engines/*/auto.py (blocking: call it off
-    the event loop). RuntimeError says why a backend asked for by name cannot run."""
-    device = config.torch_device
-    token2wav = select_token2wav(
-        config.models_dir,
-        config.token2wav_backend,
-        config.flow,
-        device,
-        pool_size=max(4, config.token2wav_workers),
-        # CUDA graphs replay from shared buffers: only one thread may run the backend with them.
-        cuda_graphs=config.token2wav_workers == 1,
+    """The engines over `config.models_dir` on the devices of `config.device_plan`, backends picked by
+    engines/*/auto.py (blocking: call it off the event loop). RuntimeError says why a backend asked for
+    by name cannot run."""
+    plan = config.device_plan
+    token2wavs = tuple(
+        select_token2wav(
+            config.models_dir,
+            config.token2wav_backend,
+            config.flow,
+            device,
+            pool_size=max(4, config.token2wav_workers),
+            # CUDA graphs replay from shared buffers: only one thread may run the backend with them.
+            cuda_graphs=config.token2wav_workers == 1,
+        )
+        for device in plan.token2wav_devices
     )
     slots = config.llm_slots or config.max_streams
-    llm = select_llm(config.models_dir, config.llm_backend, device, max_slots=slots)
-    if llm.stats().max_slots != slots:
-        logger.warning("the %s LLM engine batches up to %d requests, not %d", llm.name, llm.stats().max_slots,
-                       slots)
+    llms = tuple(
+        select_llm(config.models_dir, config.llm_backend, device, max_slots=slots)
+        for device in plan.llm_devices
+    )
+    for llm in llms:
+        if llm.stats().max_slots != slots:
+            logger.warning("the %s LLM engine batches up to %d requests, not %d", llm.name,
+                           llm.stats().max_slots, slots)
     paths = ModelPaths(config.models_dir)
     text = TextFrontend(paths.text_tokenizer, max_text_chars=config.max_text_chars)
     encoder = VoiceEncoder(
         paths.speech_tokenizer,
         paths.campplus,
-        device="cpu" if device == "cpu" else "auto",
+        device="cpu" if all(device == "cpu" for device in plan.llm_devices) else "auto",
         limits=VoiceLimits(max_seconds=config.max_voice_upload_s),
     )
-    return LoadedEngines(llm, token2wav, text, encoder)
+    return LoadedEngines(llms, token2wavs, text, encoder, plan)
 
 
 class Runtime:
@@ -109,57 +125,79 @@ class Runtime:
         self.metrics = Metrics()
         self._loader = loader
         self._engines: LoadedEngines | None = None
-        self._worker: Token2WavWorker | None = None
+        self._workers: list[Token2WavWorker] = []
+        self._placed: list[int] = []  # per token2wav worker: sessions placed on it and not yet closed
+        self._capacity: list[int] = []  # per token2wav worker: the most sessions it takes
         self._admission = AdmissionPolicy.for_streams(config.max_streams, config.retry_after_s)
-        self._prepared: dict[str, PreparedVoice] = {}
+        # Per voice, one PreparedVoice per token2wav worker (its speaker state lives on that device).
+        self._prepared: dict[str, list[PreparedVoice]] = {}
         self._sessions: set[Session] = set()
         self._idle = asyncio.Event()
         self._idle.set()
         self._accepting = False
         # Read when scraped rather than kept in step by hand.
         self.metrics.active_streams.set_function(lambda: len(self._sessions))
-        self.metrics.queue_depth.set_function(lambda: 0 if self._worker is None else self._worker.queue_depth)
+        self.metrics.queue_depth.set_function(lambda: sum(worker.queue_depth for worker in self._workers))
+        self.metrics.track_placement(self._worker_loads)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Load and start the engines, load the voices and prepare each one for synthesis."""
         engines = await asyncio.to_thread(self._loader, self.config)
-        await engines.llm.start()
-        worker = Token2WavWorker(
-            engines.token2wav,
-            self.config.token2wav_batch,
-            capacity=2 * self.config.max_streams,
-            threads=self.config.token2wav_workers,
-            metrics=self.metrics,
-        )
-        worker.start()
-        self._engines, self._worker = engines, worker
-        device = engines.token2wav.device
-        if device.type == "cuda":
-            self.metrics.track_gpu_memory_peak(lambda: torch.cuda.max_memory_allocated(device))
-        self.metrics.track_llm(engines.llm.stats)
+        for llm in engines.llms:
+            await llm.start()
+        capacities = split_capacity(self.config.max_streams, len(engines.token2wavs))
+        workers = [
+            Token2WavWorker(
+                backend,
+                self.config.token2wav_batch,
+                capacity=2 * capacity,
+                threads=self.config.token2wav_workers,
+                metrics=self.metrics,
+                name="token2wav" if len(engines.token2wavs) == 1 else f"token2wav{index}",
+            )
+            for index, (backend, capacity) in enumerate(zip(engines.token2wavs, capacities, strict=True))
+        ]
+        for worker in workers:
+            worker.start()
+        self._engines, self._workers = engines, workers
+        self._placed, self._capacity = [0] * len(workers), capacities
+        devices = {torch.device(name) for name in engines.plan.llm_devices + engines.plan.token2wav_devices}
+        gpus = sorted((device for device in devices if device.type == "cuda"), key=str)
+        if gpus:
+            self.metrics.track_gpu_memory_peak(
+                lambda: {str(device): torch.cuda.max_memory_allocated(device) for device in gpus}
+            )
+        self.metrics.track_llm(lambda: [llm.stats() for llm in engines.llms])
         await asyncio.to_thread(self.voices.load)
         for info in self.voices.list():
             await self._prepare(info.voice_id, self.voices.get(info.voice_id))
-        if device.type == "cuda" and "default" in self._prepared:
-            await self._warm_up(worker, self._prepared["default"].speaker)
+        if gpus and "default" in self._prepared:
+            await self._warm_up(self._prepared["default"])
         self._accepting = True
         logger.info(
-            "runtime ready: llm %s, token2wav %s, %d voices",
-            engines.llm.name,
-            engines.token2wav.name,
+            "runtime ready: llm %s on %s, token2wav %s on %s, %d voices",
+            engines.llms[0].name,
+            ",".join(engines.plan.llm_devices),
+            engines.token2wavs[0].name,
+            ",".join(engines.plan.token2wav_devices),
             len(self._prepared),
         )
 
-    async def _warm_up(self, worker: Token2WavWorker, speaker: SpeakerState) -> None:
-        """Run the schedule's chunk shapes at every batch size up to the configured one, so that the
-        first requests do not pay for CUDA-graph capture or compilation. Then the process stops
-        compiling: a shape the warm-up did not meet (a voice with a longer prompt, say) runs uncompiled
-        rather than stalling every stream of the engine thread for the seconds Inductor takes."""
+    async def _warm_up(self, voice: list[PreparedVoice]) -> None:
+        """Run the schedule's chunk shapes at every batch size up to the configured one on every CUDA
+        token2wav worker (at once: each has its own thread and GPU), so that the first requests do not
+        pay for CUDA-graph capture or compilation. Then the process stops compiling: a shape the warm-up
+        did not meet (a voice with a longer prompt, say) runs uncompiled rather than stalling every
+        stream of the engine thread for the seconds Inductor takes."""
         batches = [1 << i for i in range(self.config.token2wav_batch.bit_length())]
         started = time.perf_counter()
-        await worker.warmup(speaker, batches)
+        await asyncio.gather(*(
+            worker.warmup(prepared.speaker, batches)
+            for worker, prepared in zip(self._workers, voice, strict=True)
+            if worker.device.type == "cuda"
+        ))
         torch.compiler.set_stance("eager_on_recompile")
         logger.info("token2wav warmed up for batches %s in %.1f s; compilation closed", batches,
                     time.perf_counter() - started)
@@ -176,25 +214,56 @@ class Runtime:
         for session in list(self._sessions):
             await session.aclose()
         if self._engines is not None:
-            await self._engines.llm.stop()
-        if self._worker is not None:
-            await asyncio.to_thread(self._worker.stop)
+            for llm in self._engines.llms:
+                await llm.stop()
+        for worker in self._workers:
+            await asyncio.to_thread(worker.stop)
 
     @property
     def ready(self) -> bool:
         return self._accepting
 
     def stats(self) -> RuntimeStats:
-        engines, worker = self._running()
-        llm = engines.llm.stats()
+        engines = self._running()
+        llms = [llm.stats() for llm in engines.llms]
         return RuntimeStats(
-            len(self._sessions), llm.active, llm.waiting, worker.open_streams, worker.queue_depth
+            len(self._sessions),
+            sum(llm.active for llm in llms),
+            sum(llm.waiting for llm in llms),
+            sum(worker.open_streams for worker in self._workers),
+            sum(worker.queue_depth for worker in self._workers),
         )
 
-    def _running(self) -> tuple[LoadedEngines, Token2WavWorker]:
-        if self._engines is None or self._worker is None:
+    def _running(self) -> LoadedEngines:
+        if self._engines is None:
             raise ServiceError("not_ready", "the server is still starting", 503, self.config.retry_after_s)
-        return self._engines, self._worker
+        return self._engines
+
+    def _worker_loads(self) -> list[tuple[str, WorkerLoad]]:
+        """Each token2wav worker's device and load (what placement decides on; `/metrics` shows it)."""
+        return [
+            (str(worker.device), WorkerLoad(placed, capacity, worker.alive))
+            for worker, placed, capacity in zip(self._workers, self._placed, self._capacity, strict=True)
+        ]
+
+    def _place(self) -> tuple[int, _Engines]:
+        """The token2wav worker a new stream goes to (the one with the most room) and the LLM engine
+        that serves it (the one on the same device, else the least busy); ServiceError `busy` when
+        every worker is full or dead."""
+        engines = self._running()
+        index = least_loaded([load for _, load in self._worker_loads()])
+        if index is None:
+            if not any(worker.alive for worker in self._workers):
+                raise ServiceError("engine_failed", "no token2wav worker is running", 503,
+                                   self.config.retry_after_s)
+            raise ServiceError("busy", "every token2wav worker is at its limit of streams", 429,
+                               self.config.retry_after_s)
+        same_device = engines.plan.llm_for(index)
+        if same_device is None:
+            llm = min(engines.llms, key=lambda engine: (engine.stats().active + engine.stats().waiting))
+        else:
+            llm = engines.llms[same_device]
+        return index, _Engines(llm, self._workers[index])
 
     # -- synthesis -----------------------------------------------------------------------------
 
@@ -214,8 +283,7 @@ class Runtime:
     def _admit(self, request: SpeechRequest) -> Session:
         if not self._accepting:
             raise ServiceError("shutting_down", "the server is shutting down", 503, self.config.retry_after_s)
-        engines, worker = self._running()
-        voice = self._voice(request.voice)
+        voices = self._voice(request.voice)
         segments = self._segments(request.text)
         stats = self.stats()
         decision = self._admission.decide(
@@ -223,19 +291,22 @@ class Runtime:
         )
         if isinstance(decision, Refuse):
             raise ServiceError("busy", decision.reason, 429, decision.retry_after_s)
+        index, placed = self._place()
         session_id = secrets.token_hex(4)
         session: Session
 
         def release() -> None:
+            if session in self._sessions:
+                self._placed[index] -= 1
             self._sessions.discard(session)
             self._track_sessions()
 
         session = Session(
             session_id,
             request,
-            voice,
+            voices[index],
             segments,
-            _Engines(engines.llm, worker),
+            placed,
             self.metrics,
             self.config.chunk_queue,
             on_close=release,
@@ -243,17 +314,20 @@ class Runtime:
             schedule=self.config.schedule,
         )
         self._sessions.add(session)
+        self._placed[index] += 1
         self._track_sessions()
         logger.info(
-            "[%s] admitted: voice %s, %d segments, %d chars",
+            "[%s] admitted: voice %s, %d segments, %d chars, token2wav on %s",
             session_id,
             request.voice,
             len(segments),
             len(request.text),
+            placed.worker.device,
         )
         return session
 
-    def _voice(self, voice_id: str) -> PreparedVoice:
+    def _voice(self, voice_id: str) -> list[PreparedVoice]:
+        """The voice prepared on every token2wav worker (one entry per worker, in order)."""
         voice = self._prepared.get(voice_id)
         if voice is None:
             raise ServiceError("voice_not_found", f"there is no voice {voice_id!r}", 404)
@@ -261,7 +335,7 @@ class Runtime:
 
     def _segments(self, text: str) -> list[Segment]:
         """`text` cut into LLM requests, or ServiceError (`text_too_long`, `empty_text`, ...)."""
-        engines, _ = self._running()
+        engines = self._running()
         try:
             pieces = engines.text.split_segments(text, SEGMENT_TOKENS)
             return [Segment(piece, tuple(engines.text.encode(piece))) for piece in pieces]
@@ -278,8 +352,9 @@ class Runtime:
         the LLM requests and token2wav streams. Raises ServiceError.
         """
         with self._counting_errors():
-            engines, worker = self._running()
-            prepared = self._voice(voice)
+            voices = self._voice(voice)
+            index, placed = self._place()
+            prepared = voices[index]
             render_id = secrets.token_hex(4)
             token_streams: list[TokenStream] = []
             try:
@@ -291,8 +366,9 @@ class Runtime:
                         prompt_speech_tokens=prepared.prompt_speech_tokens,
                         sampling=sampling,
                     )
-                    token_streams.append(engines.llm.submit(request))
-                pieces = [await self._render_segment(worker, prepared, tokens) for tokens in token_streams]
+                    token_streams.append(placed.submit_llm(request))
+                pieces = [await self._render_segment(placed.worker, prepared, tokens)
+                          for tokens in token_streams]
             except LLMError as exc:
                 raise ServiceError(exc.code, str(exc), 500) from exc
             finally:
@@ -327,7 +403,7 @@ class Runtime:
             return await self._add_voice(voice_id, audio, transcript)
 
     async def _add_voice(self, voice_id: str, audio: bytes, transcript: str) -> VoiceInfo:
-        engines, _ = self._running()
+        engines = self._running()
         check_voice_id(voice_id)
         if voice_id in self.voices:
             raise ServiceError("voice_exists", f"a voice {voice_id!r} already exists; delete it first", 409)
@@ -348,14 +424,14 @@ class Runtime:
         self._prepared.pop(voice_id, None)
 
     async def _prepare(self, voice_id: str, prompt: VoicePrompt) -> None:
-        engines, worker = self._running()
-        speaker = await worker.prepare_speaker(prompt)
-        self._prepared[voice_id] = PreparedVoice(
-            voice_id=voice_id,
-            prompt_text_ids=tuple(engines.text.encode(prompt.prompt_text)),
-            prompt_speech_tokens=tuple(int(t) for t in prompt.speech_tokens.tolist()),
-            speaker=speaker,
-        )
+        """Make the voice usable on every token2wav worker (its speaker state lives on that device)."""
+        engines = self._running()
+        speakers = await asyncio.gather(*(worker.prepare_speaker(prompt) for worker in self._workers))
+        prompt_text_ids = tuple(engines.text.encode(prompt.prompt_text))
+        prompt_speech_tokens = tuple(int(t) for t in prompt.speech_tokens.tolist())
+        self._prepared[voice_id] = [
+            PreparedVoice(voice_id, prompt_text_ids, prompt_speech_tokens, speaker) for speaker in speakers
+        ]
 
 
 @dataclass(frozen=True)

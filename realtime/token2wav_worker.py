@@ -84,6 +84,8 @@ class _Lane:
         self._max_batch = max_batch
         self._metrics = metrics
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._pending: list[_ChunkTask] = []  # chunks taken from the inbox, not yet run (this thread's)
+        self.failure: BaseException | None = None  # what ended the thread, if something did
 
     def start(self) -> None:
         self._thread.start()
@@ -94,17 +96,39 @@ class _Lane:
             self.inbox.put(None)
             self._thread.join()
 
+    @property
+    def alive(self) -> bool:
+        """Started, and not ended by a failure (a stopped lane is not alive either)."""
+        return self._thread.is_alive() and self.failure is None
+
     def _run(self) -> None:
-        device = self._backend.device
-        if device.type != "cuda":
-            self._serve()
-            return
-        # Other lanes and the LLM engine keep the GPU busy on their own streams meanwhile.
-        with torch.cuda.stream(torch.cuda.Stream(device)):
-            self._serve()
+        try:
+            device = self._backend.device
+            if device.type != "cuda":
+                self._serve()
+                return
+            # Other lanes and the LLM engine keep the GPU busy on their own streams meanwhile.
+            with torch.cuda.stream(torch.cuda.Stream(device)):
+                self._serve()
+        except BaseException as exc:  # noqa: BLE001 - whatever kills the thread fails its work, not the process
+            self.failure = exc
+            logger.critical("token2wav thread %s died: %s", self._thread.name, type(exc).__name__,
+                            exc_info=exc)
+            self._fail_all(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """Fail every chunk and call this dead lane still holds or is sent later (see `Token2WavWorker`)."""
+        error = _died(exc)
+        items: list[_ChunkTask | _Call | None] = list(self._pending)
+        self._pending.clear()
+        self._drain(items)
+        for item in items:
+            future = item.future if isinstance(item, _ChunkTask | _Call) else None
+            if future is not None and not future.done():
+                future.set_exception(error)
 
     def _serve(self) -> None:
-        pending: list[_ChunkTask] = []
+        pending = self._pending
         while True:
             items = [self.inbox.get()] if not pending else []
             self._drain(items)
@@ -114,15 +138,17 @@ class _Lane:
                 self._take_chunks(items, pending)
             calls = [item for item in items if isinstance(item, _Call)]
             stop = any(item is None for item in items)
-            pending = [chunk for chunk in pending if not chunk.future.cancelled()]
+            pending[:] = [chunk for chunk in pending if not chunk.future.cancelled()]
             pending.sort(key=lambda chunk: chunk.urgency)
-            batch, pending = pending[: self._max_batch], pending[self._max_batch :]
+            batch = pending[: self._max_batch]
+            del pending[: self._max_batch]
             self._run_chunks(batch)
             for call in calls:
                 self._run_call(call)
             if stop:
                 while pending:
-                    batch, pending = pending[: self._max_batch], pending[self._max_batch :]
+                    batch = pending[: self._max_batch]
+                    del pending[: self._max_batch]
                     self._run_chunks(batch)
                 return
 
@@ -173,11 +199,14 @@ class _Lane:
                 chunk.future.set_result(audio.detach().to("cpu", torch.float32).numpy())
             if self._metrics is not None:
                 self._observe(live, started)
-        except Exception as exc:  # the backend failed this batch: every chunk in it fails
-            logger.exception("token2wav batch of %d chunks failed", len(live))
+        except BaseException as exc:  # the backend failed this batch: every chunk in it fails
+            if isinstance(exc, Exception):
+                logger.exception("token2wav batch of %d chunks failed", len(live))
             for chunk in live:
                 if not chunk.future.done():
-                    chunk.future.set_exception(exc)
+                    chunk.future.set_exception(exc if isinstance(exc, Exception) else _died(exc))
+            if not isinstance(exc, Exception):
+                raise  # it ends the thread (see `_run`)
 
     def _observe(self, chunks: list[_ChunkTask], started: float) -> None:
         assert self._metrics is not None
@@ -194,14 +223,26 @@ class _Lane:
             if self._backend.device.type == "cuda":
                 # What a call made (a speaker's state) may be read next on another lane's stream.
                 torch.cuda.current_stream(self._backend.device).synchronize()
-        except Exception as exc:
+        except BaseException as exc:
             if call.future is None:
                 logger.exception("token2wav call failed")
-            else:
-                call.future.set_exception(exc)
+            elif not call.future.done():
+                call.future.set_exception(exc if isinstance(exc, Exception) else _died(exc))
+            if not isinstance(exc, Exception):
+                raise  # it ends the thread (see `_run`)
             return
         if call.future is not None:
             call.future.set_result(result)
+
+    def put(self, item: _ChunkTask | _Call) -> None:
+        """Queue `item` for this lane's thread; once the thread has died it fails at once instead."""
+        self.inbox.put(item)
+        if self.failure is not None:
+            self._fail_all(self.failure)
+
+
+def _died(exc: BaseException) -> RuntimeError:
+    return RuntimeError(f"the token2wav worker thread died ({type(exc).__name__})")
 
 
 class Token2WavWorker:
@@ -213,15 +254,26 @@ class Token2WavWorker:
     """
 
     def __init__(self, backend: Token2Wav, max_batch: int, capacity: int, threads: int = 1,
-                 metrics: Metrics | None = None, linger: FirstChunkLinger = FirstChunkLinger()) -> None:
+                 metrics: Metrics | None = None, linger: FirstChunkLinger = FirstChunkLinger(),
+                 name: str = "token2wav") -> None:
         if threads < 1:
             raise ValueError(f"a token2wav worker needs at least one thread, got {threads}")
         self._backend = backend
-        self._lanes = [_Lane(f"token2wav-{i}", backend, max_batch, linger, metrics) for i in range(threads)]
+        self._lanes = [_Lane(f"{name}-{i}", backend, max_batch, linger, metrics) for i in range(threads)]
         self._lane_of: dict[Token2WavStream, _Lane] = {}
         self._slots = asyncio.Semaphore(capacity)
         self._order = itertools.count()
         self._queued = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self._backend.device
+
+    @property
+    def alive(self) -> bool:
+        """Every thread started and none has died (a worker with a dead thread takes no new streams;
+        its streams' chunks fail at once)."""
+        return all(lane.alive for lane in self._lanes)
 
     @property
     def open_streams(self) -> int:
@@ -279,7 +331,7 @@ class Token2WavWorker:
             lane.open_streams -= 1
             lane.fresh.discard(stream)
 
-        lane.inbox.put(_Call(close, None))
+        lane.put(_Call(close, None))
 
     async def synthesize(
         self, stream: Token2WavStream, tokens: Sequence[int], last: bool, due: float
@@ -291,7 +343,7 @@ class Token2WavWorker:
         async with self._slots:
             future: Future[np.ndarray] = Future()
             self._queued += 1
-            lane.inbox.put(_ChunkTask(job, due, future, next(self._order)))
+            lane.put(_ChunkTask(job, due, future, next(self._order)))
             try:
                 return await asyncio.wrap_future(future)
             except asyncio.CancelledError:
@@ -303,7 +355,7 @@ class Token2WavWorker:
     @staticmethod
     async def _call(lane: _Lane, fn: Callable[[], T]) -> T:
         future: Future[T] = Future()
-        lane.inbox.put(_Call(fn, future))
+        lane.put(_Call(fn, future))
         return await asyncio.wrap_future(future)
 
 

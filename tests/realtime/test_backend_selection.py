@@ -23,9 +23,10 @@ def test_auto_picks_pytorch_without_built_engines_and_logs_why(
 ) -> None:
     with caplog.at_level(logging.INFO, logger="engines"):
         engines = load_engines(config(tiny_models))
-    assert engines.llm.name == "torch"
-    assert isinstance(engines.token2wav, TorchToken2Wav)
-    assert engines.llm.stats().max_slots == 2
+    (llm,), (token2wav,) = engines.llms, engines.token2wavs
+    assert llm.name == "torch"
+    assert isinstance(token2wav, TorchToken2Wav)
+    assert llm.stats().max_slots == 2
     picks = {record.name: record.getMessage() for record in caplog.records}
     assert picks["engines.llm.auto"] == "LLM engine: PyTorch (TensorRT-LLM needs a CUDA device, not 'cpu')"
     assert picks["engines.token2wav.auto"] == (

@@ -23,12 +23,15 @@ async def test_without_a_gpu_there_is_no_peak_memory(live_server: LiveServer) ->
 
 
 async def test_bench_reads_the_peak_read_at_each_scrape(tiny_models: Path, tmp_path: Path) -> None:
-    peak = [GIB]
+    peaks = {"cuda:0": GIB}
     async with serve(service_config(tiny_models, tmp_path)) as server:
-        server.runtime.metrics.track_gpu_memory_peak(lambda: peak[0])
+        server.runtime.metrics.track_gpu_memory_peak(lambda: peaks)
         assert (await scrape(server.http_url))["realtime_gpu_memory_peak_bytes"] == GIB
-        peak[0] = 3 * GIB // 2
+        peaks["cuda:1"] = GIB // 2  # a second GPU: the figure is the sum, each GPU also has its own
         assert (await scrape(server.http_url))["realtime_gpu_memory_peak_bytes"] == 3 * GIB // 2
+        async with httpx.AsyncClient(base_url=server.http_url) as http:
+            metrics = (await http.get("/metrics")).text
+        assert 'tts_gpu_memory_peak_bytes{device="cuda:1"} 5.36870912e+08' in metrics
 
 
 async def test_a_bench_level_reports_the_engines_work(live_server: LiveServer) -> None:

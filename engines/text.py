@@ -6,7 +6,10 @@ the base vocabulary exactly as in the reference. Encoding adds no BOS/EOS.
 
 Long text is cut into synthesis segments of at most ~`max_tokens` tokens at sentence boundaries (then
 clause, word and character boundaries for a sentence that is too long by itself); each segment is one
-LLM request. `StreamingSentenceSplitter` does the same for text that arrives piece by piece.
+LLM request. `StreamingSentenceSplitter` does the same for text that arrives piece by piece. Neither
+cuts inside an inline tag or a short paired span (`engines.inline_tags`); `prepare` applies the tag rule.
+An instruction (instruct2) is encoded by `encode_instruction`: without normalisation, as the reference
+takes it, ending in `<|endofprompt|>`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engines.errors import CodedError
+from engines.inline_tags import ENDOFPROMPT, PROMPT_MARKER, clean_tags, inside, protected_spans
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -33,6 +37,7 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 EOS_TOKEN = "<|endoftext|>"
 
 DEFAULT_MAX_TEXT_CHARS = 8000
+DEFAULT_MAX_INSTRUCTION_TOKENS = 256  # `<|endofprompt|>` included
 
 # A sentence ends after terminal punctuation (plus closing quotes/brackets). ASCII terminals need
 # following whitespace (so "3.14" or "e.g.x" do not split); CJK terminals and newlines do not.
@@ -42,10 +47,12 @@ _SENTENCE_END = re.compile(
 )
 _CLAUSE_END = re.compile(r"[,:，、：]+(?=\s)|[，、：]+")
 _WORD_END = re.compile(r"\s+")
+_ANY_CHAR = re.compile(".", re.DOTALL)
 
 
 class TextError(CodedError, ValueError):
-    """Text that cannot be synthesised; `code` is machine readable (`empty_text`, `text_too_long`)."""
+    """Text that cannot be synthesised; `code` is machine readable (`empty_text`, `text_too_long`,
+    `empty_instructions`, `instructions_too_long`)."""
 
 
 Normalizer = Callable[[str], str]
@@ -58,10 +65,12 @@ def collapse_whitespace(text: str) -> str:
 
 
 def _cut_after(text: str, pattern: re.Pattern[str]) -> list[str]:
-    """`text` cut right after every match of `pattern` (the pieces concatenate back to `text`)."""
+    """`text` cut right after every match of `pattern` that is not inside an inline tag or paired span
+    (the pieces concatenate back to `text`)."""
+    spans = protected_spans(text)
     pieces, start = [], 0
     for match in pattern.finditer(text):
-        if match.end() > start:
+        if match.end() > start and not inside(spans, match.end()):
             pieces.append(text[start:match.end()])
             start = match.end()
     if start < len(text):
@@ -99,9 +108,11 @@ class TextFrontend:
         tokenizer_dir: Path,
         normalize: Normalizer = collapse_whitespace,
         max_text_chars: int = DEFAULT_MAX_TEXT_CHARS,
+        max_instruction_tokens: int = DEFAULT_MAX_INSTRUCTION_TOKENS,
     ) -> None:
-        if max_text_chars <= 0:
-            raise ValueError(f"max_text_chars must be positive, got {max_text_chars}")
+        if max_text_chars <= 0 or max_instruction_tokens < 2:
+            raise ValueError(f"need max_text_chars > 0 and max_instruction_tokens > 1, got {max_text_chars}, "
+                             f"{max_instruction_tokens}")
         self._tokenizer = load_text_tokenizer(tokenizer_dir)
         if not self._tokenizer.is_fast:
             raise TypeError(f"the tokenizer of {tokenizer_dir} has no fast (Rust) implementation")
@@ -110,6 +121,8 @@ class TextFrontend:
         self._backend = self._tokenizer.backend_tokenizer
         self._normalize = normalize
         self.max_text_chars = max_text_chars
+        self.max_instruction_tokens = max_instruction_tokens
+        self._endofprompt = self.token_id(ENDOFPROMPT)
         logger.info("text tokenizer %s: %d ids", tokenizer_dir, self.vocab_size)
 
     @property
@@ -134,13 +147,33 @@ class TextFrontend:
     def count(self, text: str) -> int:
         return len(self.encode(text))
 
+    def encode_instruction(self, instruction: str) -> list[int]:
+        """Ids of an instruct2 instruction ending in `<|endofprompt|>`, or TextError.
+
+        As in the reference, the instruction is not normalised. A trailing `<|endofprompt|>` (the
+        reference's own convention) and any other prompt marker are removed before the service's own
+        marker is appended.
+        """
+        if len(instruction) > 16 * self.max_instruction_tokens:  # before tokenizing megabytes
+            raise TextError("instructions_too_long", f"instructions have {len(instruction)} characters; "
+                                                     f"the limit is {self.max_instruction_tokens} tokens")
+        words = PROMPT_MARKER.sub(" ", instruction).strip()
+        if not words:
+            raise TextError("empty_instructions", "instructions are empty or only whitespace")
+        ids = [*self.encode(words), self._endofprompt]
+        if len(ids) > self.max_instruction_tokens:
+            raise TextError("instructions_too_long", f"instructions take {len(ids)} tokens; the limit is "
+                                                     f"{self.max_instruction_tokens}")
+        return ids
+
     def prepare(self, text: str) -> str:
-        """Normalised text, or TextError if it is empty after normalisation or longer than the limit."""
+        """Text with the inline-tag rule applied (`engines.inline_tags.clean_tags`) and normalised, or
+        TextError if it is empty after that or longer than the limit."""
         if len(text) > self.max_text_chars:
             raise TextError(
                 "text_too_long", f"text has {len(text)} characters; the limit is {self.max_text_chars}"
             )
-        normalized = self._normalize(text)
+        normalized = self._normalize(clean_tags(text))
         if not normalized.strip():
             raise TextError("empty_text", "text is empty or only whitespace")
         return normalized
@@ -162,16 +195,17 @@ class TextFrontend:
         """Greedily join adjacent `units` into stripped pieces of <= max_tokens tokens.
 
         A unit too long by itself is cut one level finer (clauses, words, characters); a single
-        character is never cut.
+        character or inline tag (`engines.inline_tags`) is never cut.
         """
         packed: list[str] = []
         current = ""
         for unit in units:
-            if len(unit.strip()) > 1 and self.count(unit.strip()) > max_tokens:
+            finer = self._finer_units(unit, depth) if self.count(unit.strip()) > max_tokens else [unit]
+            if len(finer) > 1:
                 if current.strip():
                     packed.append(current.strip())
                 current = ""
-                packed.extend(self._pack(self._finer_units(unit, depth), max_tokens, depth + 1))
+                packed.extend(self._pack(finer, max_tokens, depth + 1))
                 continue
             candidate = current + unit
             if self.count(candidate.strip()) <= max_tokens:
@@ -194,7 +228,7 @@ class TextFrontend:
             pieces = _cut_after(text, _WORD_END)
             if len(pieces) > 1:
                 return pieces
-        return list(text)
+        return _cut_after(text, _ANY_CHAR)
 
     def _merge_short(self, segments: list[str], merge_len: int) -> list[str]:
         merged: list[str] = []
@@ -264,18 +298,20 @@ class StreamingSentenceSplitter:
         return [rest] if rest else []
 
     def _complete_sentence_end(self) -> int | None:
+        spans = protected_spans(self._buffer)
         for match in _SENTENCE_END.finditer(self._buffer):
             # A terminal run at the very end may still grow ("?!", a closing quote): wait for one more char.
-            if match.end() < len(self._buffer):
+            if match.end() < len(self._buffer) and not inside(spans, match.end()):
                 return match.end()
         if len(self._buffer) > self.max_chars:
-            return self._overflow_cut()
+            return self._overflow_cut(spans)
         return None
 
-    def _overflow_cut(self) -> int:
+    def _overflow_cut(self, spans: list[tuple[int, int]]) -> int:
         head = self._buffer[: self.max_chars]
         for pattern in (_CLAUSE_END, _WORD_END):
-            ends = [m.end() for m in pattern.finditer(head)]
+            ends = [m.end() for m in pattern.finditer(head) if not inside(spans, m.end())]
             if ends and ends[-1] > 0:
                 return ends[-1]
-        return self.max_chars
+        return next((start for start, end in spans if start < self.max_chars < end and start > 0),
+                    self.max_chars)

@@ -33,6 +33,7 @@ import numpy as np
 
 from engines.config import SAMPLE_RATE, TOKEN_RATE_HZ
 from engines.errors import CodedError
+from engines.inline_tags import strip_tags
 from engines.llm.base import LLMError, LLMRequest, SamplingParams, TokenStream
 from engines.token2wav.base import SpeakerState, Token2WavStream
 from realtime.audio import MAX_SPEED, MIN_SPEED, TempoStretcher
@@ -114,7 +115,8 @@ class Segment:
 
     @property
     def words(self) -> list[str]:
-        return self.text.split()
+        """The spoken words (inline tags are sounds, not words)."""
+        return strip_tags(self.text).split()
 
 
 @dataclass(frozen=True)

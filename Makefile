@@ -12,7 +12,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8080
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: install install-test chromium serve test lint
+.PHONY: install install-test client-envs chromium serve test lint
 
 # torch first: an explicit pin keeps pip from replacing an installed build with another one.
 install: $(if $(filter $(VENV)/bin/python,$(PYTHON)),$(VENV)/bin/python)
@@ -28,6 +28,11 @@ $(VENV)/bin/python:
 	python3 -m venv $(VENV) || { $(SUDO) apt-get update -qq && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv && python3 -m venv $(VENV); }
 
+# The client packages the integration tests drive (Pipecat, LiveKit, the vendor SDKs), one virtual
+# environment each under .venvs/, rebuilt when tests/integrations/requirements/<env>.txt changes.
+client-envs: install-test
+	$(PYTHON) tests/integrations/client_envs.py
+
 # The browser test drives Debian's chromium package (as root, or through sudo).
 chromium:
 	$(SUDO) apt-get update -qq
@@ -40,7 +45,7 @@ serve: install
 	$(PYTHON) -m realtime serve --host $(HOST) --port $(PORT)
 
 # pytest exits 5 when it collected nothing: treat that as a failure, never as a pass.
-test: install-test
+test: install-test client-envs
 	$(PYTHON) -m ruff check engines realtime scripts tests
 	$(PYTHON) -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests ran" >&2; exit 1; fi; exit $$rc
 

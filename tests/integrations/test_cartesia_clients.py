@@ -1,0 +1,43 @@
+"""Cartesia's own clients against the Cartesia dialect: the SDK, Pipecat's services and LiveKit's plugin."""
+
+from __future__ import annotations
+
+import pytest
+from harness import ClientRunner, SlotsFreed
+from testing import LiveServer
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+def _seconds(result: dict[str, object], rate: int, bytes_per_sample: int = 2) -> float:
+    audio_bytes = result["audio_bytes"]
+    assert isinstance(audio_bytes, int)
+    assert audio_bytes % bytes_per_sample == 0
+    return audio_bytes / bytes_per_sample / rate
+
+
+async def test_sdk_websocket_token_paced_with_timestamps(
+    live_server: LiveServer, run_client: ClientRunner, slots_freed: SlotsFreed
+) -> None:
+    result = await run_client(
+        "vendor-sdks", "cartesia_sdk.py", "--http-url", live_server.http_url, "--sample-rate", "16000"
+    )
+    assert "error" not in result, result
+    assert _seconds(result, 16000) > 0.5
+    assert result["types"] == ["chunk", "done", "timestamps"]
+    # Every word the client streamed comes back timed, in order and without glued neighbours.
+    assert " ".join(result["words"]) == (
+        "Hello there, it is sunny today. Shall we walk to the park? It is a fine day to be outside."
+    )
+    assert result["starts"] == sorted(result["starts"])
+    await slots_freed()
+
+
+async def test_sdk_websocket_cancel_frees_the_slot(
+    live_server: LiveServer, run_client: ClientRunner, slots_freed: SlotsFreed
+) -> None:
+    result = await run_client(
+        "vendor-sdks", "cartesia_sdk.py", "--http-url", live_server.http_url, "--interrupt"
+    )
+    assert "error" not in result, result
+    assert result["audio_bytes"] > 0
+    await slots_freed()

@@ -180,8 +180,17 @@ class _PlacementCollector(Collector):
         yield streams
         yield capacity
         yield alive
+        live = [load for _, load in loads if load.alive]
+        total = sum(load.capacity for load in live)
+        free = sum(max(0, load.capacity - load.streams) for load in live)
         yield GaugeMetricFamily(
             "tts_stream_capacity_free",
-            "New streams the live token2wav workers can still take (scale out when it nears 0)",
-            value=sum(max(0, load.capacity - load.streams) for _, load in loads if load.alive),
+            "New streams the live token2wav workers can still take (0: new streams are refused as busy)",
+            value=free,
+        )
+        yield GaugeMetricFamily(
+            "tts_stream_capacity_used_ratio",
+            "Share of the live workers' stream capacity in use, 0..1 (1 with no live worker): what an "
+            "autoscaler targets",
+            value=1.0 - free / total if total else 1.0,
         )

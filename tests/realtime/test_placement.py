@@ -132,6 +132,7 @@ async def test_streams_spread_over_workers_stay_on_theirs_and_a_dead_worker_take
         assert _worker_samples(metrics, "tts_token2wav_worker_capacity") == {"0": 2.0, "1": 2.0}
         assert _worker_samples(metrics, "tts_token2wav_worker_streams") == {"0": 0.0, "1": 0.0}
         assert "tts_stream_capacity_free 4.0" in metrics
+        assert "tts_stream_capacity_used_ratio 0.0" in metrics
 
         # Worker 1's thread dies in the middle of a stream: that stream fails with a clear error
         # instead of hanging, and the worker takes no new streams.
@@ -143,6 +144,7 @@ async def test_streams_spread_over_workers_stay_on_theirs_and_a_dead_worker_take
         metrics = (await client.get("/metrics")).text
         assert _worker_samples(metrics, "tts_token2wav_worker_alive") == {"0": 1.0, "1": 0.0}
         assert "tts_stream_capacity_free 2.0" in metrics
+        assert "tts_stream_capacity_used_ratio 0.0" in metrics  # of the live worker's capacity
 
         # Only worker 0's two slots are left: a third stream is refused although the process-wide
         # limit (4) would admit it.

@@ -23,6 +23,7 @@ import torch
 from engines.config import ModelPaths
 from engines.llm.auto import select_llm
 from engines.llm.base import LLMEngine, LLMError, LLMRequest, SamplingParams, TokenStream
+from engines.normalize import ReferenceNormalizer
 from engines.text import TextError, TextFrontend
 from engines.token2wav.auto import select_token2wav
 from engines.token2wav.base import SpeakerState, Token2Wav, Token2WavStream
@@ -97,7 +98,7 @@ def load_engines(config: ServiceConfig) -> LoadedEngines:
             logger.warning("the %s LLM engine batches up to %d requests, not %d", llm.name,
                            llm.stats().max_slots, slots)
     paths = ModelPaths(config.models_dir)
-    text = TextFrontend(paths.text_tokenizer, max_text_chars=config.max_text_chars)
+    text = TextFrontend(paths.text_tokenizer, ReferenceNormalizer(), max_text_chars=config.max_text_chars)
     encoder = VoiceEncoder(
         paths.speech_tokenizer,
         paths.campplus,

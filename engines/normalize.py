@@ -1,0 +1,155 @@
+"""Text normalisation as CosyVoice's front end does it without `ttsfrd` (its `wetext` path).
+
+`ReferenceNormalizer` is a `engines.text.Normalizer`: str → str, applied to each text (or streamed
+sentence) before it is cut into segments and tokenised. The steps, in the reference's order:
+
+1. Text holding `<|` and `|>` (the model's own markup) is left as it is, as the reference skips its
+   front end then.
+2. Language: Chinese when any character lies in U+4E00–U+9FFF, else English (`contains_chinese`).
+3. `wetext` text normalisation (numbers, money, dates, times, ordinals, measures, URLs, phone numbers) in
+   that language, for text that holds a digit (wetext 0.0.4's rule, the version the reference pins).
+4. Chinese: newlines dropped, blanks kept only between two ASCII characters, ² → 平方 and ³ → 立方,
+   "." → "。", " - " → "，", the brackets （）【】, backticks and "——" removed, trailing commas → "。".
+   English: digit runs still left spelled out by `inflect` ("12" → "twelve").
+
+Departures, each for a reason (docs/fidelity.md): wetext runs on windows of whole sentences of at most
+160 characters (its cost grows faster than the text; the reference normalises the whole text at once),
+the inline tags of CosyVoice2's
+tokenizer (`[laughter]`, `<strong>`, …) are never handed to wetext, so they reach the tokenizer intact,
+and only ASCII digits are spelled out.
+
+wetext holds the GIL while it transduces (≈ 10–40 ms for a sentence with digits on a 2-core machine):
+callers on an event loop pay that per sentence with digits; text without digits costs microseconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import TYPE_CHECKING, Literal
+
+from engines.text import SPECIAL_TOKENS, collapse_whitespace
+
+if TYPE_CHECKING:
+    import inflect
+    from wetext import Normalizer as WetextNormalizer
+
+logger = logging.getLogger(__name__)
+
+Language = Literal["zh", "en"]
+
+_CHINESE = re.compile(r"[\u4e00-\u9fff]")
+_DIGIT = re.compile(r"\d")
+_ASCII_DIGITS = re.compile(r"[0-9]+")
+_TAG = re.compile("(" + "|".join(re.escape(token) for token in SPECIAL_TOKENS) + ")")
+# Sentence gaps (kept when the pieces are joined again): whitespace after an ASCII terminal, the point
+# right after a CJK terminal, and newlines.
+_SENTENCE_GAP = re.compile(r"((?<=[.!?;])[ \t]+|(?<=[。！？；])|\n+)")
+_TRAILING_COMMAS = re.compile(r"[，,、]+$")
+# wetext's cost grows faster than the text (≈ 15 ms for 80 characters, 400 ms for 650 here): it gets
+# windows of whole sentences up to this long, which keep an abbreviation's full stop ("Jan. 5, 2024")
+# inside the context its reading depends on.
+WINDOW_CHARS = 160
+
+
+def detect_language(text: str) -> Language:
+    """The reference's rule: Chinese as soon as one CJK unified ideograph occurs, English otherwise."""
+    return "zh" if _CHINESE.search(text) else "en"
+
+
+class ReferenceNormalizer:
+    """CosyVoice's `text_normalize` (wetext path, no paragraph split); thread-safe, stateless per call.
+
+    Loading the transducers takes ~1.5 s: build one per process, at start-up.
+    """
+
+    def __init__(self) -> None:
+        import inflect
+        from wetext import Normalizer as WetextNormalizer
+
+        self._wetext: dict[Language, WetextNormalizer] = {
+            "zh": WetextNormalizer(lang="zh", operator="tn", remove_erhua=False),
+            "en": WetextNormalizer(lang="en", operator="tn"),
+        }
+        self._inflect: inflect.engine = inflect.engine()
+
+    def __call__(self, text: str) -> str:
+        text = collapse_whitespace(text)
+        if "<|" in text and "|>" in text:
+            return text
+        language = detect_language(text)
+        text = "".join(self._wetext_window(window, language) for window in _windows(text))
+        return _chinese_cleanups(text) if language == "zh" else self._spell_out_numbers(text)
+
+    def _wetext_window(self, window: str, language: Language) -> str:
+        """wetext over the runs of `window` between inline tags; whitespace around each run is kept."""
+        if not _DIGIT.search(window):
+            return window
+        runs = _TAG.split(window)
+        return "".join(run if i % 2 else self._wetext_run(run, language) for i, run in enumerate(runs))
+
+    def _wetext_run(self, run: str, language: Language) -> str:
+        core = run.strip()
+        if not _DIGIT.search(core):
+            return run
+        try:
+            spoken = str(self._wetext[language].normalize(core))
+        except Exception:  # kaldifst raises plain RuntimeErrors; the raw text is still speakable.
+            logger.warning("wetext could not normalise a %d-character %s run; kept as written", len(core),
+                           language)
+            return run
+        lead, trail = run[: len(run) - len(run.lstrip())], run[len(run.rstrip()) :]
+        return f"{lead}{spoken}{trail}"
+
+    def _spell_out_numbers(self, text: str) -> str:
+        return _ASCII_DIGITS.sub(lambda match: self._number_words(match.group()), text)
+
+    def _number_words(self, digits: str) -> str:
+        import inflect
+
+        try:
+            return str(self._inflect.number_to_words(digits))
+        except inflect.NumOutOfRangeError:  # beyond inflect's named powers: read it digit by digit
+            return str(self._inflect.number_to_words(digits, group=1))
+
+
+def _windows(text: str) -> list[str]:
+    """`text` in consecutive pieces of whole sentences, each at most `WINDOW_CHARS` long unless one
+    sentence is longer, never across a newline; the pieces concatenate back to `text`."""
+    pieces = _SENTENCE_GAP.split(text)  # sentence, gap, sentence, gap, …, sentence
+    windows: list[str] = []
+    current = pieces[0]
+    for gap, sentence in zip(pieces[1::2], pieces[2::2], strict=True):
+        if "\n" in gap or len(current) + len(gap) + len(sentence) > WINDOW_CHARS:
+            windows += [current, gap]
+            current = sentence
+        else:
+            current += gap + sentence
+    return [*windows, current]
+
+
+def _chinese_cleanups(text: str) -> str:
+    text = text.replace("\n", "")
+    text = _drop_blanks_between_non_ascii(text)
+    text = text.replace("²", "平方").replace("³", "立方")
+    text = text.replace(".", "。").replace(" - ", "，")
+    for bracket in ("（", "）", "【", "】", "`"):
+        text = text.replace(bracket, "")
+    text = text.replace("——", " ")
+    return _TRAILING_COMMAS.sub("。", text)
+
+
+def _drop_blanks_between_non_ascii(text: str) -> str:
+    """A space stays only between two ASCII non-space characters (English words inside Chinese)."""
+    kept = []
+    for i, char in enumerate(text):
+        if char == " ":
+            before, after = text[i - 1 : i], text[i + 1 : i + 2]
+            if not (_ascii_word_char(before) and _ascii_word_char(after)):
+                continue
+        kept.append(char)
+    return "".join(kept)
+
+
+def _ascii_word_char(char: str) -> bool:
+    return char.isascii() and char not in ("", " ")

@@ -48,12 +48,14 @@ def round_up(value: int, sizes: Sequence[int]) -> int | None:
 
 @dataclass(frozen=True)
 class SolveShape:
-    """The padded shape of one batched CFM solve: rows, chunk frames, own-cache frames, prompt frames."""
+    """The padded shape of one batched CFM solve: rows, chunk frames, own-cache frames, prompt frames,
+    and the own-cache frames kept after the chunk."""
 
     batch: int
     frames: int
     own_frames: int
     prompt_frames: int
+    kept_frames: int
 
 
 @dataclass(frozen=True)
@@ -71,24 +73,29 @@ class Buckets:
     """Shapes rounded up for CUDA graphs; a dimension beyond its largest size runs eagerly at its exact size.
 
     batch: row counts; frames: chunk mel frames (2 per token: 30 = the first 15-token hop, 50, 100, …);
-    prompt_frames: the summed prompt frames of a batch's voices. Own-cache frames round to 0 (first
-    chunks) or to the cache bound. history_tokens: the encoder's cached tokens per row (prompt and own;
-    at most 1250 at full size, where the relative-position table ends).
+    prompt_frames: the summed prompt frames of a batch's voices; own_frames: a row's cached generated
+    frames (0 for first chunks; at most R = 100 under the "prompt_recent" rule, L_p + R under the
+    reference's, 1600 for a 30 s prompt), also the frames kept after a chunk (at most own + chunk);
+    history_tokens: the encoder's cached tokens per row (prompt and own, never trimmed: at most 2048
+    through the LLM's context; with a 200-token chunk that stays within the position table's 2500).
     """
 
     batch: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     frames: tuple[int, ...] = (30, 50, 100, 200, 400)
     prompt_frames: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
-    history_tokens: tuple[int, ...] = (128, 256, 512, 1024, 1280)
+    own_frames: tuple[int, ...] = (100, 200, 400, 800, 1600)
+    history_tokens: tuple[int, ...] = (128, 256, 512, 1024, 2048)
 
-    def shape(self, exact: SolveShape, own_bound: int) -> SolveShape | None:
+    def shape(self, exact: SolveShape) -> SolveShape | None:
         """The bucket holding `exact`, or None when a dimension is beyond every bucket."""
         batch = round_up(exact.batch, self.batch)
         frames = round_up(exact.frames, self.frames)
         prompt = round_up(exact.prompt_frames, self.prompt_frames)
-        if batch is None or frames is None or prompt is None or exact.own_frames > own_bound:
+        own = 0 if exact.own_frames == 0 else round_up(exact.own_frames, self.own_frames)
+        kept = round_up(exact.kept_frames, self.own_frames)
+        if batch is None or frames is None or prompt is None or own is None or kept is None:
             return None
-        return SolveShape(batch, frames, 0 if exact.own_frames == 0 else own_bound, prompt)
+        return SolveShape(batch, frames, own, prompt, min(kept, own + frames))
 
     def encode_shape(self, exact: EncodeShape, stride: int) -> EncodeShape | None:
         """The bucket holding an encoder call (tokens round with the frames: `stride` frames per token),

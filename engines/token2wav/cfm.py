@@ -81,7 +81,9 @@ class RaggedInputs:
     noise column); lengths (B,) int64: real frames per row (≥ 1);
     cnn_cache (steps, depth, 2B, 2·hidden, 2); prompt_kv (steps, depth, 2, heads, K_p, 2·hd): the voices'
     prompt caches side by side; own_kv (steps, depth, 2B, heads, T_own, 2·hd): each row's own cached
-    frames at the end (left padding); mask (2B, K_p + T_own + T) bool over [prompt, own, chunk] keys.
+    frames at the end (left padding); mask (2B, K_p + T_own + T) bool over [prompt, own, chunk] keys;
+    keep (B, K) int64: per row, the positions in [own (T_own), chunk (T)] of the frames its own cache
+    keeps after the chunk (any valid position where it keeps fewer: those outputs are not read).
     Guidance rows: conditional rows 0..B−1, then the unconditional ones in the same order.
     """
 
@@ -93,18 +95,18 @@ class RaggedInputs:
     prompt_kv: torch.Tensor
     own_kv: torch.Tensor
     mask: torch.Tensor
+    keep: torch.Tensor
 
 
 @dataclass(frozen=True)
 class RaggedOutputs:
     """mel (B, 80, T) right-padded; cnn_cache (steps, depth, 2B, 2·hidden, 2) after each row's last
-    real frame; recent_kv (steps, depth, 2B, heads, R, 2·hd): the last R frames of each row's
-    [own cache, chunk] keys|values ending at its last real frame (a row with fewer than R real frames
-    has filler first)."""
+    real frame; kept_kv (steps, depth, 2B, heads, K, 2·hd): the keys|values of [own cache, chunk] at
+    each row's `keep` positions."""
 
     mel: torch.Tensor
     cnn_cache: torch.Tensor
-    recent_kv: torch.Tensor
+    kept_kv: torch.Tensor
 
 
 def cosine_time_grid(n_timesteps: int) -> tuple[float, ...]:
@@ -214,14 +216,13 @@ class ConditionalCFM(nn.Module):
     def solve_ragged(
         self,
         inputs: RaggedInputs,
-        recent: int,
         out: RaggedOutputs | None = None,
         conditioning: list[Any] | None = None,
     ) -> RaggedOutputs:
         """Mel of every row's chunk and the rows' new caches (see `RaggedInputs`, `RaggedOutputs`).
 
-        recent: R, the own-cache frames kept per row. `out`: buffers to write into (e.g. a CUDA graph's
-        static outputs); None allocates them. conditioning: `step_conditioning()` (None computes it).
+        `out`: buffers to write into (e.g. a CUDA graph's static outputs); None allocates them.
+        conditioning: `step_conditioning()` (None computes it).
         """
         estimator = self.estimator
         if not isinstance(estimator, RaggedEstimator):
@@ -236,10 +237,8 @@ class ConditionalCFM(nn.Module):
         spks2 = torch.cat([inputs.spks, torch.zeros_like(inputs.spks)])
         lengths2 = torch.cat([inputs.lengths, inputs.lengths])
         layout = estimator.ragged_layout(lengths2, inputs.mask)
-        # Each row's last R frames of [own cache (left-padded), chunk]; clamped into the padding when short.
-        ends = inputs.own_kv.shape[4] + lengths2[:, None]
-        keep = (ends - recent + torch.arange(recent, device=device)).clamp_min(0)
-        new_cnn, recent_kv = [], []
+        keep = torch.cat([inputs.keep, inputs.keep])
+        new_cnn, kept_kv = [], []
         for step in range(self.n_timesteps):
             own = inputs.own_kv[step]
             v, cnn, kv = estimator.forward_ragged(
@@ -250,11 +249,11 @@ class ConditionalCFM(nn.Module):
             depth, _, heads, _, width = history.shape
             index = keep[None, :, None, :, None].expand(depth, -1, heads, -1, width)
             new_cnn.append(cnn)
-            recent_kv.append(history.gather(3, index))
+            kept_kv.append(history.gather(3, index))
             x = x + (self.t_grid[step + 1] - self.t_grid[step]) * self._guided(v)
         if out is None:
-            return RaggedOutputs(x, torch.stack(new_cnn), torch.stack(recent_kv))
+            return RaggedOutputs(x, torch.stack(new_cnn), torch.stack(kept_kv))
         out.mel.copy_(x)
         torch.stack(new_cnn, out=out.cnn_cache)
-        torch.stack(recent_kv, out=out.recent_kv)
+        torch.stack(kept_kv, out=out.kept_kv)
         return out

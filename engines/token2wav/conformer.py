@@ -261,19 +261,6 @@ class ConformerCache:
             frame_kv=torch.cat([self.frame_kv, newer.frame_kv], dim=3),
         )
 
-    def keep_recent(self, num_tokens: int) -> ConformerCache:
-        """Only the keys/values of the most recent `num_tokens` tokens (conv contexts unchanged)."""
-        if self.num_tokens <= num_tokens:
-            return self
-        ratio = self.frame_kv.shape[3] // self.num_tokens
-        start = self.num_tokens - num_tokens
-        return ConformerCache(
-            lookahead=self.lookahead,
-            upsample=self.upsample,
-            token_kv=self.token_kv[:, :, :, start:],
-            frame_kv=self.frame_kv[:, :, :, ratio * start :],
-        )
-
 
 class UpsampleConformerEncoder(nn.Module):
     """CosyVoice2 `UpsampleConformerEncoder` / Step-Audio2 `UpsampleConformerEncoderV2` (same weights)."""

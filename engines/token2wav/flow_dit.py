@@ -5,16 +5,15 @@ Streaming keeps every cache instead of recomputing: per voice, `prepare_speaker`
 runs the 10 Euler steps over the prompt mel, keeping the encoder's and the estimator's caches. Streams
 reference that prompt state read-only and hold only their own frames' caches, which each chunk extends.
 
-Bounded memory (the reference's rules, with their intent made explicit):
-- estimator keys/values: the prompt's plus the `att_cache_recent_frames` (100) most recent generated
-  frames. The reference keeps the slices [:L_p] and [-100:] of a cache stored newest-first, which
-  actually retains the most recent L_p frames and the prompt's last 100; we keep the whole prompt and
-  the most recent 100 frames.
-- noise: frame f of the utterance always uses noise column f, also after trimming (the reference keeps
-  reusing the offset L_p + 100 once it trims).
-- encoder keys/values: the reference never trims them and fails past the relative-position table
-  (100 s at full size); we keep the prompt and the most recent frames within half the table's span,
-  so the other half stays free for the next chunk.
+Caches as the reference keeps them:
+- estimator keys/values and noise columns: `dit_cache.EstimatorKeys` (the reference driver's trim to
+  L_p + 100 frames and its noise offset by default; `FlowConfig.att_cache_rule` selects the option).
+  A stream stores only its own kept frames (oldest first); the prompt frames it still attends to are
+  read from the shared prompt state through an index (one chunk) or a per-row mask (batches).
+- encoder keys/values: never trimmed, as in the reference. The relative-position table bounds prompt
+  plus utterance to `max_relative_len / up_stride` tokens (2500 = 100 s at full size); the LLM's
+  context (2048 positions, prompt included) keeps every utterance below it, and a longer one gets the
+  table's ValueError, as the reference fails there too.
 
 `chunks` runs the chunks of many streams as one padded batch (batching.py): one encoder pass, one
 10-step solve whose DiT calls cover every stream and both guidance halves, the shared prompt caches held
@@ -37,6 +36,7 @@ from engines.token2wav.batching import Buckets, EncodeShape, RowSpec, SolveShape
 from engines.token2wav.cfm import ConditionalCFM, RaggedEstimator
 from engines.token2wav.conformer import ConformerCache, blocks_attention_mask
 from engines.token2wav.dit import DiT
+from engines.token2wav.dit_cache import EstimatorKeys
 from engines.token2wav.flow_base import ConformerFlow, FlowSpeaker, FlowStream
 from engines.token2wav.graphs import (
     EagerEncoder,
@@ -87,10 +87,11 @@ class DiTStream(FlowStream):
 
     encoder: conv contexts and the keys/values of this stream's tokens (prompt excluded);
     estimator_cnn: (steps, depth, 2, 2·hidden, 2); estimator_kv: (steps, depth, 2, heads, T, 2·hd) of
-    this stream's recent frames; frames: mel frames generated so far.
+    this stream's kept generated frames, oldest first; keys: which frames the estimator attends to
+    (`keys.own` are those of estimator_kv) and where the next chunk's noise starts.
     """
 
-    def __init__(self, speaker: DiTSpeaker) -> None:
+    def __init__(self, speaker: DiTSpeaker, keys: EstimatorKeys) -> None:
         self.speaker = speaker
         self.encoder = ConformerCache(
             lookahead=speaker.encoder.lookahead,
@@ -100,8 +101,20 @@ class DiTStream(FlowStream):
         )
         self.estimator_cnn = speaker.estimator_cnn
         self.estimator_kv = speaker.estimator_kv[:, :, :, :, :0]
-        self.frames = 0
+        self.keys = keys
         self.closed = False
+
+    @property
+    def frames(self) -> int:
+        """Mel frames generated so far."""
+        return self.keys.generated
+
+    def prompt_index(self) -> torch.Tensor | None:
+        """Indices of the prompt frames still attended to (on the flow's device), None for all."""
+        kept = self.keys.prompt
+        if kept is None:
+            return None
+        return torch.tensor(kept, dtype=torch.int64, device=self.estimator_kv.device)
 
     @property
     def nbytes(self) -> int:
@@ -171,7 +184,9 @@ class DiTFlow(ConformerFlow):
     def open_stream(self, speaker: FlowSpeaker) -> DiTStream:
         if not isinstance(speaker, DiTSpeaker):
             raise TypeError(f"DiTFlow needs a DiTSpeaker, got {type(speaker).__name__}")
-        return DiTStream(speaker)
+        keys = EstimatorKeys.start(self.cfg.att_cache_rule, self.cfg.att_cache_recent_frames,
+                                   speaker.prompt_frames)
+        return DiTStream(speaker, keys)
 
     @torch.inference_mode()
     def chunk(self, stream: FlowStream, tokens: torch.Tensor, last: bool) -> torch.Tensor:
@@ -187,20 +202,25 @@ class DiTFlow(ConformerFlow):
             self._embed(tokens), speaker.encoder.extend(stream.encoder), last
         )
         mu = self._mu(encoded)
+        keys, prompt_index = stream.keys, stream.prompt_index()
+        prompt_kv = speaker.estimator_kv
+        if prompt_index is not None:
+            prompt_kv = prompt_kv.index_select(4, prompt_index)
         mel, cnn, kv = self.decoder.solve_chunk(
             mu,
             speaker.spks,
             torch.zeros_like(mu),  # the prompt conditions through the caches only
-            speaker.prompt_frames + stream.frames,
+            keys.noise_offset,
             stream.estimator_cnn,
-            speaker.estimator_kv,
+            prompt_kv,
             stream.estimator_kv,
         )
-        stream.frames += mel.shape[2]
+        after = keys.after_chunk(mel.shape[2])
+        kept = torch.tensor(keys.kept_positions(after), dtype=torch.int64, device=self.device)
         stream.estimator_cnn = cnn
-        recent = self.cfg.att_cache_recent_frames
-        stream.estimator_kv = torch.cat([stream.estimator_kv, kv], dim=4)[:, :, :, :, -recent:]
-        stream.encoder = stream.encoder.extend(update).keep_recent(self._encoder_recent_tokens(speaker))
+        stream.estimator_kv = torch.cat([stream.estimator_kv, kv], dim=4).index_select(4, kept)
+        stream.keys = after
+        stream.encoder = stream.encoder.extend(update)
         return mel
 
     # -- batches of streams -----------------------------------------------------------------------------
@@ -306,8 +326,7 @@ class DiTFlow(ConformerFlow):
             own = ConformerCache(lookahead[i : i + 1], upsample[i : i + 1],
                                  update.token_kv[:, i : i + 1, :, : row.out_tokens],
                                  update.frame_kv[:, i : i + 1, :, : stride * row.out_tokens])
-            kept = self._encoder_recent_tokens(row.speaker)
-            row.stream.encoder = row.stream.encoder.extend(own).keep_recent(kept)
+            row.stream.encoder = row.stream.encoder.extend(own)
         return out.mu[:real, :, : stride * tokens]
 
     def _encoder(self, exact: EncodeShape) -> tuple[EncoderRunner, EncodeShape]:
@@ -352,7 +371,7 @@ class DiTFlow(ConformerFlow):
     def _solver(self, exact: SolveShape) -> tuple[RaggedSolver, SolveShape]:
         """The bucketed solver at the bucket holding `exact`, or the eager one at `exact`."""
         if self._bucketed is not None:
-            shape = self.buckets.shape(exact, self.cfg.att_cache_recent_frames)
+            shape = self.buckets.shape(exact)
             if shape is not None:
                 return self._bucketed, shape
         return EagerSolver(self.decoder, SolverLayout.of(self.cfg, self.dtype, self.device)), exact
@@ -362,11 +381,14 @@ class DiTFlow(ConformerFlow):
         real, _, frames = mu.shape
         lengths = [self.cfg.token_mel_ratio * row.out_tokens for row in rows]
         own_lengths = [row.stream.estimator_kv.shape[4] for row in rows]
+        afters = [row.stream.keys.after_chunk(length) for row, length in zip(rows, lengths, strict=True)]
+        kept = [row.stream.keys.kept_positions(after) for row, after in zip(rows, afters, strict=True)]
         speakers = list(dict.fromkeys(row.speaker for row in rows))
-        exact = SolveShape(real, frames, max(own_lengths), sum(sp.prompt_frames for sp in speakers))
+        exact = SolveShape(real, frames, max(own_lengths), sum(sp.prompt_frames for sp in speakers),
+                           max(len(k) for k in kept))
         solver, shape = self._solver(exact)
         inputs = solver.buffers(shape)
-        batch, own_frames = shape.batch, shape.own_frames
+        batch, own_frames, kept_frames = shape.batch, shape.own_frames, shape.kept_frames
 
         # Host-built index data, one copy each; padded rows: one real frame, no history.
         row_lengths = torch.ones(batch, dtype=torch.int64)
@@ -374,16 +396,26 @@ class DiTFlow(ConformerFlow):
         own = torch.zeros(batch, dtype=torch.int64)
         own[:real] = torch.tensor(own_lengths)
         offsets = torch.zeros(batch, dtype=torch.int64)
-        offsets[:real] = torch.tensor([row.speaker.prompt_frames + row.stream.frames for row in rows])
+        offsets[:real] = torch.tensor([row.stream.keys.noise_offset for row in rows])
+        # Each row's kept frames of [own cache (left-padded to own_frames), chunk], right-aligned.
+        keep = torch.zeros(batch, kept_frames, dtype=torch.int64)
         prompt_mask = torch.zeros(batch, shape.prompt_frames, dtype=torch.bool)
         starts: dict[DiTSpeaker, int] = {}
         for speaker in speakers:
             starts[speaker] = sum(sp.prompt_frames for sp in starts)
-        for i, row in enumerate(rows):
-            prompt_mask[i, starts[row.speaker] : starts[row.speaker] + row.speaker.prompt_frames] = True
+        for i, (row, cached, positions) in enumerate(zip(rows, own_lengths, kept, strict=True)):
+            start = starts[row.speaker]
+            prompt = row.stream.keys.prompt
+            if prompt is None:
+                prompt_mask[i, start : start + row.speaker.prompt_frames] = True
+            else:
+                prompt_mask[i, [start + frame for frame in prompt]] = True
+            if positions:
+                keep[i, kept_frames - len(positions) :] = torch.tensor(positions) + (own_frames - cached)
         mask = torch.cat([prompt_mask, span_mask(own_frames, shape.frames, own, row_lengths)], dim=1)
         inputs.lengths.copy_(upload(row_lengths, self.device))
         inputs.offsets.copy_(upload(offsets, self.device))
+        inputs.keep.copy_(upload(keep, self.device))
         inputs.mask.copy_(upload(torch.cat([mask, mask]), self.device))
 
         inputs.mu.zero_()
@@ -401,22 +433,16 @@ class DiTFlow(ConformerFlow):
                 own_kv[:, :, :, i, :, own_frames - cached :] = row.stream.estimator_kv
 
         out = solver.run(shape)
-        recent = out.recent_kv.shape[4]
-        new_kv = out.recent_kv.view(steps, depth, 2, batch, *out.recent_kv.shape[3:])
+        new_kv = out.kept_kv.view(steps, depth, 2, batch, *out.kept_kv.shape[3:])
         new_cnn = out.cnn_cache.view(steps, depth, 2, batch, *out.cnn_cache.shape[3:])
         mels = []
-        for i, (row, length, cached) in enumerate(zip(rows, lengths, own_lengths, strict=True)):
-            keep = min(self.cfg.att_cache_recent_frames, cached + length)
-            row.stream.estimator_kv = new_kv[:, :, :, i, :, recent - keep :].clone()
+        for i, (row, length, after) in enumerate(zip(rows, lengths, afters, strict=True)):
+            count = len(kept[i])
+            row.stream.estimator_kv = new_kv[:, :, :, i, :, kept_frames - count :].clone()
             row.stream.estimator_cnn = new_cnn[:, :, :, i].clone()
-            row.stream.frames += length
+            row.stream.keys = after
             mels.append(out.mel[i : i + 1, :, :length].clone())
         return mels
-
-    def _encoder_recent_tokens(self, speaker: DiTSpeaker) -> int:
-        """Stream tokens whose encoder keys/values are kept: with the prompt, half the position table."""
-        enc = self.cfg.encoder
-        return max(0, enc.max_relative_len // (2 * enc.up_stride) - speaker.tokens.numel())
 
     @torch.inference_mode()
     def offline(

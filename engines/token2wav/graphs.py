@@ -50,14 +50,13 @@ class TensorSource(Protocol):
 
 @dataclass(frozen=True)
 class SolverLayout:
-    """Tensor shapes of a solve: Euler steps, DiT dims, own-cache bound; dtype of the flow."""
+    """Tensor shapes of a solve: Euler steps, DiT dims; dtype of the flow."""
 
     steps: int
     depth: int
     heads: int
     head_dim: int
     hidden: int
-    recent: int
     dtype: torch.dtype
     device: torch.device
 
@@ -65,11 +64,7 @@ class SolverLayout:
     def of(cfg: FlowConfig, dtype: torch.dtype, device: torch.device) -> SolverLayout:
         dit = cfg.dit
         return SolverLayout(cfg.n_timesteps, dit.depth, dit.num_heads, dit.head_dim, dit.hidden_size,
-                            cfg.att_cache_recent_frames, dtype, device)
-
-    def recent_frames(self, shape: SolveShape) -> int:
-        """R of `RaggedOutputs.recent_kv` for `shape`: the own cache after the chunk, at most `recent`."""
-        return min(self.recent, shape.own_frames + shape.frames)
+                            dtype, device)
 
     def input_specs(self, shape: SolveShape) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         b, kv = shape.batch, 2 * self.head_dim
@@ -83,6 +78,7 @@ class SolverLayout:
             "prompt_kv": ((*lead, 2, self.heads, shape.prompt_frames, kv), self.dtype),
             "own_kv": ((*lead, 2 * b, self.heads, shape.own_frames, kv), self.dtype),
             "mask": ((2 * b, shape.prompt_frames + shape.own_frames + shape.frames), torch.bool),
+            "keep": ((b, shape.kept_frames), torch.int64),
         }
 
     def inputs(self, shape: SolveShape, tensor: TensorSource) -> RaggedInputs:
@@ -95,11 +91,10 @@ class SolverLayout:
 
     def output_specs(self, shape: SolveShape) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         b, lead = shape.batch, (self.steps, self.depth)
-        recent = self.recent_frames(shape)
         return {
             "mel": ((b, MEL_BINS, shape.frames), self.dtype),
             "cnn_cache": ((*lead, 2 * b, 2 * self.hidden, 2), self.dtype),
-            "recent_kv": ((*lead, 2 * b, self.heads, recent, 2 * self.head_dim), self.dtype),
+            "kept_kv": ((*lead, 2 * b, self.heads, shape.kept_frames, 2 * self.head_dim), self.dtype),
         }
 
 
@@ -157,7 +152,7 @@ class EagerSolver(_EagerCalls[SolveShape, RaggedInputs, RaggedOutputs]):
         return self.layout.inputs(shape, self._zeros)
 
     def _compute(self, shape: SolveShape, inputs: RaggedInputs) -> RaggedOutputs:
-        return self.cfm.solve_ragged(inputs, self.layout.recent_frames(shape))
+        return self.cfm.solve_ragged(inputs)
 
 
 class _Arena:
@@ -234,14 +229,15 @@ class GraphedSolver(_ShapeGraphs[SolveShape, RaggedInputs, RaggedOutputs]):
     def _capture(self, shape: SolveShape) -> _Graph[RaggedInputs, RaggedOutputs]:
         inputs = self.layout.inputs(shape, self._arena.view)
         outputs = self.layout.outputs(shape, self._arena.view)
-        # Valid rows for the warm-up run: one real frame, which attends to itself.
+        # Valid rows for the warm-up run: one real frame, which attends to itself; kept positions in
+        # range (the arena may hold another shape's indices).
         inputs.lengths.fill_(1)
         inputs.mask.fill_(True)
-        recent = self.layout.recent_frames(shape)
+        inputs.keep.zero_()
         if self._conditioning is None:
             self._conditioning = self.cfm.step_conditioning()
         conditioning = self._conditioning
-        graph = capture_graph(lambda: self.cfm.solve_ragged(inputs, recent, outputs, conditioning),
+        graph = capture_graph(lambda: self.cfm.solve_ragged(inputs, outputs, conditioning),
                         self._pool, self.layout.device)
         logger.info("captured token2wav solve graph %s", shape)
         return _Graph(graph, inputs, outputs)

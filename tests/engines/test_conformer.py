@@ -103,16 +103,6 @@ def test_chunk_mode_equals_block_causal_offline(encoder: UpsampleConformerEncode
     assert (streamed[:, : 2 * hops[0]] - unmasked[:, : 2 * hops[0]]).abs().max() > 1e-3
 
 
-def test_keep_recent_drops_oldest_keys_at_both_rates(encoder: UpsampleConformerEncoder) -> None:
-    with torch.no_grad():
-        _, cache = run_chunks(encoder, torch.randn(1, 12, TINY.d_model), [4])
-    recent = cache.keep_recent(5)
-    assert recent.num_tokens == 5 and recent.frame_kv.shape[3] == 10
-    assert torch.equal(recent.token_kv, cache.token_kv[:, :, :, -5:])
-    assert torch.equal(recent.frame_kv, cache.frame_kv[:, :, :, -10:])
-    assert cache.keep_recent(50) is cache
-
-
 def test_padding_does_not_change_the_valid_frames(encoder: UpsampleConformerEncoder) -> None:
     short = torch.randn(1, 9, TINY.d_model)
     padded = torch.cat([short, torch.randn(1, 4, TINY.d_model)], dim=1)

@@ -16,7 +16,8 @@ from engines.config import FlowConfig, ModelConfigs
 from engines.token2wav.cfm import ConditionalCFM, cosine_time_grid
 from engines.token2wav.conformer import blocks_attention_mask
 from engines.token2wav.dit import DiT
-from engines.token2wav.flow_dit import DiTFlow, DiTStream, load_dit_flow
+from engines.token2wav.dit_cache import EstimatorKeys
+from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker, DiTStream, load_dit_flow
 from engines.voice import VoicePrompt
 
 MANIFEST = "step-audio-2-mini.token2wav.flow.pt.tsv"
@@ -215,33 +216,131 @@ def test_chunk_protocol_errors_and_empty_final_chunk(flow: DiTFlow, voice: Voice
     assert flow.chunk(stream, torch.zeros(0, dtype=torch.long), last=True).shape == (1, 80, 0)
 
 
-def test_trimming_bounds_the_caches_and_starts_only_when_needed(voice: VoicePrompt) -> None:
-    recent_frames, table = 24, 80  # history ≤ 40 frames = 20 tokens: the prompt's 12 + 8 of the stream
-    kept_tokens = table // 4 - PROMPT_TOKENS
-    cfg = dataclasses.replace(
-        TINY, att_cache_recent_frames=recent_frames,
-        encoder=dataclasses.replace(TINY.encoder, max_relative_len=table))
-    untrimmed_cfg = dataclasses.replace(
-        TINY, att_cache_recent_frames=10_000,
-        encoder=dataclasses.replace(TINY.encoder, max_relative_len=1000))
-    trimmed, untrimmed = tiny_flow(cfg), tiny_flow(untrimmed_cfg)
-    hop, chunks = 5, 12
-    tokens = utterance(voice, hop * chunks + LOOKAHEAD, seed=7)
-    streams = [flow.open_stream(flow.prepare_speaker(voice)) for flow in (trimmed, untrimmed)]
-    sizes = []
-    for k in range(chunks):
-        piece = tokens[k * hop: (k + 1) * hop + LOOKAHEAD]
-        mels = [flow.chunk(stream, piece, last=False) for flow, stream in zip((trimmed, untrimmed), streams,
-                                                                             strict=True)]
-        trimmed_stream = streams[0]
-        assert trimmed_stream.estimator_kv.shape[4] == min(2 * hop * (k + 1), recent_frames)
-        assert trimmed_stream.encoder.num_tokens == min(hop * (k + 1), kept_tokens)
-        assert torch.isfinite(mels[0]).all()
-        if 2 * hop * k <= recent_frames and hop * k <= kept_tokens:  # nothing dropped before this chunk
-            torch.testing.assert_close(mels[0], mels[1], atol=1e-4, rtol=1e-4)
-        sizes.append(trimmed_stream.nbytes)
-    assert sizes[-1] == sizes[-2] == sizes[-3]
-    assert streams[0].frames == 2 * hop * chunks
+def reference_stream(flow: DiTFlow, speaker: DiTSpeaker, tokens: torch.Tensor,
+                     hops: list[int]) -> tuple[list[torch.Tensor], list[int]]:
+    """Step-Audio2's streaming driver, from its definition (MODEL_FACTS §5.5), on the flow's modules.
+
+    One cache tensor per Euler step holding every kept key in the reference's order: each step's new
+    keys go *before* the cached ones; after each chunk, a cache longer than L_p + R becomes its slices
+    [:L_p] and [-R:] ("reference"); or, kept in time order, the prompt plus the R newest frames
+    ("prompt_recent"). A chunk's
+    noise is the buffer's columns from the cache length ("reference") or from its utterance frame.
+    Returns the chunks' mels and the cache length after each chunk.
+    """
+    cfg, cfm, dit = flow.cfg, flow.decoder, flow.decoder.estimator
+    prompt, recent = speaker.prompt_frames, cfg.att_cache_recent_frames
+    att = speaker.estimator_kv.clone()  # after setup: the prompt's keys, in time order
+    cnn = speaker.estimator_cnn
+    encoder = speaker.encoder
+    generated = 0
+    mels, lengths = [], []
+    pieces = [(tokens[sum(hops[:k]): sum(hops[:k + 1]) + LOOKAHEAD], False) for k in range(len(hops))]
+    pieces.append((tokens[sum(hops):], True))
+    with torch.no_grad():
+        for piece, last in pieces:
+            encoded, update = flow.encoder.forward_chunk(flow.input_embedding(piece)[None], encoder, last)
+            encoder = encoder.extend(update)  # never trimmed
+            mu = flow.encoder_proj(encoded).transpose(1, 2)
+            frames = mu.shape[2]
+            offset = att.shape[4] if cfg.att_cache_rule == "reference" else prompt + generated
+            x = cfm.noise[:, :, offset: offset + frames].clone()
+            new_att, new_cnn = [], []
+            for step in range(cfg.n_timesteps):
+                t = torch.full((2,), cfm.t_grid[step])
+                v, step_cnn, chunk_kv = dit.forward_chunk(
+                    torch.cat([x, x]), torch.cat([mu, torch.zeros_like(mu)]), t,
+                    torch.cat([speaker.spks, torch.zeros_like(speaker.spks)]), torch.zeros(2, 80, frames),
+                    cnn[step], att[step])
+                if cfg.att_cache_rule == "reference":
+                    new_att.append(torch.cat([chunk_kv, att[step]], dim=3))  # new keys first
+                else:  # time order: the prompt, then the generated frames
+                    new_att.append(torch.cat([att[step], chunk_kv], dim=3))
+                new_cnn.append(step_cnn)
+                v_cond, v_uncond = v.chunk(2)
+                guided = (1 + cfg.cfg_rate) * v_cond - cfg.cfg_rate * v_uncond
+                x = x + (cfm.t_grid[step + 1] - cfm.t_grid[step]) * guided
+            att, cnn = torch.stack(new_att), torch.stack(new_cnn)
+            generated += frames
+            if att.shape[4] > prompt + recent:
+                if cfg.att_cache_rule == "reference":
+                    att = torch.cat([att[..., :prompt, :], att[..., att.shape[4] - recent:, :]], dim=4)
+                else:
+                    att = torch.cat([att[..., :prompt, :], att[..., att.shape[4] - recent:, :]], dim=4)
+            mels.append(x)
+            lengths.append(att.shape[4])
+    return mels, lengths
+
+
+TRIM_CASES = {
+    # R < L_p = 24: the kept tail is the prompt's last R frames; hops shorter and longer than L_p.
+    "R10": (10, [4, 3, 5, 2, 6, 4, 15, 3, 5]),
+    # R > L_p: the kept tail holds the whole prompt and the oldest generated frames.
+    "R40": (40, [6, 5, 7, 4, 9, 5, 6, 3]),
+}
+
+
+@pytest.mark.parametrize("rule", ["reference", "prompt_recent"])
+@pytest.mark.parametrize("case", list(TRIM_CASES), ids=list(TRIM_CASES))
+def test_streaming_equals_the_reference_driver_across_trims(voice: VoicePrompt, rule: str, case: str) -> None:
+    """Ours keeps the prompt once per voice and a stream's own frames apart, in time order, and selects
+    by index; the driver above concatenates and slices as the reference does. Same kept set and noise
+    → the same mel; only the order of the softmax sums differs (~1e-7)."""
+    recent, hops = TRIM_CASES[case]
+    model = tiny_flow(dataclasses.replace(TINY, att_cache_recent_frames=recent, att_cache_rule=rule))
+    tokens = utterance(voice, sum(hops) + 9, seed=11)
+    speaker = model.prepare_speaker(voice)
+    stream = model.open_stream(speaker)
+    want, lengths = reference_stream(model, speaker, tokens, hops)
+    got, attended = [], []
+    starts = [sum(hops[:k]) for k in range(len(hops) + 1)]
+    for k, start in enumerate(starts):
+        last = k == len(hops)
+        piece = tokens[start:] if last else tokens[start: start + hops[k] + LOOKAHEAD]
+        got.append(model.chunk(stream, piece, last))
+        kept_prompt = stream.keys.prompt
+        attended.append(stream.estimator_kv.shape[4]
+                        + (2 * PROMPT_TOKENS if kept_prompt is None else len(kept_prompt)))
+    assert attended == lengths
+    prompt = 2 * PROMPT_TOKENS
+    trims = sum(1 for before, after in zip([prompt, *lengths], lengths, strict=False) if after <= before)
+    assert trims >= 4  # the cache was trimmed again and again
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    if rule == "reference":
+        assert max(lengths) == prompt + recent
+
+
+def test_reference_rule_keeps_the_newest_chunks_first_frames_and_a_fixed_tail() -> None:
+    """The rule on frame numbers: L_p = 6, R = 4, chunks of 3, 5 and 8 frames."""
+    keys = EstimatorKeys.start("reference", 4, 6)
+    assert keys.noise_offset == 6 and keys.prompt is None and keys.own == []
+    keys = keys.after_chunk(3)  # 9 ≤ 10 keys: nothing dropped
+    assert keys.order == (6, 7, 8, 0, 1, 2, 3, 4, 5) and keys.noise_offset == 9
+    keys = keys.after_chunk(5)  # 14 keys: the first 6 (the new chunk, then frame 6) and the last 4
+    assert keys.order == (9, 10, 11, 12, 13, 6, 2, 3, 4, 5)
+    assert keys.prompt == [2, 3, 4, 5] and keys.own == [6, 9, 10, 11, 12, 13] and keys.noise_offset == 10
+    before = keys
+    keys = keys.after_chunk(8)  # a chunk longer than L_p keeps its first 6 frames
+    assert keys.order == (14, 15, 16, 17, 18, 19, 2, 3, 4, 5) and keys.generated == 16
+    assert before.kept_positions(keys) == [6, 7, 8, 9, 10, 11]  # in [6 own, 8 new]
+    recent = EstimatorKeys.start("prompt_recent", 4, 6).after_chunk(3).after_chunk(5)
+    assert recent.prompt is None and recent.own == [10, 11, 12, 13] and recent.noise_offset == 14
+    with pytest.raises(ValueError, match="unknown estimator cache rule"):
+        EstimatorKeys.start("newest", 4, 6)  # type: ignore[arg-type]
+
+
+def test_encoder_cache_is_never_trimmed_up_to_the_position_table(voice: VoicePrompt) -> None:
+    """As in the reference: every token's keys stay; past the table the chunk is refused clearly."""
+    table = 2 * (PROMPT_TOKENS + 30)  # 30 stream tokens fit at the mel rate
+    model = tiny_flow(dataclasses.replace(TINY, encoder=dataclasses.replace(TINY.encoder,
+                                                                            max_relative_len=table)))
+    stream = model.open_stream(model.prepare_speaker(voice))
+    tokens = utterance(voice, 40, seed=12)
+    for k in range(5):
+        model.chunk(stream, tokens[6 * k: 6 * k + 6 + LOOKAHEAD], last=False)
+        assert stream.encoder.num_tokens == 6 * (k + 1)
+    with pytest.raises(ValueError, match="exceeds the position table"):
+        model.chunk(stream, tokens[30:36 + LOOKAHEAD], last=False)
 
 
 def test_bfloat16_flow_tracks_float32(flow: DiTFlow, voice: VoicePrompt) -> None:

@@ -9,6 +9,7 @@ builds while any leak of padding (magnitude 100 in the stale-buffer test) would 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -83,9 +84,21 @@ def rounds(items: list[list[tuple[torch.Tensor, bool]]]) -> Iterator[list[int]]:
         yield [i for i, chunks in enumerate(items) if k < len(chunks)]
 
 
+# The released R = 100 never trims these short streams; R = 10 trims them at almost every chunk (prompts
+# of 24 and 14 frames), so rows with partly dropped prompts and own caches share the batches.
+TRIMMING = dataclasses.replace(CONFIGS.dit_flow, att_cache_recent_frames=10)
+
+
 @pytest.fixture(scope="module")
 def flow() -> DiTFlow:
     model = DiTFlow(CONFIGS.dit_flow).eval()
+    randomize(model, seed=0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def trimming_flow() -> DiTFlow:
+    model = DiTFlow(TRIMMING).eval()
     randomize(model, seed=0)
     return model
 
@@ -127,6 +140,17 @@ def test_batched_flow_chunks_equal_each_stream_alone(flow: DiTFlow, speakers: li
     assert_streams_match(flow, speakers, plans())
 
 
+def test_batched_trimmed_caches_equal_each_stream_alone(trimming_flow: DiTFlow) -> None:
+    """Under the reference's trim (test_dit_flow checks the one-stream path against its definition)."""
+    speakers = [trimming_flow.prepare_speaker(make_voice(1, 12)),
+                trimming_flow.prepare_speaker(make_voice(2, 7))]
+    assert_streams_match(trimming_flow, speakers, plans())
+    stream = trimming_flow.open_stream(speakers[0])
+    for tokens, last in plans()[0].chunks():
+        trimming_flow.chunks([stream], [tokens], [last])
+    assert stream.keys.prompt is not None  # part of the prompt was dropped
+
+
 class PersistentSolver:
     """What CUDA graphs impose, on the CPU: one set of input buffers per shape, kept across calls and
     starting as large garbage, so any padding the batch fails to mask or overwrite would show."""
@@ -147,7 +171,7 @@ class PersistentSolver:
 
     def run(self, shape: SolveShape) -> RaggedOutputs:
         self.runs.append(shape)
-        return self.flow.decoder.solve_ragged(self.inputs[shape], self.layout.recent_frames(shape))
+        return self.flow.decoder.solve_ragged(self.inputs[shape])
 
 
 class PersistentEncoder:
@@ -174,20 +198,22 @@ class PersistentEncoder:
         return EncoderOutputs(*self.encode(self.inputs[shape]))
 
 
-def test_bucketed_shapes_with_stale_buffers_equal_each_stream_alone(speakers: list[DiTSpeaker]) -> None:
-    """Padded rows, frames, own caches, prompt frames and encoder histories, on buffers reused between
-    calls."""
-    flow = DiTFlow(CONFIGS.dit_flow).eval()
+def test_bucketed_shapes_with_stale_buffers_equal_each_stream_alone() -> None:
+    """Padded rows, frames, own caches, kept frames, prompt frames and encoder histories, on buffers
+    reused between calls, with caches trimmed."""
+    flow = DiTFlow(TRIMMING).eval()
     randomize(flow, seed=0)
+    speakers = [flow.prepare_speaker(make_voice(1, 12)), flow.prepare_speaker(make_voice(2, 7))]
     solver, encoder = PersistentSolver(flow), PersistentEncoder(flow)
-    buckets = Buckets(batch=(4, 8), frames=(20, 40, 80), prompt_frames=(64,), history_tokens=(16, 48, 96))
+    buckets = Buckets(batch=(4, 8), frames=(20, 40, 80), prompt_frames=(64,), own_frames=(16, 32, 64),
+                      history_tokens=(16, 48, 96))
     flow.use_bucketed_solver(solver, buckets, encoder)
     assert_streams_match(flow, speakers, plans())
     assert {s.batch for s in encoder.runs} >= {4, 8} and len({s.history for s in encoder.runs}) > 1
     assert len(encoder.inputs) < len(encoder.runs)
-    recent = CONFIGS.dit_flow.att_cache_recent_frames
     assert {s.prompt_frames for s in solver.runs} == {64}
-    assert {s.own_frames for s in solver.runs} == {0, recent}
+    assert {s.own_frames for s in solver.runs} >= {0, 32}
+    assert len({s.kept_frames for s in solver.runs}) > 1
     assert {s.batch for s in solver.runs} >= {4, 8}
     assert len(solver.inputs) < len(solver.runs)  # buffers were reused
 
@@ -290,12 +316,16 @@ def test_span_mask_marks_left_padded_history_and_right_padded_chunk() -> None:
 
 
 def test_buckets_round_up_and_refuse_what_is_beyond() -> None:
-    buckets = Buckets(batch=(1, 4), frames=(30, 50), prompt_frames=(256,))
-    assert buckets.shape(SolveShape(3, 31, 20, 200), own_bound=100) == SolveShape(4, 50, 100, 256)
-    assert buckets.shape(SolveShape(1, 30, 0, 256), own_bound=100) == SolveShape(1, 30, 0, 256)
-    assert buckets.shape(SolveShape(5, 30, 0, 100), own_bound=100) is None
-    assert buckets.shape(SolveShape(1, 51, 0, 100), own_bound=100) is None
-    assert buckets.shape(SolveShape(1, 30, 0, 300), own_bound=100) is None
+    buckets = Buckets(batch=(1, 4), frames=(30, 50), prompt_frames=(256,), own_frames=(100, 200))
+    assert buckets.shape(SolveShape(3, 31, 20, 200, 40)) == SolveShape(4, 50, 100, 256, 100)
+    # A first chunk keeps at most its own frames: no larger kept buffer than own + chunk.
+    assert buckets.shape(SolveShape(1, 30, 0, 256, 30)) == SolveShape(1, 30, 0, 256, 30)
+    assert buckets.shape(SolveShape(1, 30, 150, 256, 170)) == SolveShape(1, 30, 200, 256, 200)
+    assert buckets.shape(SolveShape(5, 30, 0, 100, 30)) is None
+    assert buckets.shape(SolveShape(1, 51, 0, 100, 30)) is None
+    assert buckets.shape(SolveShape(1, 30, 0, 300, 30)) is None
+    assert buckets.shape(SolveShape(1, 30, 201, 256, 30)) is None
+    assert buckets.shape(SolveShape(1, 30, 100, 256, 201)) is None
 
 
 def test_plan_batches_groups_by_frames_and_bounds_batch_and_prompts() -> None:
@@ -316,16 +346,18 @@ def test_plan_batches_groups_by_frames_and_bounds_batch_and_prompts() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graphs_equal_the_eager_solve() -> None:
-    """Graph replays (fp32 here, to compare tightly) equal eager batched runs on the same device."""
+    """Graph replays (fp32 here, to compare tightly) equal eager batched runs on the same device, with
+    caches trimmed (kept-frame gathers inside the graphs)."""
     device = torch.device("cuda")
     streams = plans()
     results = []
     for graphs in (False, True):
-        flow = DiTFlow(CONFIGS.dit_flow).eval()
+        flow = DiTFlow(TRIMMING).eval()
         randomize(flow, seed=0)
         flow.to(device)
         if graphs:
-            flow.enable_cuda_graphs(Buckets(batch=(4, 8), frames=(20, 40, 80), prompt_frames=(64,)))
+            flow.enable_cuda_graphs(Buckets(batch=(4, 8), frames=(20, 40, 80), prompt_frames=(64,),
+                                            own_frames=(16, 32, 64)))
         voices = [flow.prepare_speaker(make_voice(1, 12)), flow.prepare_speaker(make_voice(2, 7))]
         results.append(batched_mels(flow, voices, streams))
         if graphs:

@@ -35,6 +35,7 @@ import websockets
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import ClientConnection
 
+from realtime.gpu_sampler import GpuFigures, GpuSampler, format_gpus
 from realtime.protocol.core import parse_audio_frame
 
 TEXTS = (
@@ -74,6 +75,7 @@ class LevelResult:
     peak_gpu_memory_gib: float | None = None
     error_codes: dict[str, int] = field(default_factory=dict)
     server: ServerFigures | None = None
+    gpus: list[GpuFigures] = field(default_factory=list)  # per GPU while the level ran (nvidia-smi)
 
 
 @dataclass
@@ -220,7 +222,8 @@ async def run_level(url: str, streams: int, tokens: int, voice: str) -> LevelRes
     http_url = url.replace("ws://", "http://").replace("wss://", "https://").rsplit("/v1/", 1)[0]
     before = await scrape(http_url)
     start = time.perf_counter()
-    results = await run_streams(url, streams, tokens, voice)
+    async with GpuSampler() as gpus:
+        results = await run_streams(url, streams, tokens, voice)
     wall = time.perf_counter() - start
     ok = [r for r in results if r.error is None and not math.isnan(r.total_s)]
     firsts = [r.first_chunk_s * 1000 for r in ok]
@@ -246,6 +249,7 @@ async def run_level(url: str, streams: int, tokens: int, voice: str) -> LevelRes
         peak_gpu_memory_gib=None if peak is None else peak / 2**30,
         error_codes=errors,
         server=ServerFigures.between(before, after) if after else None,
+        gpus=gpus.figures,
     )
 
 
@@ -287,6 +291,8 @@ def format_level(lv: LevelResult) -> list[str]:
             f"{sv.token2wav_batch_ms:.1f} ms each, chunks waited {sv.token2wav_wait_ms:.1f} ms; "
             f"first chunk: tokens at {sv.first_tokens_ms:.0f} ms, audio at {sv.first_chunk_ms:.0f} ms"
         )
+    if lv.gpus:
+        lines.append(f"{'':>7} {format_gpus(lv.gpus)}")
     return lines
 
 

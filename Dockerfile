@@ -25,7 +25,8 @@ RUN python3 -m pip install --no-deps -e . \
  && python3 -m pip install "safetensors>=0.4" "onnx>=1.16" "onnxruntime-gpu>=1.18" "tokenizers>=0.19" \
         "pyyaml>=6" "tqdm>=4.66" "soundfile>=0.12" "huggingface-hub>=0.24" "starlette>=0.37" \
         "uvicorn[standard]>=0.35" "websockets>=14" "uvloop>=0.19" "aiortc>=1.9" "aioice>=0.9,<1" "av>=12" \
-        "httpx>=0.27" "prometheus-client>=0.20" "python-multipart>=0.0.9" "protobuf>=4"
+        "httpx>=0.27" "prometheus-client>=0.20" "python-multipart>=0.0.9" "protobuf>=4" \
+        "wetext>=0.1.8" "inflect>=7"
 
 EXPOSE 8080
 VOLUME ["/models"]

@@ -38,7 +38,8 @@ CPU_PROVIDER = "CPUExecutionProvider"
 
 class VoiceError(CodedError, ValueError):
     """A reference clip or transcript that cannot make a voice; `code` is machine readable:
-    `invalid_audio`, `silent_audio`, `audio_too_short`, `audio_too_long`, `empty_transcript`."""
+    `invalid_audio`, `unsupported_sample_rate`, `silent_audio`, `audio_too_short`, `audio_too_long`,
+    `empty_transcript`."""
 
 
 @dataclass(frozen=True)
@@ -105,10 +106,14 @@ class VoiceEncoder:
             raise VoiceError("empty_transcript", "the transcript of the reference clip is empty")
         samples, rate = self._load(audio, sample_rate)
         self._validate(samples, rate)
-        audio_16k = resample(samples, rate, WHISPER_SAMPLE_RATE)
+        try:
+            audio_16k = resample(samples, rate, WHISPER_SAMPLE_RATE)
+            audio_24k = resample(samples, rate, FLOW_SAMPLE_RATE)
+        except ValueError as exc:  # a rate sharing too small a factor with 16 and 24 kHz
+            raise VoiceError("unsupported_sample_rate", str(exc)) from exc
         tokens = self.speech_tokens(audio_16k)
         embedding = self.speaker_embedding(audio_16k)
-        mel = flow_mel(resample(samples, rate, FLOW_SAMPLE_RATE))
+        mel = flow_mel(audio_24k)
         n = min(mel.shape[0] // TOKEN_MEL_RATIO, tokens.numel())
         if n == 0:
             raise VoiceError("audio_too_short", "the clip yields no speech tokens")

@@ -84,6 +84,13 @@ def test_any_sample_rate_is_accepted(encoder: VoiceEncoder) -> None:
     assert voice.num_tokens == 75
 
 
+def test_a_rate_without_a_usable_common_factor_is_refused_with_a_code(encoder: VoiceEncoder) -> None:
+    # 44099 Hz and 16 kHz share no factor: torchaudio's table would be 16000 × 44133 taps.
+    with pytest.raises(VoiceError) as info:
+        encoder.encode(voiced_clip(seconds=2.0), "text", sample_rate=44099)
+    assert info.value.code == "unsupported_sample_rate"
+
+
 def test_voice_round_trips_through_a_file(encoder: VoiceEncoder, tmp_path: Path) -> None:
     voice = encoder.encode(voiced_clip(), "round trip", sample_rate=RATE)
     voice.save(tmp_path / "v.safetensors")

@@ -47,6 +47,9 @@ _SENTENCE_END = re.compile(
 )
 _CLAUSE_END = re.compile(r"[,:，、：]+(?=\s)|[，、：]+")
 _WORD_END = re.compile(r"\s+")
+# Terminal punctuation at the very end of a buffer, and the start of a new sentence right after it.
+_TRAILING_TERMINAL = re.compile(rf"[.!?;]+[{re.escape(_CLOSERS)}]*$")
+_SENTENCE_START = re.compile(r"[\"'“‘(\[]?[A-Z\u00C0-\u00DE\u0391-\u03A9\u0410-\u042F]")
 _ANY_CHAR = re.compile(".", re.DOTALL)
 
 
@@ -265,9 +268,15 @@ def _is_cjk(char: str) -> bool:
 class StreamingSentenceSplitter:
     """Cuts text that arrives in pieces into sentences as soon as each one is complete.
 
-    `feed` returns the sentences completed by the new piece; `flush` returns what is left. A buffer that
-    grows past `max_chars` without a sentence end is cut at its last clause or word boundary, so a
-    stream without punctuation still produces bounded segments.
+    `feed` returns the sentences completed by the new piece; `flush` returns what is left. A sentence also
+    ends where one piece ends with terminal punctuation and the next starts a new sentence without a
+    space (`"today."` then `"Shall"`: clients that send one sentence per message). A buffer that grows
+    past `max_chars` without a sentence end is cut at its last clause or word boundary, so a stream
+    without punctuation still produces bounded segments.
+
+    Besides whole sentences, the pending text can be cut early (`take_clause`, `take_words`, `take_all`):
+    when to do so is the caller's policy (realtime/input_streaming.py); the splitter only finds the
+    boundaries. Cuts never fall inside an inline tag or a short paired span.
     """
 
     def __init__(self, max_chars: int = 300) -> None:
@@ -275,34 +284,86 @@ class StreamingSentenceSplitter:
             raise ValueError(f"max_chars must be positive, got {max_chars}")
         self.max_chars = max_chars
         self._buffer = ""
+        self._joins: list[int] = []  # sentence ends found where two pieces meet (buffer positions)
 
     @property
     def pending(self) -> str:
         """Text received but not yet returned."""
         return self._buffer
 
+    @property
+    def ends_with_sentence_end(self) -> bool:
+        """Whether the pending text ends in terminal punctuation that nothing has followed yet."""
+        return bool(self._buffer.strip()) and _TRAILING_TERMINAL.search(self._buffer) is not None
+
+    def whole_words(self) -> int:
+        """Words of the pending text followed by whitespace (the last one may still grow)."""
+        return len(_WORD_END.findall(self._buffer.lstrip()))
+
     def feed(self, piece: str) -> list[str]:
+        if (
+            piece
+            and _TRAILING_TERMINAL.search(self._buffer)
+            and _SENTENCE_START.match(piece)
+            and not inside(protected_spans(self._buffer), len(self._buffer))
+        ):
+            self._joins.append(len(self._buffer))
         self._buffer += piece
         sentences: list[str] = []
         while True:
             end = self._complete_sentence_end()
             if end is None:
                 break
-            sentence, self._buffer = self._buffer[:end].strip(), self._buffer[end:]
-            if sentence:
-                sentences.append(sentence)
+            sentences.extend(self._take(end))
         return sentences
 
     def flush(self) -> list[str]:
-        rest, self._buffer = self._buffer.strip(), ""
-        return [rest] if rest else []
+        return self.take_all()
+
+    def take_all(self) -> list[str]:
+        """Everything pending (stripped), as one piece."""
+        return self._take(len(self._buffer))
+
+    def clause_words(self) -> int:
+        """Words of the pending text before its last clause boundary (0 if it has none)."""
+        end = self._last_clause_end()
+        return 0 if end is None else len(self._buffer[:end].split())
+
+    def take_clause(self) -> list[str]:
+        """The pending text up to its last clause boundary (a comma, colon, ... followed by whitespace)."""
+        end = self._last_clause_end()
+        return [] if end is None else self._take(end)
+
+    def _last_clause_end(self) -> int | None:
+        spans = protected_spans(self._buffer)
+        ends = [m.end() for m in _CLAUSE_END.finditer(self._buffer) if not inside(spans, m.end())]
+        return ends[-1] if ends else None
+
+    def take_words(self, max_words: int | None = None) -> list[str]:
+        """The pending text's first `max_words` whole words (all of them if None); the word still
+        growing at the end stays pending."""
+        spans = protected_spans(self._buffer)
+        ends = [m.start() for m in _WORD_END.finditer(self._buffer) if not inside(spans, m.start())]
+        ends = [end for end in ends if self._buffer[:end].strip()]
+        if not ends:
+            return []
+        return self._take(ends[-1] if max_words is None else ends[min(max_words, len(ends)) - 1])
+
+    def _take(self, end: int) -> list[str]:
+        piece, self._buffer = self._buffer[:end].strip(), self._buffer[end:]
+        self._joins = [j - end for j in self._joins if j > end]
+        return [piece] if piece else []
 
     def _complete_sentence_end(self) -> int | None:
         spans = protected_spans(self._buffer)
+        ends = [j for j in self._joins[:1] if j < len(self._buffer)]
         for match in _SENTENCE_END.finditer(self._buffer):
             # A terminal run at the very end may still grow ("?!", a closing quote): wait for one more char.
             if match.end() < len(self._buffer) and not inside(spans, match.end()):
-                return match.end()
+                ends.append(match.end())
+                break
+        if ends:
+            return min(ends)
         if len(self._buffer) > self.max_chars:
             return self._overflow_cut(spans)
         return None

@@ -38,6 +38,7 @@ from realtime.protocol.core import (
     StartContext,
     field_of,
     parse_json_object,
+    streaming_hints,
 )
 
 _ENCODINGS = {"pcm_s16le": Encoding.PCM_S16LE, "pcm_f32le": Encoding.PCM_F32LE, "pcm_mulaw": Encoding.MULAW}
@@ -92,7 +93,14 @@ class CartesiaDialect:
             self._timestamps.add(context_id)
         speed = field_of(message, "speed", (int, float), 1.0)
         return StartContext(
-            context_id, voice=voice_id, sample_rate=rate, encoding=encoding, speed=float(speed)
+            context_id,
+            voice=voice_id,
+            sample_rate=rate,
+            encoding=encoding,
+            speed=float(speed),
+            streaming=streaming_hints(
+                context_id, max_buffer_delay_ms=field_of(message, "max_buffer_delay_ms", int)
+            ),
         )
 
     def encode(self, event: Event) -> list[str | bytes]:

@@ -17,9 +17,17 @@ utterance streams, e.g. one per agent turn) may be open on one socket at once.
   48000; `encoding`: `pcm_s16le` (default), `pcm_f32le` or `mulaw` (G.711 µ-law); `voice` defaults
   to `default`;
   `speed` (0.25–4), `seed` and `fixed_length` (speech tokens per sentence, for tests) are optional.
-- `{"type": "text", "context_id": "c1", "text": "Hello wor"}` appends text. Each sentence is spoken
-  as soon as it is complete (terminal punctuation followed by more text, or a newline); sentences
-  of one context are spoken in order, audio continuous.
+  Input-streaming knobs (optional, see `realtime/input_streaming.py`): `max_buffer_delay_ms` (the
+  longest text waits unspoken, default 3000; 0 speaks each `text` message as it arrives, for clients
+  that send whole sentences), `min_words` (speak as soon as this many whole words are buffered) and
+  `clause_min_words` (the first words of a turn are spoken at a clause boundary once this many came
+  before it, default 5; 0 waits for sentence ends).
+- `{"type": "text", "context_id": "c1", "text": "Hello wor"}` appends text; send an LLM's tokens as they
+  come, each with the whitespace it carries (pieces are joined exactly as sent). Each sentence is
+  spoken as soon as it is complete: terminal punctuation followed by whitespace, by a piece starting
+  a new sentence (`"today."` then `"Shall"`), or by nothing for 150 ms; before the first sentence
+  ends, a long enough first clause is spoken on its own. Sentences of one context are spoken in
+  order, audio continuous.
 - `{"type": "flush", "context_id": "c1"}` speaks whatever is buffered now, even without punctuation.
 - `{"type": "end", "context_id": "c1"}` flushes and closes the context once everything is spoken.
 - `{"type": "cancel", "context_id": "c1"}` stops the context at once (barge-in): synthesis stops
@@ -50,6 +58,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,6 +67,7 @@ from typing import Any, Protocol
 from engines.errors import CodedError
 from engines.text import StreamingSentenceSplitter
 from realtime.audio import MAX_SPEED, MIN_SPEED, SUPPORTED_RATES, Encoding
+from realtime.input_streaming import Cut, InputStreamingDefaults, PendingText, StreamingHints, decide
 from realtime.session import WordTiming
 
 AUDIO_FRAME_KIND = 0x01
@@ -84,6 +94,7 @@ class StartContext:
     speed: float = 1.0
     seed: int | None = None
     fixed_length: int | None = None
+    streaming: StreamingHints = StreamingHints()  # when buffered text is spoken (input_streaming.py)
 
 
 @dataclass(frozen=True)
@@ -166,6 +177,15 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class Wake:
+    """Call `AgentProtocol.wake(context_id)` after `after_s` seconds unless another Wake for the context
+    replaces this one (buffered text waits on a timer)."""
+
+    context_id: str
+    after_s: float
+
+
+@dataclass(frozen=True)
 class Send:
     event: Event
 
@@ -175,7 +195,7 @@ class Close:
     pass
 
 
-Action = Speak | Abort | Send | Close
+Action = Speak | Abort | Wake | Send | Close
 
 
 @dataclass(frozen=True)
@@ -191,6 +211,9 @@ class _Context:
     splitter: StreamingSentenceSplitter
     in_flight: deque[int] = field(default_factory=deque)  # chars of each Speak not yet done
     ending: bool = False
+    oldest_at: float | None = None  # when the oldest text still pending arrived
+    newest_at: float = 0.0  # when the last piece arrived
+    speaks: int = 0
 
     @property
     def pending_chars(self) -> int:
@@ -200,9 +223,17 @@ class _Context:
 class AgentProtocol:
     """Per-socket protocol state: open contexts, their buffered text and what is being spoken."""
 
-    def __init__(self, limits: ProtocolLimits, voice_exists: Callable[[str], bool]) -> None:
+    def __init__(
+        self,
+        limits: ProtocolLimits,
+        voice_exists: Callable[[str], bool],
+        streaming: InputStreamingDefaults | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._limits = limits
         self._voice_exists = voice_exists
+        self._streaming = streaming or InputStreamingDefaults()
+        self._clock = clock
         self._contexts: dict[str, _Context] = {}
 
     def has_context(self, context_id: str) -> bool:
@@ -234,7 +265,14 @@ class AgentProtocol:
                     f"{self._limits.max_pending_chars} characters not yet spoken",
                     command.context_id,
                 )
-            return self._speak(context, context.splitter.feed(command.text))
+            now = self._clock()
+            if not context.splitter.pending.strip():
+                context.oldest_at = now
+            context.newest_at = now
+            sentences = context.splitter.feed(command.text)
+            if sentences:  # what is left arrived with this piece at the earliest
+                context.oldest_at = now if context.splitter.pending.strip() else None
+            return self._pace(context, sentences)
         actions = self._speak(context, context.splitter.flush())
         if isinstance(command, EndContext):
             context.ending = True
@@ -247,7 +285,16 @@ class AgentProtocol:
         if context is None:  # cancelled meanwhile
             return []
         context.in_flight.popleft()
-        return self._finish_if_idle(context)
+        if context.ending:
+            return self._finish_if_idle(context)
+        return self._pace(context, [])  # idle now: a clause may be worth speaking
+
+    def wake(self, context_id: str) -> list[Action]:
+        """A `Wake` timer of `context_id` fired: speak what has waited long enough."""
+        context = self._contexts.get(context_id)
+        if context is None or context.ending:
+            return []
+        return self._pace(context, [])
 
     def speech_failed(self, context_id: str, code: str, message: str) -> list[Action]:
         """A Speak of `context_id` failed: report it and end the context."""
@@ -292,12 +339,42 @@ class AgentProtocol:
             )
         return context
 
+    def _pace(self, context: _Context, sentences: list[str]) -> list[Action]:
+        """Speak `sentences` and whatever of the pending text the input-streaming policy cuts now;
+        a Wake when the policy wants to look again later."""
+        splitter, pieces = context.splitter, list(sentences)
+        take = {Cut.ALL: splitter.take_all, Cut.WORDS: splitter.take_words, Cut.CLAUSE: splitter.take_clause}
+        while True:
+            now = self._clock()
+            pending = PendingText(
+                chars=len("".join(splitter.pending.split())),
+                whole_words=splitter.whole_words(),
+                clause_words=splitter.clause_words(),
+                ends_with_sentence_end=splitter.ends_with_sentence_end,
+                oldest_age_s=now - (context.oldest_at if context.oldest_at is not None else now),
+                newest_age_s=now - context.newest_at,
+                idle=not context.in_flight and not pieces,
+                segments_spoken=context.speaks + bool(pieces),
+            )
+            decision = decide(pending, context.start.streaming, self._streaming)
+            taken = [] if decision.cut is Cut.NOTHING else take[decision.cut]()
+            if not taken:
+                break
+            pieces += taken
+            # What is left waits afresh (a word still growing is not cut off the moment it arrives).
+            context.oldest_at = now if splitter.pending.strip() else None
+        actions = self._speak(context, pieces)
+        if decision.recheck_after_s is not None:
+            actions.append(Wake(context.start.context_id, decision.recheck_after_s))
+        return actions
+
     @staticmethod
     def _speak(context: _Context, sentences: list[str]) -> list[Action]:
         if not sentences:
             return []
         text = " ".join(sentences)
         context.in_flight.append(len(text))
+        context.speaks += 1
         return [Speak(context.start, text)]
 
     def _finish_if_idle(self, context: _Context) -> list[Action]:
@@ -351,6 +428,14 @@ def field_of(
     if not isinstance(value, kind):
         raise ProtocolError("invalid_message", f"'{name}' has the wrong type", context_id)
     return value
+
+
+def streaming_hints(context_id: str | None, **hints: Any) -> StreamingHints:
+    """A client's input-streaming hints, or ProtocolError(invalid_message) naming what is wrong."""
+    try:
+        return StreamingHints(**hints)
+    except ValueError as exc:
+        raise ProtocolError("invalid_message", str(exc), context_id) from None
 
 
 def words_json(words: tuple[WordTiming, ...]) -> list[dict[str, Any]]:
@@ -408,6 +493,12 @@ class NativeDialect:
                     speed=float(field_of(message, "speed", (int, float), 1.0)),
                     seed=field_of(message, "seed", int),
                     fixed_length=field_of(message, "fixed_length", int),
+                    streaming=streaming_hints(
+                        context_id,
+                        max_buffer_delay_ms=field_of(message, "max_buffer_delay_ms", int),
+                        min_words=field_of(message, "min_words", int),
+                        clause_min_words=field_of(message, "clause_min_words", int),
+                    ),
                 )
             ]
         if kind == "text":

@@ -37,6 +37,7 @@ from realtime.protocol.core import (
     Send,
     Speak,
     StartContext,
+    Wake,
 )
 from realtime.protocol.elevenlabs import ElevenLabsDialect
 from realtime.runtime import Runtime
@@ -140,6 +141,7 @@ class _Connection:
             voice_exists=lambda voice: voice in runtime.voices,
         )
         self._runners: dict[str, _ContextRunner] = {}
+        self._wakes: dict[str, asyncio.Task[None]] = {}  # one pending policy timer per context
         self._send_lock = asyncio.Lock()
         self._closed = False
 
@@ -159,6 +161,9 @@ class _Connection:
             pass
         finally:
             self._closed = True
+            for timer in self._wakes.values():
+                timer.cancel()
+            self._wakes.clear()
             await asyncio.gather(*(runner.stop() for runner in self._runners.values()))
             self._runners.clear()
             logger.info("[ws %s] disconnected", self.id)
@@ -179,7 +184,11 @@ class _Connection:
                 if runner is None:
                     runner = self._runners[action.context.context_id] = _ContextRunner(self, action.context)
                 runner.speak(action.text)
+            elif isinstance(action, Wake):
+                self._cancel_wake(action.context_id)
+                self._wakes[action.context_id] = asyncio.create_task(self._wake_later(action))
             elif isinstance(action, Abort):
+                self._cancel_wake(action.context_id)
                 runner = self._runners.pop(action.context_id, None)
                 if runner is not None:
                     await runner.stop()
@@ -188,6 +197,17 @@ class _Connection:
             elif isinstance(action, Close):
                 self._closed = True
                 await self.websocket.close(1000)
+
+    def _cancel_wake(self, context_id: str) -> None:
+        timer = self._wakes.pop(context_id, None)
+        if timer is not None:
+            timer.cancel()
+
+    async def _wake_later(self, wake: Wake) -> None:
+        await asyncio.sleep(wake.after_s)
+        # Leave the table first: the actions may schedule this context's next Wake.
+        self._wakes.pop(wake.context_id, None)
+        await self._execute(self.protocol.wake(wake.context_id))
 
     async def send(self, event: Event) -> None:
         if self._closed and not isinstance(event, ErrorEvent):

@@ -13,6 +13,9 @@ accepted and ignored):
   `{"context_id", "close_context": true}` cancels the context at once (barge-in),
   `{"close_socket": true}` ends every context and the socket.
 
+`language_code` (query parameter, ISO 639-1) is the text's language: cross-lingual synthesis when it
+differs from the voice's.
+
 `output_format` is `pcm_<rate>` (16-bit PCM at 8000, 16000, 22050, 24000, 44100 or 48000) or
 `ulaw_8000`; the default is `pcm_24000` (MP3 formats are refused). Out: `{"audio": base64,
 "isFinal": false, "alignment": {"chars", "charStartTimesMs", "charDurationsMs"}}` per chunk (times
@@ -43,6 +46,7 @@ from realtime.protocol.core import (
     StartContext,
     field_of,
     parse_json_object,
+    style_fields,
 )
 from realtime.session import WordTiming
 
@@ -80,10 +84,12 @@ def char_alignment(words: tuple[WordTiming, ...], chunk_start_s: float) -> dict[
 class ElevenLabsDialect:
     """ElevenLabs' message shapes over the core, for one voice and output format per socket."""
 
-    def __init__(self, voice_id: str, output_format: str, multi_context: bool) -> None:
+    def __init__(self, voice_id: str, output_format: str, multi_context: bool,
+                 language_code: str | None = None) -> None:
         self._voice_id = voice_id
         self._rate, self._encoding = parse_output_format(output_format)
         self._multi = multi_context
+        self._language = style_fields({"language": language_code}, SINGLE_CONTEXT)["language"]
 
     def decode(self, frame: str | bytes, protocol: AgentProtocol) -> list[Command]:
         message = parse_json_object(frame)
@@ -100,7 +106,8 @@ class ElevenLabsDialect:
         if not protocol.has_context(context_id):
             commands.append(
                 StartContext(
-                    context_id, voice=self._voice_id, sample_rate=self._rate, encoding=self._encoding
+                    context_id, voice=self._voice_id, sample_rate=self._rate, encoding=self._encoding,
+                    language=self._language,
                 )
             )
         if text:

@@ -99,7 +99,8 @@ class _ContextRunner:
         start = self._start
         sampling = SamplingParams(seed=start.seed, fixed_length=start.fixed_length)
         return self._connection.runtime.speak(
-            SpeechRequest(text=text, voice=start.voice, speed=start.speed, sampling=sampling)
+            SpeechRequest(text=text, voice=start.voice, speed=start.speed, sampling=sampling,
+                          instructions=start.instructions, language=start.language, mode=start.mode)
         )
 
     async def _send(self, chunk: AudioChunk, resampler: Resampler, offset_s: float) -> None:
@@ -251,6 +252,7 @@ def routes(runtime: Runtime) -> list[BaseRoute]:
                 websocket.path_params["voice_id"],
                 websocket.query_params.get("output_format", "pcm_24000"),
                 multi_context,
+                websocket.query_params.get("language_code"),
             )
 
         return make

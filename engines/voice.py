@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,15 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engines.config import MEL_BINS, SPEAKER_EMBED_DIM, TOKEN_MEL_RATIO
+from engines.normalize import detect_language
 
 VOICE_FORMAT_VERSION = 1
-_CHINESE = re.compile(r"[\u4e00-\u9fff]")
-
-
-def transcript_language(transcript: str) -> str:
-    """The language of a voice's transcript by the reference front end's rule (`contains_chinese`):
-    `zh` when it holds a CJK ideograph, else `en`."""
-    return "zh" if _CHINESE.search(transcript) else "en"
 
 
 @dataclass(frozen=True)
@@ -31,7 +24,8 @@ class VoicePrompt:
     prompt_mel: float32 (2N, 80) log-mel at 24 kHz, 50 Hz, exactly two frames per token.
     prompt_text: the transcript of the reference clip.
     language: the clip's language code (ISO 639-1, `en`); detected from the transcript when not given
-        (`transcript_language`). A request in another language is spoken cross-lingually.
+        (`engines.normalize.detect_language`, the reference front end's rule). A request in another
+        language is spoken cross-lingually.
     """
 
     prompt_text: str
@@ -42,7 +36,7 @@ class VoicePrompt:
 
     def __post_init__(self) -> None:
         if not self.language:
-            object.__setattr__(self, "language", transcript_language(self.prompt_text))
+            object.__setattr__(self, "language", detect_language(self.prompt_text))
         if self.speech_tokens.dim() != 1 or self.speech_tokens.dtype != torch.int64:
             raise ValueError(f"speech_tokens must be int64 (N,), got {self.speech_tokens.dtype} "
                              f"{tuple(self.speech_tokens.shape)}")

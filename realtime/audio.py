@@ -23,16 +23,23 @@ from av.audio.stream import AudioStream
 from engines.config import SAMPLE_RATE
 from engines.resample import KAISER_BEST, SincResampler
 
-SUPPORTED_RATES = (8000, 16000, 22050, 24000, 44100, 48000)
+SUPPORTED_RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
 _TIME_BASE = fractions.Fraction(1, SAMPLE_RATE)
 
 
 class Encoding(enum.Enum):
-    """Raw sample encodings of the websocket protocol."""
+    """Audio encodings of the websocket protocols: raw samples (one chunk decodes on its own) and the
+    compressed streams (MP3 frames, Ogg Opus pages) whose chunks are consecutive pieces of one file."""
 
     PCM_S16LE = "pcm_s16le"
     PCM_F32LE = "pcm_f32le"
     MULAW = "mulaw"
+    ALAW = "alaw"
+    MP3 = "mp3"
+    OPUS = "opus"
+
+
+RAW_ENCODINGS = (Encoding.PCM_S16LE, Encoding.PCM_F32LE, Encoding.MULAW, Encoding.ALAW)
 
 
 def _frame(pcm: np.ndarray, rate: int) -> av.AudioFrame:
@@ -159,12 +166,28 @@ def decode_mulaw(data: bytes) -> np.ndarray:
     return (np.where(codes & 0x80, -magnitude, magnitude) / 32768.0).astype(np.float32)
 
 
+def encode_alaw(pcm: np.ndarray) -> bytes:
+    """G.711 A-law bytes of float32 samples (segment search on the 13-bit magnitude, as g711.c)."""
+    samples = to_pcm16(pcm).astype(np.int32) >> 3
+    negative = samples < 0
+    magnitude = np.minimum(np.where(negative, -samples - 1, samples), 0xFFF)
+    segment = np.maximum(np.floor(np.log2(np.maximum(magnitude, 1))).astype(np.int32) - 4, 0)
+    mantissa = np.where(segment == 0, magnitude >> 1, magnitude >> segment) & 0x0F
+    code = (segment << 4) | mantissa
+    return (code ^ np.where(negative, 0x55, 0xD5)).astype(np.uint8).tobytes()
+
+
 def encode_samples(pcm: np.ndarray, encoding: Encoding) -> bytes:
+    """Raw samples in one of `RAW_ENCODINGS` (the compressed ones need a `chunk_encoder`)."""
     if encoding is Encoding.PCM_S16LE:
         return encode_pcm_s16le(pcm)
     if encoding is Encoding.PCM_F32LE:
         return np.clip(pcm, -1.0, 1.0).astype("<f4").tobytes()
-    return encode_mulaw(pcm)
+    if encoding is Encoding.MULAW:
+        return encode_mulaw(pcm)
+    if encoding is Encoding.ALAW:
+        return encode_alaw(pcm)
+    raise ValueError(f"{encoding.value} is not a raw sample encoding")
 
 
 class StreamEncoder(abc.ABC):
@@ -240,7 +263,8 @@ class _Sink:
 
 
 class CodecStreamEncoder(StreamEncoder):
-    """Opus (in Ogg), MP3 or FLAC through libav, muxed incrementally."""
+    """Opus (in Ogg), MP3 or FLAC through libav, muxed incrementally. Input: float32 mono at
+    `sample_rate` (24 kHz unless the caller resampled); `bit_rate` in bits/s, or the codec's default."""
 
     _FORMATS = {
         "opus": ("ogg", "libopus", "audio/ogg"),
@@ -248,32 +272,51 @@ class CodecStreamEncoder(StreamEncoder):
         "flac": ("flac", "flac", "audio/flac"),
     }
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, sample_rate: int = SAMPLE_RATE, bit_rate: int | None = None) -> None:
         if kind not in self._FORMATS:
             raise ValueError(f"unknown codec format {kind!r}; expected one of {sorted(self._FORMATS)}")
         container_format, codec, self.content_type = self._FORMATS[kind]
+        self.kind = kind
+        self._rate = sample_rate
         self._sink = _Sink()
-        self._container = av.open(self._sink, mode="w", format=container_format)
-        stream = self._container.add_stream(codec, rate=SAMPLE_RATE, layout="mono")
+        # MP3 without an ID3 tag or Xing frame: bare frames, so streams concatenate into one valid stream.
+        # Ogg pages of one packet each: a streamed chunk is not held back for a fuller page.
+        options = (
+            {"id3v2_version": "0", "write_xing": "0"}
+            if kind == "mp3"
+            else {"page_duration": "20000"}
+            if kind == "opus"
+            else {}
+        )
+        self._container = av.open(self._sink, mode="w", format=container_format, options=options)
+        stream = self._container.add_stream(codec, rate=sample_rate, layout="mono")
         assert isinstance(stream, AudioStream)
+        if bit_rate is not None:
+            stream.codec_context.bit_rate = bit_rate
         self._stream = stream
         # Opening the codec now fixes its sample format and frame size (samples per encoded frame).
         self._container.start_encoding()
         context = self._stream.codec_context
-        self._resampler = av.AudioResampler(format=context.format.name, layout="mono", rate=SAMPLE_RATE)
+        self._resampler = av.AudioResampler(format=context.format.name, layout="mono", rate=sample_rate)
         self._fifo = AudioFifo()
-        self._frame_size = context.frame_size or SAMPLE_RATE // 50
+        self._frame_size = context.frame_size or sample_rate // 50
         self._pts = 0
 
     def encode(self, pcm: np.ndarray) -> bytes:
         if pcm.size:
-            frame = _frame(pcm, SAMPLE_RATE)
+            frame = _frame(pcm, self._rate)
             frame.pts = self._pts
             self._pts += pcm.size
             for converted in self._resampler.resample(frame):
                 self._fifo.write(converted)
             self._drain_fifo(partial=False)
         return self._sink.take()
+
+    def pad_frame(self) -> bytes:
+        """Silence up to the next whole codec frame and one frame more, so every sample so far is encoded
+        and muxed (the codec's look-ahead and the muxer each hold back one frame); the stream goes on."""
+        missing = -self._fifo.samples % self._frame_size + self._frame_size
+        return self.encode(np.zeros(missing, dtype=np.float32))
 
     def finish(self) -> bytes:
         for converted in self._resampler.resample(None):
@@ -293,6 +336,29 @@ class CodecStreamEncoder(StreamEncoder):
     def _mux(self, frame: av.AudioFrame | None) -> None:
         for packet in self._stream.encode(frame):
             self._container.mux(packet)
+
+
+class RawChunkEncoder(StreamEncoder):
+    """Raw samples in one of `RAW_ENCODINGS`; nothing is held back."""
+
+    def __init__(self, encoding: Encoding) -> None:
+        self._encoding = encoding
+        self.content_type = "audio/pcm"
+
+    def encode(self, pcm: np.ndarray) -> bytes:
+        return encode_samples(pcm, self._encoding)
+
+    def finish(self) -> bytes:
+        return b""
+
+
+def chunk_encoder(encoding: Encoding, sample_rate: int, bit_rate: int | None = None) -> StreamEncoder:
+    """The encoder of one utterance's chunks: float32 mono at `sample_rate` in, `encoding` out."""
+    if encoding is Encoding.MP3:
+        return CodecStreamEncoder("mp3", sample_rate, bit_rate)
+    if encoding is Encoding.OPUS:
+        return CodecStreamEncoder("opus", sample_rate, bit_rate)
+    return RawChunkEncoder(encoding)
 
 
 def make_stream_encoder(response_format: str) -> StreamEncoder:

@@ -41,7 +41,6 @@ class VoiceInfo:
     voice_id: str
     prompt_seconds: float
     builtin: bool
-    language: str  # ISO 639 code of its clip (cross-lingual synthesis for text in another)
 
 
 class VoiceRegistry:
@@ -81,8 +80,7 @@ class VoiceRegistry:
 
     def info(self, voice_id: str) -> VoiceInfo:
         prompt = self.get(voice_id)
-        return VoiceInfo(voice_id, prompt.num_tokens / TOKEN_RATE_HZ, voice_id == DEFAULT_VOICE,
-                         prompt.language)
+        return VoiceInfo(voice_id, prompt.num_tokens / TOKEN_RATE_HZ, voice_id == DEFAULT_VOICE)
 
     def list(self) -> list[VoiceInfo]:
         return [self.info(voice_id) for voice_id in sorted(self._voices)]

@@ -7,12 +7,8 @@ accepted and ignored. What is mapped:
 - A generation request `{"context_id", "transcript", "voice": {"mode": "id", "id"}, "output_format":
   {"container": "raw", "encoding": "pcm_s16le" | "pcm_f32le" | "pcm_mulaw", "sample_rate"},
   "continue", "add_timestamps", "flush"?, "model_id", "language"}` opens the context on its first
-  input (voice, format and language come from it; `model_id` is ignored), appends `transcript`,
+  input (voice and format come from it; `model_id` and `language` are ignored), appends `transcript`,
   speaks what is buffered on `"flush": true`, and ends the context on `"continue": false` (the default).
-  `language` other than the voice's speaks cross-lingually. An emotion (`generation_config.emotion`,
-  or sonic-2's `voice.__experimental_controls.emotion` list of `name:level`) that CosyVoice2 was
-  instructed with (anger, positivity, sadness and their sonic-3 names, `EMOTION_INSTRUCTIONS`) becomes
-  an instruct2 instruction; other emotions and the levels are ignored.
 - `{"context_id", "cancel": true}` cancels the context.
 - Out: `{"type": "chunk", "data": base64 audio, "done": false, "status_code": 206, "step_time",
   "context_id"}`; with `add_timestamps`, `{"type": "timestamps", "word_timestamps": {"words", "start",
@@ -43,31 +39,10 @@ from realtime.protocol.core import (
     field_of,
     parse_json_object,
     streaming_hints,
-    style_fields,
 )
 
 _ENCODINGS = {"pcm_s16le": Encoding.PCM_S16LE, "pcm_f32le": Encoding.PCM_F32LE, "pcm_mulaw": Encoding.MULAW}
 _STATUS_FOR_CODE = {"busy": 429, "internal_error": 500}
-# Cartesia emotion names → the reference's instruct2 wording for that emotion (cosyvoice/utils/common.py).
-_HAPPY, _SAD, _ANGRY = "请非常开心地说一句话。", "请非常伤心地说一句话。", "请非常生气地说一句话。"
-EMOTION_INSTRUCTIONS = {
-    "positivity": _HAPPY, "happy": _HAPPY, "excited": _HAPPY, "joyful": _HAPPY, "enthusiastic": _HAPPY,
-    "sadness": _SAD, "sad": _SAD, "melancholic": _SAD, "disappointed": _SAD,
-    "anger": _ANGRY, "angry": _ANGRY, "mad": _ANGRY, "frustrated": _ANGRY,
-}
-
-
-def emotion_instruction(message: dict[str, Any], voice: dict[str, Any]) -> str | None:
-    """The instruction for the first emotion of `message` that CosyVoice2 knows, if any."""
-    generation = message.get("generation_config")
-    names: list[Any] = [generation.get("emotion")] if isinstance(generation, dict) else []
-    controls = voice.get("__experimental_controls")
-    if isinstance(controls, dict) and isinstance(controls.get("emotion"), list):
-        names += controls["emotion"]
-    for name in names:
-        if isinstance(name, str) and name.split(":")[0].strip().lower() in EMOTION_INSTRUCTIONS:
-            return EMOTION_INSTRUCTIONS[name.split(":")[0].strip().lower()]
-    return None
 
 
 class CartesiaDialect:
@@ -117,7 +92,6 @@ class CartesiaDialect:
         if field_of(message, "add_timestamps", bool, False):
             self._timestamps.add(context_id)
         speed = field_of(message, "speed", (int, float), 1.0)
-        style = style_fields({"language": message.get("language"), "context_id": context_id}, context_id)
         return StartContext(
             context_id,
             voice=voice_id,
@@ -127,8 +101,6 @@ class CartesiaDialect:
             streaming=streaming_hints(
                 context_id, max_buffer_delay_ms=field_of(message, "max_buffer_delay_ms", int)
             ),
-            language=style["language"],
-            instructions=emotion_instruction(message, voice),
         )
 
     def encode(self, event: Event) -> list[str | bytes]:

@@ -16,10 +16,7 @@ utterance streams, e.g. one per agent turn) may be open on one socket at once.
   of letters, digits, `_`, `-`, `.`; `sample_rate`: 8000, 16000, 22050, 24000 (default), 44100 or
   48000; `encoding`: `pcm_s16le` (default), `pcm_f32le` or `mulaw` (G.711 µ-law); `voice` defaults
   to `default`;
-  `speed` (0.25–4), `seed` and `fixed_length` (speech tokens per sentence, for tests) are optional;
-  so are `instructions` (a style in words, e.g. "Speak slowly and sadly.": the instruct2 mode),
-  `language` (ISO 639 code of the text: cross-lingual when it differs from the voice's) and `mode`
-  (`zero_shot`, `cross_lingual` or `instruct2`, to choose explicitly). See README "Modes".
+  `speed` (0.25–4), `seed` and `fixed_length` (speech tokens per sentence, for tests) are optional.
   Input-streaming knobs (optional, see `realtime/input_streaming.py`): `max_buffer_delay_ms` (the
   longest text waits unspoken, default 3000; 0 speaks each `text` message as it arrives, for clients
   that send whole sentences), `min_words` (speak as soon as this many whole words are buffered) and
@@ -68,13 +65,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engines.errors import CodedError
-from engines.llm.base import PromptMode
 from engines.text import StreamingSentenceSplitter
 from realtime.audio import MAX_SPEED, MIN_SPEED, SUPPORTED_RATES, Encoding
 from realtime.input_streaming import Cut, InputStreamingDefaults, PendingText, StreamingHints, decide
-from realtime.session import ServiceError, WordTiming, language_code
+from realtime.session import WordTiming
 
 AUDIO_FRAME_KIND = 0x01
+_NATIVE_ENCODINGS = {e.value: e for e in (Encoding.PCM_S16LE, Encoding.PCM_F32LE, Encoding.MULAW)}
 _CONTEXT_ID = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
@@ -99,9 +96,7 @@ class StartContext:
     seed: int | None = None
     fixed_length: int | None = None
     streaming: StreamingHints = StreamingHints()  # when buffered text is spoken (input_streaming.py)
-    instructions: str | None = None
-    language: str | None = None  # primary subtag, lower case (`style_fields` checks it)
-    mode: PromptMode | None = None
+    bit_rate: int | None = None  # bits/s of a compressed encoding (MP3, Opus); None: the codec's default
 
 
 @dataclass(frozen=True)
@@ -121,16 +116,27 @@ class EndContext:
 
 
 @dataclass(frozen=True)
+class CloseContext:
+    """No more input: text already handed to synthesis is spoken to the end, text still buffered is
+    dropped, then the context is done. Closing a context that is already closing cancels it."""
+
+    context_id: str
+
+
+@dataclass(frozen=True)
 class CancelContext:
     context_id: str
 
 
 @dataclass(frozen=True)
 class CloseSocket:
-    pass
+    """Close the socket. At once (every context cancelled), or with `drain`: every context closes as
+    `CloseContext` does and the socket closes once the last one is done."""
+
+    drain: bool = False
 
 
-Command = StartContext | AppendText | Flush | EndContext | CancelContext | CloseSocket
+Command = StartContext | AppendText | Flush | EndContext | CloseContext | CancelContext | CloseSocket
 
 
 # -- events (what the client is told, dialect-neutral) --------------------------------------------
@@ -242,6 +248,7 @@ class AgentProtocol:
         self._streaming = streaming or InputStreamingDefaults()
         self._clock = clock
         self._contexts: dict[str, _Context] = {}
+        self._draining = False  # a draining CloseSocket: close once the last context is done
 
     def has_context(self, context_id: str) -> bool:
         return context_id in self._contexts
@@ -249,15 +256,16 @@ class AgentProtocol:
     def handle(self, command: Command) -> list[Action]:
         """The actions one client command calls for; refusals raise ProtocolError."""
         if isinstance(command, CloseSocket):
-            aborts: list[Action] = [Abort(cid) for cid in self._contexts]
-            self._contexts.clear()
-            return [*aborts, Close()]
+            return self._close_socket(command.drain)
+        if self._draining:
+            raise ProtocolError("socket_closing", "the socket is closing; no new input is accepted")
         if isinstance(command, StartContext):
             return self._start(command)
         context = self._context(command.context_id)
         if isinstance(command, CancelContext):
-            del self._contexts[command.context_id]
-            return [Abort(command.context_id), Send(ContextDone(command.context_id, cancelled=True))]
+            return self._cancel(command.context_id)
+        if isinstance(command, CloseContext):
+            return self._close_context(context)
         if context.ending:
             raise ProtocolError(
                 "context_ended",
@@ -307,7 +315,36 @@ class AgentProtocol:
         """A Speak of `context_id` failed: report it and end the context."""
         if self._contexts.pop(context_id, None) is None:
             return []
-        return [Abort(context_id), Send(ErrorEvent(code, message, context_id))]
+        return [Abort(context_id), Send(ErrorEvent(code, message, context_id)), *self._close_if_drained()]
+
+    def _cancel(self, context_id: str) -> list[Action]:
+        del self._contexts[context_id]
+        return [Abort(context_id), Send(ContextDone(context_id, cancelled=True)), *self._close_if_drained()]
+
+    def _close_context(self, context: _Context) -> list[Action]:
+        if context.ending:
+            return self._cancel(context.start.context_id)
+        context.splitter.flush()  # dropped: never flushed
+        context.ending = True
+        return self._finish_if_idle(context)
+
+    def _close_socket(self, drain: bool) -> list[Action]:
+        if not drain:
+            aborts: list[Action] = [Abort(cid) for cid in self._contexts]
+            self._contexts.clear()
+            return [*aborts, Close()]
+        self._draining = True
+        actions: list[Action] = []
+        for context in list(self._contexts.values()):
+            if not context.ending:
+                actions.extend(self._close_context(context))
+        return actions + self._close_if_drained()
+
+    def _close_if_drained(self) -> list[Action]:
+        if self._draining and not self._contexts:
+            self._draining = False
+            return [Close()]
+        return []
 
     def _start(self, command: StartContext) -> list[Action]:
         cid = command.context_id
@@ -387,7 +424,7 @@ class AgentProtocol:
     def _finish_if_idle(self, context: _Context) -> list[Action]:
         if context.ending and not context.in_flight:
             del self._contexts[context.start.context_id]
-            return [Send(ContextDone(context.start.context_id, cancelled=False))]
+            return [Send(ContextDone(context.start.context_id, cancelled=False)), *self._close_if_drained()]
         return []
 
 
@@ -445,23 +482,6 @@ def streaming_hints(context_id: str | None, **hints: Any) -> StreamingHints:
         raise ProtocolError("invalid_message", str(exc), context_id) from None
 
 
-def style_fields(message: dict[str, Any], context_id: str) -> dict[str, Any]:
-    """`StartContext`'s `instructions`, `language` and `mode` from a start message (absent: None);
-    ProtocolError (`invalid_message`, `invalid_language`, `invalid_mode`) for bad values."""
-    language = field_of(message, "language", str)
-    mode = field_of(message, "mode", str)
-    try:
-        parsed_mode = PromptMode(mode) if mode is not None else None
-    except ValueError:
-        modes = ", ".join(m.value for m in PromptMode)
-        raise ProtocolError("invalid_mode", f"mode must be one of {modes}", context_id) from None
-    try:
-        code = language_code(language) if language is not None else None
-    except ServiceError as exc:
-        raise ProtocolError(exc.code, exc.message, context_id) from None
-    return {"instructions": field_of(message, "instructions", str), "language": code, "mode": parsed_mode}
-
-
 def words_json(words: tuple[WordTiming, ...]) -> list[dict[str, Any]]:
     return [
         {"word": w.word, "start_s": round(w.start_s, 3), "end_s": round(w.end_s, 3), "estimated": w.estimated}
@@ -501,8 +521,8 @@ class NativeDialect:
         if kind == "start":
             encoding = field_of(message, "encoding", str, "pcm_s16le")
             try:
-                parsed_encoding = Encoding(encoding)
-            except ValueError:
+                parsed_encoding = _NATIVE_ENCODINGS[encoding]
+            except KeyError:
                 raise ProtocolError(
                     "unsupported_encoding",
                     f"encoding {encoding!r} is not supported; use pcm_s16le, pcm_f32le or mulaw",
@@ -523,7 +543,6 @@ class NativeDialect:
                         min_words=field_of(message, "min_words", int),
                         clause_min_words=field_of(message, "clause_min_words", int),
                     ),
-                    **style_fields(message, context_id),
                 )
             ]
         if kind == "text":

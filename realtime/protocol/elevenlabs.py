@@ -1,26 +1,38 @@
 """A dialect of the agents' protocol that speaks ElevenLabs' text-to-speech websockets.
 
 Both endpoints are served at ElevenLabs' paths, so clients pointed at `ws://HOST:PORT` instead of
-`wss://api.elevenlabs.io` work (`model_id`, `xi_api_key`, voice settings and generation config are
-accepted and ignored):
+`wss://api.elevenlabs.io` work. `model_id`, `xi_api_key`/`authorization`, `voice_settings` other than
+`speed`, `sync_alignment` (alignment is always sent), `inactivity_timeout`, `enable_logging`,
+`language_code` and the normalisation switches are accepted and ignored.
 
-- `/v1/text-to-speech/{voice_id}/stream-input?output_format=pcm_24000`: one utterance per socket.
-  Every `{"text": ...}` appends text (the first one, usually `" "`, opens the stream);
-  `"flush": true` speaks what is buffered; `{"text": ""}` ends the input.
-- `/v1/text-to-speech/{voice_id}/multi-stream-input?output_format=...`: several contexts, each
-  message naming its `context_id` (a missing one means `default`). `{"text", "context_id"}`
-  appends (an empty text keeps a context alive), `"flush": true` speaks the buffer,
-  `{"context_id", "close_context": true}` cancels the context at once (barge-in),
-  `{"close_socket": true}` ends every context and the socket.
+- `/v1/text-to-speech/{voice_id}/stream-input`: one utterance per socket. The first message (usually
+  `{"text": " ", "voice_settings": ..., "generation_config": ...}`) opens it; every `{"text": ...}`
+  appends; `"flush": true` speaks what is buffered; `{"text": ""}` ends the input: everything buffered
+  is spoken, `{"isFinal": true}` follows the last audio and the server closes the socket (1000).
+- `/v1/text-to-speech/{voice_id}/multi-stream-input`: several contexts, each message naming its
+  `context_id` (a missing one means `default`). A message with text for an unknown context opens it;
+  `{"text": "", "context_id"}` (or `{"text": ""}` alone) is a keep-alive and opens nothing;
+  `"flush": true` speaks the context's buffer; `{"context_id", "close_context": true}` closes the
+  context: text already flushed (or already being spoken) is spoken to the end and then `isFinal`
+  is sent, text never flushed is dropped; closing a context that is already closing cancels it at
+  once (barge-in). `{"close_socket": true}` closes every context that way and then the socket.
 
-`language_code` (query parameter, ISO 639-1) is the text's language: cross-lingual synthesis when it
-differs from the voice's.
+When buffered text is spoken is the protocol core's input-streaming policy
+(`realtime/input_streaming.py`), with ElevenLabs' hints mapped onto it: `flush` speaks the context's
+buffer now; `auto_mode=true` (URL parameter: the client sends whole phrases) speaks every message as
+it arrives (`max_buffer_delay_ms` 0); `generation_config.chunk_length_schedule` is the policy's
+character schedule (the k-th segment waits for `schedule[k]` characters, whole words only);
+`try_trigger_generation` asks for that schedule's threshold to be tried now, which the policy does
+on every message anyway. Without hints the server's defaults apply (sentences as soon as they end,
+a first clause early, nothing held longer than a few seconds). `voice_settings.speed` sets the speed.
 
-`output_format` is `pcm_<rate>` (16-bit PCM at 8000, 16000, 22050, 24000, 44100 or 48000) or
-`ulaw_8000`; the default is `pcm_24000` (MP3 formats are refused). Out: `{"audio": base64,
-"isFinal": false, "alignment": {"chars", "charStartTimesMs", "charDurationsMs"}}` per chunk (times
-relative to the chunk, as ElevenLabs sends them), then `{"audio": null, "isFinal": true}` when the
-stream is done; on the multi-context endpoint each message also carries `contextId`. Errors:
+`output_format` (URL parameter, default `mp3_44100_128`): `pcm_<rate>` (16-bit PCM at 8000, 16000,
+22050, 24000, 32000, 44100 or 48000 Hz), `ulaw_8000`, `alaw_8000`, `mp3_<rate>_<kbps>` and
+`opus_48000_<kbps>` (Ogg Opus). Out, per audio chunk: `{"audio": base64, "alignment": {"chars",
+"charStartTimesMs", "charDurationsMs"}, "normalizedAlignment": (the same)}`: the characters spoken
+in this chunk, a space before every word but the first, times in ms from the chunk's start, each
+chunk's characters covering its audio; then `{"audio": null, "isFinal": true}` when the context is
+done. On the multi-context endpoint every message also carries `contextId`. Errors:
 `{"error": code, "message": sentence}` (with `contextId` where it applies).
 """
 
@@ -28,14 +40,16 @@ from __future__ import annotations
 
 import base64
 import json
+from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
-from realtime.audio import Encoding
+from realtime.audio import SUPPORTED_RATES, Encoding
 from realtime.protocol.core import (
     AgentProtocol,
     AppendText,
     AudioOut,
-    CancelContext,
+    CloseContext,
     CloseSocket,
     Command,
     ContextDone,
@@ -46,86 +60,176 @@ from realtime.protocol.core import (
     StartContext,
     field_of,
     parse_json_object,
-    style_fields,
+    streaming_hints,
 )
 from realtime.session import WordTiming
 
 SINGLE_CONTEXT = "default"
+DEFAULT_OUTPUT_FORMAT = "mp3_44100_128"
+_MP3_KBPS = range(8, 321)
+_OPUS_KBPS = range(6, 257)
 
 
-def parse_output_format(output_format: str) -> tuple[int, Encoding]:
-    """(sample rate, encoding) of an ElevenLabs `output_format`; ProtocolError for the ones we lack."""
-    kind, _, rate = output_format.partition("_")
-    if kind == "pcm" and rate.isdigit():
-        return int(rate), Encoding.PCM_S16LE
-    if output_format == "ulaw_8000":
-        return 8000, Encoding.MULAW
+@dataclass(frozen=True)
+class OutputFormat:
+    """One ElevenLabs `output_format`: what the chunks are encoded as."""
+
+    name: str
+    sample_rate: int
+    encoding: Encoding
+    bit_rate: int | None  # bits/s of MP3 or Opus
+    content_type: str
+
+
+def parse_output_format(name: str) -> OutputFormat:
+    """The `OutputFormat` of an ElevenLabs `output_format`; ProtocolError for the ones we lack."""
+    kind, _, rest = name.partition("_")
+    rate_text, _, kbps_text = rest.partition("_")
+    rate = int(rate_text) if rate_text.isdigit() else 0
+    kbps = int(kbps_text) if kbps_text.isdigit() else None
+    if kind == "pcm" and rate in SUPPORTED_RATES and not kbps_text:
+        return OutputFormat(name, rate, Encoding.PCM_S16LE, None, "audio/pcm")
+    if name == "ulaw_8000":
+        return OutputFormat(name, 8000, Encoding.MULAW, None, "audio/basic")
+    if name == "alaw_8000":
+        return OutputFormat(name, 8000, Encoding.ALAW, None, "audio/x-alaw-basic")
+    if kind == "mp3" and rate in SUPPORTED_RATES and (not kbps_text or kbps in _MP3_KBPS):
+        return OutputFormat(name, rate, Encoding.MP3, (kbps or 128) * 1000, "audio/mpeg")
+    if kind == "opus" and rate == 48000 and kbps in _OPUS_KBPS:
+        return OutputFormat(name, rate, Encoding.OPUS, (kbps or 64) * 1000, "audio/ogg")
     raise ProtocolError(
-        "unsupported_encoding",
-        f"output_format {output_format!r} is not supported; use pcm_<rate> or ulaw_8000",
+        "unsupported_output_format",
+        f"output_format {name!r} is not supported; use pcm_<rate>, ulaw_8000, alaw_8000, "
+        "mp3_<rate>_<kbps> or opus_48000_<kbps>",
     )
 
 
-def char_alignment(words: tuple[WordTiming, ...], chunk_start_s: float) -> dict[str, list[Any]]:
-    """Character timings (ms from the chunk start) spread evenly over each word, a space between words."""
-    chars: list[str] = []
-    starts: list[int] = []
-    durations: list[int] = []
-    for index, word in enumerate(words):
-        text = word.word if index == 0 else " " + word.word
-        step = (word.end_s - word.start_s) / max(len(text), 1)
-        for position, char in enumerate(text):
-            chars.append(char)
-            starts.append(round((word.start_s - chunk_start_s + position * step) * 1000))
-            durations.append(round(step * 1000))
-    return {"chars": chars, "charStartTimesMs": starts, "charDurationsMs": durations}
+class CharAligner:
+    """ElevenLabs' character alignment of one context's chunks, from the words the session timed.
+
+    Each word's characters are spread evenly over the word, a space (spanning the pause) goes before
+    every word but the first, and every character is reported in the chunk where it starts, with
+    times relative to that chunk. A word timed before the chunk it arrives with starts at 0 (never a
+    negative time). Every chunk's characters cover its audio exactly (the last one lasts to the
+    chunk's end; a chunk where nothing starts gets a space, or the next character of a word spoken
+    across it), so a client that advances its clock by each chunk's alignment stays in step.
+    """
+
+    def __init__(self) -> None:
+        self._pending: deque[tuple[str, float]] = deque()  # (char, start seconds), not yet reported
+        self._words = 0
+        self._last_word_end = 0.0
+        self._last_char = ""
+
+    def chunk(
+        self, words: tuple[WordTiming, ...], start_s: float, duration_s: float, final: bool
+    ) -> dict[str, Any]:
+        for word in words:
+            if self._words:
+                self._pending.append((" ", min(self._last_word_end, word.start_s)))
+            step = (word.end_s - word.start_s) / max(len(word.word), 1)
+            self._pending.extend((char, word.start_s + i * step) for i, char in enumerate(word.word))
+            self._last_word_end = word.end_s
+            self._words += 1
+        end_s = start_s + duration_s
+        taken: list[tuple[str, float]] = []
+        while self._pending and (final or self._pending[0][1] < end_s):
+            taken.append(self._pending.popleft())
+        if not taken:
+            if self._pending and self._last_char not in ("", " "):
+                taken.append(self._pending.popleft())  # the next letter of a word spoken across the chunk
+            else:
+                taken.append((" ", start_s))
+                if self._pending and self._pending[0][0] == " ":
+                    self._pending.popleft()  # the word's leading space is this one
+        duration_ms = round(duration_s * 1000)
+        starts: list[int] = []
+        for _, char_start in taken:
+            relative = min(max(round((char_start - start_s) * 1000), 0), duration_ms)
+            starts.append(max(relative, starts[-1]) if starts else relative)
+        durations = [b - a for a, b in zip(starts, [*starts[1:], duration_ms], strict=True)]
+        self._last_char = taken[-1][0]
+        return {"chars": [c for c, _ in taken], "charStartTimesMs": starts, "charDurationsMs": durations}
 
 
 class ElevenLabsDialect:
     """ElevenLabs' message shapes over the core, for one voice and output format per socket."""
 
-    def __init__(self, voice_id: str, output_format: str, multi_context: bool,
-                 language_code: str | None = None) -> None:
+    def __init__(
+        self, voice_id: str, output_format: str, multi_context: bool, auto_mode: bool = False
+    ) -> None:
         self._voice_id = voice_id
-        self._rate, self._encoding = parse_output_format(output_format)
+        self._format = parse_output_format(output_format)
         self._multi = multi_context
-        self._language = style_fields({"language": language_code}, SINGLE_CONTEXT)["language"]
+        self._auto_mode = auto_mode
+        self._aligners: dict[str, CharAligner] = {}  # per context, until it is done
 
     def decode(self, frame: str | bytes, protocol: AgentProtocol) -> list[Command]:
         message = parse_json_object(frame)
         if self._multi and field_of(message, "close_socket", bool, False):
-            return [CloseSocket()]
+            return [CloseSocket(drain=True)]
         context_id = field_of(message, "context_id", str, SINGLE_CONTEXT) if self._multi else SINGLE_CONTEXT
+        exists = protocol.has_context(context_id)
         if self._multi and field_of(message, "close_context", bool, False):
-            return [CancelContext(context_id)]
+            return [CloseContext(context_id)] if exists else []
         text = field_of(message, "text", str, None)
         flush = field_of(message, "flush", bool, False)
         if text is None and not flush:
             raise ProtocolError("invalid_message", "a message needs 'text' (or 'flush')", context_id)
-        commands: list[Command] = []
-        if not protocol.has_context(context_id):
-            commands.append(
-                StartContext(
-                    context_id, voice=self._voice_id, sample_rate=self._rate, encoding=self._encoding,
-                    language=self._language,
-                )
-            )
-        if text:
-            commands.append(AppendText(context_id, text))
+        if not self._multi and text == "":  # end of input
+            return [EndContext(context_id), CloseSocket(drain=True)] if exists else [CloseSocket(drain=True)]
+        if not text:  # a keep-alive, or a flush of what is buffered
+            return [Flush(context_id)] if flush and exists else []
+        commands: list[Command] = [] if exists else [self._start(context_id, message)]
+        commands.append(AppendText(context_id, text))
         if flush:
             commands.append(Flush(context_id))
-        if text == "" and not self._multi:
-            commands.append(EndContext(context_id))
         return commands
+
+    def _start(self, context_id: str, message: dict[str, Any]) -> StartContext:
+        settings = field_of(message, "voice_settings", dict, {})
+        speed = settings.get("speed")
+        if isinstance(speed, bool) or not isinstance(speed, int | float | None):
+            raise ProtocolError("invalid_message", "'voice_settings.speed' must be a number", context_id)
+        config = field_of(message, "generation_config", dict, {})
+        schedule = config.get("chunk_length_schedule")
+        if schedule is not None and (
+            not isinstance(schedule, list)
+            or not schedule
+            or not all(isinstance(v, int | float) and not isinstance(v, bool) and v >= 1 for v in schedule)
+        ):
+            raise ProtocolError(
+                "invalid_message",
+                "'generation_config.chunk_length_schedule' must be a list of positive numbers",
+                context_id,
+            )
+        self._aligners[context_id] = CharAligner()
+        return StartContext(
+            context_id,
+            voice=self._voice_id,
+            sample_rate=self._format.sample_rate,
+            encoding=self._format.encoding,
+            bit_rate=self._format.bit_rate,
+            speed=float(speed) if speed is not None else 1.0,
+            streaming=streaming_hints(
+                context_id,
+                max_buffer_delay_ms=0 if self._auto_mode else None,
+                char_schedule=tuple(round(chars) for chars in schedule or ()),
+            ),
+        )
 
     def encode(self, event: Event) -> list[str | bytes]:
         if isinstance(event, AudioOut):
+            aligner = self._aligners.setdefault(event.context_id, CharAligner())
+            alignment = aligner.chunk(event.words, event.start_s, event.duration_s, event.final)
             message: dict[str, Any] = {
                 "audio": base64.b64encode(event.payload).decode("ascii"),
-                "isFinal": False,
-                "alignment": char_alignment(event.words, event.start_s) if event.words else None,
+                "alignment": alignment,
+                "normalizedAlignment": alignment,
             }
             return [json.dumps(self._tag(message, event.context_id))]
+        if event.context_id is not None:
+            self._aligners.pop(event.context_id, None)
         if isinstance(event, ContextDone):
             if event.cancelled and not self._multi:
                 return []

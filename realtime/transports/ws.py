@@ -20,7 +20,14 @@ from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from engines.llm.base import SamplingParams
-from realtime.audio import Resampler, encode_samples
+from realtime.audio import (
+    RAW_ENCODINGS,
+    CodecStreamEncoder,
+    Encoding,
+    Resampler,
+    StreamEncoder,
+    chunk_encoder,
+)
 from realtime.protocol.cartesia import CartesiaDialect
 from realtime.protocol.core import (
     Abort,
@@ -39,7 +46,7 @@ from realtime.protocol.core import (
     StartContext,
     Wake,
 )
-from realtime.protocol.elevenlabs import ElevenLabsDialect
+from realtime.protocol.elevenlabs import DEFAULT_OUTPUT_FORMAT, ElevenLabsDialect
 from realtime.runtime import Runtime
 from realtime.session import AudioChunk, ServiceError, Session, SpeechRequest, WordTiming
 
@@ -59,6 +66,13 @@ class _ContextRunner:
         self._texts: asyncio.Queue[str] = asyncio.Queue(MAX_QUEUED_SPEAKS)
         self._seq = 0
         self._samples_out = 0
+        # Ogg Opus is one stream per context (players stop at a second, chained Ogg stream); MP3 frames
+        # concatenate, so each text gets an MP3 stream of its own that ends with its last chunk.
+        self._opus = (
+            CodecStreamEncoder("opus", start.sample_rate, start.bit_rate)
+            if start.encoding is Encoding.OPUS
+            else None
+        )
         self._task = asyncio.create_task(self._run(), name=f"ws-context-{start.context_id}")
 
     def speak(self, text: str) -> None:
@@ -80,9 +94,11 @@ class _ContextRunner:
             while True:
                 session, upcoming = upcoming or self._open(await self._texts.get()), None
                 resampler = Resampler(start.sample_rate)
+                # One encoded stream per text: its last chunk carries the codec's tail.
+                encoder = self._opus or chunk_encoder(start.encoding, start.sample_rate, start.bit_rate)
                 offset_s = self._samples_out / start.sample_rate
                 async for chunk in session:
-                    await self._send(chunk, resampler, offset_s)
+                    await self._send(chunk, resampler, encoder, offset_s)
                     if upcoming is None and not self._texts.empty():
                         upcoming = self._open(self._texts.get_nowait())
                         upcoming.start()
@@ -99,15 +115,20 @@ class _ContextRunner:
         start = self._start
         sampling = SamplingParams(seed=start.seed, fixed_length=start.fixed_length)
         return self._connection.runtime.speak(
-            SpeechRequest(text=text, voice=start.voice, speed=start.speed, sampling=sampling,
-                          instructions=start.instructions, language=start.language, mode=start.mode)
+            SpeechRequest(text=text, voice=start.voice, speed=start.speed, sampling=sampling)
         )
 
-    async def _send(self, chunk: AudioChunk, resampler: Resampler, offset_s: float) -> None:
+    async def _send(
+        self, chunk: AudioChunk, resampler: Resampler, encoder: StreamEncoder, offset_s: float
+    ) -> None:
         start = self._start
         pcm = resampler.process(chunk.pcm)
         if chunk.final:
             pcm = np.concatenate([pcm, resampler.flush()])
+        if start.encoding in RAW_ENCODINGS:
+            payload = encoder.encode(pcm)
+        else:  # codec work off the event loop
+            payload = await asyncio.to_thread(_encode_chunk, encoder, pcm, chunk.final)
         words = tuple(
             WordTiming(w.word, w.start_s + offset_s, w.end_s + offset_s, w.estimated) for w in chunk.words
         )
@@ -115,7 +136,7 @@ class _ContextRunner:
             AudioOut(
                 context_id=start.context_id,
                 seq=self._seq,
-                payload=encode_samples(pcm, start.encoding),
+                payload=payload,
                 start_s=self._samples_out / start.sample_rate,
                 duration_s=pcm.size / start.sample_rate,
                 words=words,
@@ -124,6 +145,16 @@ class _ContextRunner:
         )
         self._seq += 1
         self._samples_out += pcm.size
+
+
+def _encode_chunk(encoder: StreamEncoder, pcm: np.ndarray, final: bool) -> bytes:
+    """A chunk's bytes; the last chunk of a text carries everything the codec still holds."""
+    data = encoder.encode(pcm)
+    if not final:
+        return data
+    if isinstance(encoder, CodecStreamEncoder) and encoder.kind == "opus":
+        return data + encoder.pad_frame()
+    return data + encoder.finish()
 
 
 class _Connection:
@@ -248,11 +279,12 @@ def routes(runtime: Runtime) -> list[BaseRoute]:
 
     def elevenlabs(multi_context: bool) -> Callable[[WebSocket], Dialect]:
         def make(websocket: WebSocket) -> Dialect:
+            query = websocket.query_params
             return ElevenLabsDialect(
                 websocket.path_params["voice_id"],
-                websocket.query_params.get("output_format", "pcm_24000"),
+                query.get("output_format", DEFAULT_OUTPUT_FORMAT),
                 multi_context,
-                websocket.query_params.get("language_code"),
+                auto_mode=query.get("auto_mode", "false").lower() == "true",
             )
 
         return make

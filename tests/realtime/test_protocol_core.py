@@ -14,6 +14,7 @@ from realtime.protocol.core import (
     AudioOut,
     CancelContext,
     Close,
+    CloseContext,
     CloseSocket,
     ContextDone,
     EndContext,
@@ -191,3 +192,39 @@ def test_audio_frames_round_trip_and_carry_metadata():
         "code": "x",
         "message": "y",
     }
+
+
+def test_close_context_speaks_what_was_flushed_and_drops_the_rest():
+    p = protocol()
+    p.handle(StartContext("c"))
+    assert spoken(p.handle(AppendText("c", "Flushed words"))) == []
+    assert spoken(p.handle(Flush("c"))) == ["Flushed words"]
+    p.handle(AppendText("c", "never flushed"))
+    assert p.handle(CloseContext("c")) == []  # still speaking
+    assert p.speech_done("c") == [Send(ContextDone("c", cancelled=False))]
+    assert not p.has_context("c")
+
+
+def test_closing_a_closing_context_cancels_it():
+    p = protocol()
+    p.handle(StartContext("c"))
+    p.handle(AppendText("c", "Long sentence."))
+    p.handle(AppendText("c", " "))
+    assert p.handle(CloseContext("c")) == []
+    assert p.handle(CloseContext("c")) == [Abort("c"), Send(ContextDone("c", cancelled=True))]
+    assert p.speech_done("c") == []
+
+
+def test_draining_close_socket_waits_for_flushed_contexts():
+    p = protocol()
+    for cid in ("a", "b"):
+        p.handle(StartContext(cid))
+    p.handle(AppendText("a", "Speaking now. "))
+    p.handle(AppendText("b", "unflushed"))
+    # b had nothing in flight: done at once; a finishes first, then the socket closes.
+    assert p.handle(CloseSocket(drain=True)) == [Send(ContextDone("b", cancelled=False))]
+    with pytest.raises(ProtocolError) as refused:
+        p.handle(AppendText("a", "more"))
+    assert refused.value.code == "socket_closing"
+    assert p.speech_done("a") == [Send(ContextDone("a", cancelled=False)), Close()]
+

@@ -87,12 +87,16 @@ async def test_elevenlabs_stream_input_speaks_then_reports_final(live_server):
         await ws.send(json.dumps({"text": "Bye now.", "flush": True}))
         await ws.send(json.dumps({"text": ""}))
         received = await messages_until(ws, lambda m: m.get("isFinal") is True or "error" in m)
+        # The end of input ends the socket too, right after the final message (ElevenLabs does).
+        async with asyncio.timeout(10):
+            await ws.wait_closed()
+    assert ws.close_code == 1000
     assert received[-1] == {"audio": None, "isFinal": True}
     audio_messages = received[:-1]
-    assert audio_messages and all(m["isFinal"] is False for m in audio_messages)
+    assert audio_messages and all("isFinal" not in m for m in audio_messages)
     assert sum(len(base64.b64decode(m["audio"])) for m in audio_messages) % 2 == 0
-    chars = "".join(c for m in audio_messages if m["alignment"] for c in m["alignment"]["chars"])
-    assert chars.replace(" ", "") == "Helloworld.Byenow."
+    chars = "".join(c for m in audio_messages for c in m["alignment"]["chars"])
+    assert " ".join(chars.split()) == "Hello world. Bye now."
 
 
 async def test_elevenlabs_multi_context_closes_one_context_and_the_socket(live_server):
@@ -112,9 +116,9 @@ async def test_elevenlabs_multi_context_closes_one_context_and_the_socket(live_s
 
 
 async def test_elevenlabs_unsupported_output_format_is_refused(live_server):
-    url = f"{live_server.ws_url}/v1/text-to-speech/default/stream-input?output_format=mp3_44100_128"
+    url = f"{live_server.ws_url}/v1/text-to-speech/default/stream-input?output_format=wav_44100"
     async with connect(url) as ws:
         error = json.loads(await ws.recv())
         async with asyncio.timeout(10):
             await ws.wait_closed()
-    assert error["error"] == "unsupported_encoding" and ws.close_code == 1008
+    assert error["error"] == "unsupported_output_format" and ws.close_code == 1008

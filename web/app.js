@@ -173,9 +173,9 @@ class WebRTCClient {
     this.context = context;
   }
 
-  async speak(text, voice) {
+  async speak(text, voice, instructions) {
     await this.connect();
-    this.channel.send(JSON.stringify({ type: "speak", text, voice }));
+    this.channel.send(JSON.stringify({ type: "speak", text, voice, ...styleOf(instructions) }));
   }
 
   cancel() {
@@ -317,7 +317,7 @@ class WebSocketClient {
     this.analyser = analyser;
   }
 
-  async speak(text, voice) {
+  async speak(text, voice, instructions) {
     await this.connect();
     await this.context.resume();
     meter.attach(this.analyser);
@@ -325,7 +325,7 @@ class WebSocketClient {
     const contextId = `u${++this.contextCount}`;
     this.current = { id: contextId, sentAt: performance.now(), firstAudio: false };
     const send = (message) => this.socket.send(JSON.stringify({ ...message, context_id: contextId }));
-    send({ type: "start", voice, sample_rate: WS_SAMPLE_RATE, encoding: "pcm_s16le" });
+    send({ type: "start", voice, sample_rate: WS_SAMPLE_RATE, encoding: "pcm_s16le", ...styleOf(instructions) });
     send({ type: "text", text });
     send({ type: "end" });
     setState("speaking", "live");
@@ -415,6 +415,11 @@ async function uploadVoice(event) {
 
 const clients = { webrtc: new WebRTCClient(), ws: new WebSocketClient() };
 
+// The instruction box's text as request fields: none when it is blank (zero-shot cloning).
+function styleOf(instructions) {
+  return instructions ? { instructions } : {};
+}
+
 async function speak() {
   const text = $("text").value.trim();
   if (!text) return;
@@ -422,7 +427,7 @@ async function speak() {
   rt.lastLatencyMs = null;
   $("latency").textContent = "…";
   try {
-    await clients[rt.transport].speak(text, $("voice").value);
+    await clients[rt.transport].speak(text, $("voice").value, $("instructions").value.trim());
   } catch (error) {
     showError(String(error.message ?? error));
   }

@@ -3,7 +3,8 @@
 Chromium is driven through the DevTools protocol on its own websocket (no browser-automation
 packages). The test plays speech through WebRTC, uploads a voice through the page's form, plays speech
 in that voice through the websocket player, shows a server error, and reads what the page exposes in
-``window.__rt``.
+``window.__rt``. The instruction box's text reaches the LLM engine (recorded on the real engine) over
+both transports.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from testing import LiveServer, serve, service_config
 
 from engines.build.synthetic import voiced_clip
 from engines.config import SAMPLE_RATE
+from engines.llm.base import LLMRequest, PromptMode
 from realtime.config import WebRTCConfig
 
 pytestmark = [pytest.mark.browser, pytest.mark.asyncio(loop_scope="session")]
@@ -196,11 +198,25 @@ async def live(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory) -> A
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium package (make install-test)")
-async def test_page_plays_speech_over_webrtc_and_websocket(live: LiveServer, tmp_path: Path) -> None:
+async def test_page_plays_speech_over_webrtc_and_websocket(live: LiveServer, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    received: list[LLMRequest] = []
+    for engine in live.runtime._engines.llms:  # type: ignore[union-attr]
+
+        def recording(request: LLMRequest, submit: Any = engine.submit) -> Any:
+            received.append(request)
+            return submit(request)
+
+        monkeypatch.setattr(engine, "submit", recording)
+    text = live.runtime._engines.text  # type: ignore[union-attr]
+    instruction = "Speak softly, like a bedtime story."
+    instruction_ids = (*text.encode(instruction), text.token_id("<|endofprompt|>"))
+
     async with chromium(f"{live.http_url}/", tmp_path / "profile") as page:
         await page.wait_for(
             "document.readyState === 'complete' && document.getElementById('voice')?.value === 'default'"
         )
+        await page.evaluate(f"document.getElementById('instructions').value = {json.dumps(instruction)}")
 
         # WebRTC: the connection comes up, Opus packets arrive, the server reports first audio.
         await page.evaluate("document.getElementById('speak').click()")
@@ -209,6 +225,8 @@ async def test_page_plays_speech_over_webrtc_and_websocket(live: LiveServer, tmp
         await page.wait_for("__rt.level > 0")
         await page.evaluate("document.getElementById('stop').click()")
         await page.wait_for("__rt.events.includes('cancelled')")
+        assert received[0].mode is PromptMode.INSTRUCT2
+        assert tuple(received[0].prompt_text_ids) == instruction_ids
 
         # A voice uploaded through the page's form becomes the selected voice.
         clip = tmp_path / "clip.wav"
@@ -226,6 +244,8 @@ async def test_page_plays_speech_over_webrtc_and_websocket(live: LiveServer, tmp
         await page.evaluate("document.getElementById('speak').click()")
         await page.wait_for("__rt.ws.bytesReceived > 0 && __rt.ws.samplesPlayed > 0")
         await page.wait_for("__rt.lastLatencyMs !== null")
+        assert received[-1].mode is PromptMode.INSTRUCT2
+        assert tuple(received[-1].prompt_text_ids) == instruction_ids
 
         shot = await page.call("Page.captureScreenshot", {"format": "png"}, page=True)
         await asyncio.to_thread(SCREENSHOT.write_bytes, base64.b64decode(shot["data"]))

@@ -22,7 +22,7 @@ from starlette.staticfiles import StaticFiles
 
 from realtime.config import ServiceConfig
 from realtime.runtime import Runtime
-from realtime.transports import elevenlabs_http, http, ws
+from realtime.transports import cartesia_http, elevenlabs_http, http, ws
 from realtime.transports.webrtc import WebRTCGateway
 
 logger = logging.getLogger(__name__)
@@ -84,6 +84,7 @@ def create_app(config: ServiceConfig, runtime: Runtime | None = None) -> Starlet
         Route("/metrics", metrics),
         *http.routes(runtime),
         *elevenlabs_http.routes(runtime),
+        *cartesia_http.routes(runtime),
         *ws.routes(runtime),
         *webrtc.routes(),
     ]

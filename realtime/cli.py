@@ -16,6 +16,7 @@ from engines.token2wav.auto import Token2WavBackend
 from realtime.config import DEFAULT_CACHE_DIR, IceServer, ServiceConfig, WebRTCConfig
 from realtime.placement import PlacementKind, parse_devices
 from realtime.schedule import ScheduleKind
+from realtime.voice_aliases import DEFAULT_VOICE_ALIASES, parse_alias
 
 logger = logging.getLogger("realtime")
 BASELINE_TOKEN2WAV_WORKERS = 4
@@ -50,6 +51,13 @@ def _devices(spec: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _voice_alias(text: str) -> tuple[str, str]:
+    try:
+        return parse_alias(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _config(args: argparse.Namespace) -> ServiceConfig:
     webrtc = WebRTCConfig(
         max_sessions=args.max_streams,
@@ -79,6 +87,7 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         token2wav_workers=BASELINE_TOKEN2WAV_WORKERS if args.baseline else 1,
         llm_pacing=not args.baseline,
         webrtc=webrtc,
+        voice_aliases={**DEFAULT_VOICE_ALIASES, **dict(args.voice_alias)},
     )
 
 
@@ -180,6 +189,15 @@ def build_parser() -> argparse.ArgumentParser:
             action="append",
             default=[],
             help="WebRTC: STUN/TURN server, URL or URL,USERNAME,CREDENTIAL (repeatable)",
+        )
+        sub.add_argument(
+            "--voice-alias",
+            type=_voice_alias,
+            action="append",
+            default=[],
+            metavar="NAME=VOICE",
+            help="speak VOICE for requests naming NAME when no voice NAME exists (repeatable; by default "
+            "every OpenAI voice name speaks 'default')",
         )
         sub.add_argument("--host", default="127.0.0.1")
         sub.add_argument("--port", type=int, default=8080)

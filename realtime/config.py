@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
@@ -12,6 +13,7 @@ from engines.llm.auto import LLMBackend
 from engines.token2wav.auto import Token2WavBackend
 from realtime.placement import DevicePlan, PlacementKind, plan_devices
 from realtime.schedule import ScheduleKind
+from realtime.voice_aliases import DEFAULT_VOICE_ALIASES
 
 FlowKind = Literal["dit", "unet"]
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "cosyvoice-realtime"
@@ -101,6 +103,8 @@ class ServiceConfig:
     drain_timeout_s: how long shutdown waits for running streams before cancelling them.
     retry_after_s: the Retry-After a busy answer suggests.
     webrtc: the WebRTC transport's limits and ICE policy (`WebRTCConfig`).
+    voice_aliases: voice names of other APIs (OpenAI's `alloy`, ...) → our voice ids, used where no
+        voice of that name exists (`realtime/voice_aliases.py`; default: every OpenAI name → `default`).
     """
 
     models_dir: Path
@@ -128,6 +132,7 @@ class ServiceConfig:
     drain_timeout_s: float = 10.0
     retry_after_s: int = 1
     webrtc: WebRTCConfig = field(default_factory=WebRTCConfig)
+    voice_aliases: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_VOICE_ALIASES))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models_dir", Path(self.models_dir))

@@ -1,19 +1,29 @@
-"""A dialect of the agents' protocol that speaks Cartesia's TTS websocket (`/cartesia/tts/websocket`).
+"""A dialect of the agents' protocol that speaks Cartesia's TTS API: the websocket
+(`/cartesia/tts/websocket`) and, through `realtime/transports/cartesia_http.py`, `POST /cartesia/tts/bytes`
+and `/cartesia/tts/sse`.
 
-Clients written for Cartesia (Pipecat's and LiveKit's plugins, Cartesia's SDK) work when pointed at
-`ws://HOST:PORT/cartesia/tts/websocket`; `api_key` and `cartesia_version` query parameters are
-accepted and ignored. What is mapped:
+Clients written for Cartesia (Pipecat's and LiveKit's plugins, Cartesia's SDK) work when their base URL
+is `http://HOST:PORT/cartesia` (the websocket: `ws://HOST:PORT/cartesia`); `api_key` /
+`cartesia_version` query parameters and the `X-API-Key`, `Cartesia-Version` headers are accepted and
+ignored. What is mapped:
 
 - A generation request `{"context_id", "transcript", "voice": {"mode": "id", "id"}, "output_format":
   {"container": "raw", "encoding": "pcm_s16le" | "pcm_f32le" | "pcm_mulaw", "sample_rate"},
-  "continue", "add_timestamps", "flush"?, "model_id", "language"}` opens the context on its first
-  input (voice and format come from it; `model_id` and `language` are ignored), appends `transcript`,
-  speaks what is buffered on `"flush": true`, and ends the context on `"continue": false` (the default).
-- `{"context_id", "cancel": true}` cancels the context.
+  "continue", "add_timestamps", "flush"?, "max_buffer_delay_ms"?, "generation_config": {"speed"}?,
+  "model_id", "language"}` opens the context on its first input (voice, format, speed and buffering
+  come from it; `model_id`, `language`, `volume` and `emotion` are ignored), appends `transcript`,
+  speaks what is buffered on `"flush": true`, and ends the context on `"continue": false` (the
+  default). Transcripts of one context are joined exactly as sent and spoken as the input-streaming
+  policy decides (`realtime/input_streaming.py`): `max_buffer_delay_ms` 0 speaks each one at once,
+  otherwise sentences are spoken as they end and the rest within `max_buffer_delay_ms` (default 3000).
+  `generation_config.speed` is a tempo multiplier; the older top-level `speed` (-1..1 or
+  `slowest`..`fastest`) is mapped onto one.
+- `{"context_id", "cancel": true}` cancels the context (its synthesis stops, the slot is freed).
 - Out: `{"type": "chunk", "data": base64 audio, "done": false, "status_code": 206, "step_time",
   "context_id"}`; with `add_timestamps`, `{"type": "timestamps", "word_timestamps": {"words", "start",
-  "end"}, ...}`; `{"type": "done", "done": true, "status_code": 206, "context_id"}` after the last
-  audio; `{"type": "error", "done": true, "status_code", "error", "title", "message", "context_id"}`.
+  "end"}, ...}` before the chunk where those words start (seconds from the context's first audio);
+  `{"type": "done", "done": true, "status_code": 206, "context_id"}` after the last audio;
+  `{"type": "error", "done": true, "status_code", "error_code", "title", "message", "context_id"}`.
   A cancelled context gets no further messages.
 """
 
@@ -23,7 +33,7 @@ import base64
 import json
 from typing import Any
 
-from realtime.audio import Encoding
+from realtime.audio import MAX_SPEED, MIN_SPEED, SUPPORTED_RATES, Encoding
 from realtime.protocol.core import (
     AgentProtocol,
     AppendText,
@@ -42,7 +52,76 @@ from realtime.protocol.core import (
 )
 
 _ENCODINGS = {"pcm_s16le": Encoding.PCM_S16LE, "pcm_f32le": Encoding.PCM_F32LE, "pcm_mulaw": Encoding.MULAW}
+CONTAINERS = ("raw", "wav", "mp3")
+_SPEED_WORDS = {"slowest": 0.5, "slow": 0.75, "normal": 1.0, "fast": 1.33, "fastest": 2.0}
 _STATUS_FOR_CODE = {"busy": 429, "internal_error": 500}
+
+
+def voice_of(message: dict[str, Any], context_id: str | None = None) -> str:
+    """The voice id of a request's `voice: {"mode": "id", "id"}`."""
+    voice = field_of(message, "voice", dict, {})
+    voice_id = voice.get("id", "default")
+    if voice.get("mode", "id") != "id" or not isinstance(voice_id, str):
+        raise ProtocolError("invalid_message", "voice must be {'mode': 'id', 'id': <voice id>}", context_id)
+    return voice_id
+
+
+def output_format_of(message: dict[str, Any], context_id: str | None = None) -> tuple[str, Encoding, int]:
+    """(container, encoding, sample_rate) of a request's `output_format`."""
+    output = field_of(message, "output_format", dict, {})
+    container = output.get("container", "raw")
+    if container not in CONTAINERS:
+        raise ProtocolError(
+            "unsupported_encoding",
+            f"container {container!r} is not supported; use one of {', '.join(CONTAINERS)}",
+            context_id,
+        )
+    encoding = _ENCODINGS.get(output.get("encoding", "pcm_s16le"))
+    if encoding is None and container != "mp3":
+        raise ProtocolError(
+            "unsupported_encoding",
+            f"encoding {output.get('encoding')!r} is not supported; use one of {', '.join(_ENCODINGS)}",
+            context_id,
+        )
+    rate = output.get("sample_rate", 24000)
+    if isinstance(rate, bool) or not isinstance(rate, int):
+        raise ProtocolError("invalid_message", "output_format.sample_rate must be an integer", context_id)
+    if rate not in SUPPORTED_RATES:
+        raise ProtocolError(
+            "unsupported_sample_rate",
+            f"sample_rate {rate} is not supported; use one of {', '.join(map(str, SUPPORTED_RATES))}",
+            context_id,
+        )
+    return container, encoding or Encoding.PCM_S16LE, rate
+
+
+def speed_of(message: dict[str, Any], context_id: str | None = None) -> float:
+    """The speech speed: `generation_config.speed` (a multiplier), or the older top-level `speed` (a
+    number in [-1, 1] around normal, or a word)."""
+    config = field_of(message, "generation_config", dict, {})
+    speed = config.get("speed")
+    if speed is not None:
+        numeric = isinstance(speed, int | float) and not isinstance(speed, bool)
+        if not numeric or not MIN_SPEED <= speed <= MAX_SPEED:
+            raise ProtocolError(
+                "invalid_speed",
+                f"generation_config.speed must be a number between {MIN_SPEED} and {MAX_SPEED:g}",
+                context_id,
+            )
+        return float(speed)
+    legacy = field_of(message, "speed", (str, int, float))
+    if legacy is None:
+        return 1.0
+    if isinstance(legacy, str):
+        if legacy not in _SPEED_WORDS:
+            raise ProtocolError(
+                "invalid_speed", f"speed must be a number or one of {', '.join(_SPEED_WORDS)}", context_id
+            )
+        return _SPEED_WORDS[legacy]
+    if not -1.0 <= legacy <= 1.0:
+        raise ProtocolError("invalid_speed", "speed must be between -1 and 1", context_id)
+    # -1 (slowest) .. 0 (normal) .. 1 (fastest), as a tempo multiplier 0.5 .. 1 .. 2.
+    return float(2.0**legacy)
 
 
 class CartesiaDialect:
@@ -70,34 +149,19 @@ class CartesiaDialect:
         return commands
 
     def _start(self, message: dict[str, Any], context_id: str) -> StartContext:
-        voice = field_of(message, "voice", dict, {})
-        voice_id = voice.get("id", "default")
-        if voice.get("mode", "id") != "id" or not isinstance(voice_id, str):
-            raise ProtocolError(
-                "invalid_message", "voice must be {'mode': 'id', 'id': <voice id>}", context_id
-            )
-        output = field_of(message, "output_format", dict, {})
-        if output.get("container", "raw") != "raw":
-            raise ProtocolError("unsupported_encoding", "only the 'raw' container is supported", context_id)
-        encoding = _ENCODINGS.get(output.get("encoding", "pcm_s16le"))
-        if encoding is None:
-            raise ProtocolError(
-                "unsupported_encoding",
-                f"encoding {output.get('encoding')!r} is not supported; use one of {', '.join(_ENCODINGS)}",
-                context_id,
-            )
-        rate = output.get("sample_rate", 24000)
-        if isinstance(rate, bool) or not isinstance(rate, int):
-            raise ProtocolError("invalid_message", "output_format.sample_rate must be an integer", context_id)
         if field_of(message, "add_timestamps", bool, False):
             self._timestamps.add(context_id)
-        speed = field_of(message, "speed", (int, float), 1.0)
+        container, encoding, rate = output_format_of(message, context_id)
+        if container != "raw":
+            raise ProtocolError(
+                "unsupported_encoding", "the websocket sends the 'raw' container only", context_id
+            )
         return StartContext(
             context_id,
-            voice=voice_id,
+            voice=voice_of(message, context_id),
             sample_rate=rate,
             encoding=encoding,
-            speed=float(speed),
+            speed=speed_of(message, context_id),
             streaming=streaming_hints(
                 context_id, max_buffer_delay_ms=field_of(message, "max_buffer_delay_ms", int)
             ),
@@ -151,7 +215,8 @@ class CartesiaDialect:
                     "done": True,
                     "status_code": _STATUS_FOR_CODE.get(event.code, 400),
                     "error": event.message,
-                    "title": event.code,
+                    "error_code": event.code,
+                    "title": event.code.replace("_", " "),
                     "message": event.message,
                     "context_id": event.context_id,
                 }

@@ -5,7 +5,9 @@
 `opus`, `mp3`, `flac`; default `mp3`), `speed` (0.25–4), `stream_format` (`audio`, or `sse` for
 `speech.audio.delta` events carrying base64 audio, then `speech.audio.done`) and `instructions`
 (accepted, not used: the voice prompt sets the style). Extensions: `seed` (int) and `fixed_length`
-(speech tokens per segment, for benchmarks). Audio is streamed as it is synthesised.
+(speech tokens per segment, for benchmarks). Audio is streamed as it is synthesised. OpenAI's voice
+names (`alloy`, `ash`, ...) speak the voice `ServiceConfig.voice_aliases` names (by default `default`)
+unless a voice of that name exists.
 
 Voices: `GET /v1/voices`; `POST /v1/voices` (multipart: `audio` file, `transcript`, `voice_id`);
 `DELETE /v1/voices/{voice_id}`.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -34,6 +37,7 @@ from realtime.audio import StreamEncoder, make_stream_encoder
 from realtime.runtime import Runtime
 from realtime.session import ServiceError, Session, SpeechRequest
 from realtime.transports.body import BodyTooLarge, read_body
+from realtime.voice_aliases import resolve_voice
 from realtime.voices import check_voice_id
 
 logger = logging.getLogger(__name__)
@@ -185,7 +189,10 @@ def routes(runtime: Runtime) -> list[BaseRoute]:
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise _ParamError("body", "the body is not valid JSON", "invalid_json") from None
             params = parse_speech_body(body)
-            session = runtime.speak(params.request)
+            voice = resolve_voice(
+                params.request.voice, lambda name: name in runtime.voices, runtime.config.voice_aliases
+            )
+            session = runtime.speak(dataclasses.replace(params.request, voice=voice))
         except _ParamError as exc:
             runtime.metrics.error(exc.code)
             return error_response(exc, exc.param)

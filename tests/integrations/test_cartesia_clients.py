@@ -41,3 +41,22 @@ async def test_sdk_websocket_cancel_frees_the_slot(
     assert "error" not in result, result
     assert result["audio_bytes"] > 0
     await slots_freed()
+
+
+@pytest.mark.parametrize("mode", ["bytes", "sse"])
+async def test_sdk_http_routes(
+    live_server: LiveServer, run_client: ClientRunner, slots_freed: SlotsFreed, mode: str
+) -> None:
+    result = await run_client(
+        "vendor-sdks", "cartesia_sdk.py", "--http-url", live_server.http_url, "--mode", mode,
+        "--sample-rate", "22050",
+    )
+    assert "error" not in result, result
+    if mode == "bytes":  # a WAV file at the requested rate
+        assert result["head"] == "RIFF" and result["content_type"] == "audio/wav"
+        assert (result["audio_bytes"] - 44) / 2 / 22050 > 0.3
+    else:  # raw float32 chunks, word timestamps, done
+        assert _seconds(result, 22050, bytes_per_sample=4) > 0.3
+        assert result["types"] == ["chunk", "done", "timestamps"]
+        assert " ".join(result["words"]) == "Hello there. How are you today?"
+    await slots_freed()

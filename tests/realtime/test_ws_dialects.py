@@ -72,7 +72,7 @@ async def test_cartesia_cancel_silences_the_context(live_server, eventually):
         # Chunks already in flight may still arrive; then the next thing is the error about "other".
         received = await messages_until(ws, lambda m: m["type"] == "error")
     assert all(m["type"] == "chunk" and m["context_id"] == "c" for m in received[:-1])
-    assert received[-1]["context_id"] == "other" and received[-1]["title"] == "voice_not_found"
+    assert received[-1]["context_id"] == "other" and received[-1]["error_code"] == "voice_not_found"
     await eventually(lambda: live_server.runtime.stats().active_streams == 0)
 
 

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engines.config import MEL_BINS, SPEAKER_EMBED_DIM, TOKEN_MEL_RATIO
+from engines.normalize import detect_language
 
 VOICE_FORMAT_VERSION = 1
 
@@ -22,14 +23,20 @@ class VoicePrompt:
     speaker_embedding: float32 (192,) CAMPPlus x-vector (not normalised).
     prompt_mel: float32 (2N, 80) log-mel at 24 kHz, 50 Hz, exactly two frames per token.
     prompt_text: the transcript of the reference clip.
+    language: the clip's language code (ISO 639-1, `en`); detected from the transcript when not given
+        (`engines.normalize.detect_language`, the reference front end's rule). A request in another
+        language is spoken cross-lingually.
     """
 
     prompt_text: str
     speech_tokens: torch.Tensor
     speaker_embedding: torch.Tensor
     prompt_mel: torch.Tensor
+    language: str = ""
 
     def __post_init__(self) -> None:
+        if not self.language:
+            object.__setattr__(self, "language", detect_language(self.prompt_text))
         if self.speech_tokens.dim() != 1 or self.speech_tokens.dtype != torch.int64:
             raise ValueError(f"speech_tokens must be int64 (N,), got {self.speech_tokens.dtype} "
                              f"{tuple(self.speech_tokens.shape)}")
@@ -54,7 +61,8 @@ class VoicePrompt:
             "speaker_embedding": self.speaker_embedding.float().contiguous(),
             "prompt_mel": self.prompt_mel.float().contiguous(),
         }
-        metadata = {"prompt_text": self.prompt_text, "version": json.dumps(VOICE_FORMAT_VERSION)}
+        metadata = {"prompt_text": self.prompt_text, "language": self.language,
+                    "version": json.dumps(VOICE_FORMAT_VERSION)}
         save_file(tensors, str(tmp), metadata=metadata)
         tmp.replace(path)
 
@@ -72,6 +80,7 @@ class VoicePrompt:
                 speech_tokens=tensors["speech_tokens"],
                 speaker_embedding=tensors["speaker_embedding"],
                 prompt_mel=tensors["prompt_mel"],
+                language=metadata.get("language", ""),  # files written before it: detected again
             )
         except (KeyError, ValueError, OSError, RuntimeError) as exc:
             raise ValueError(f"{path} is not a valid voice file: {exc}") from exc

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import secrets
@@ -22,7 +23,15 @@ import torch
 
 from engines.config import ModelPaths
 from engines.llm.auto import select_llm
-from engines.llm.base import LLMEngine, LLMError, LLMRequest, SamplingParams, TokenStream
+from engines.llm.base import (
+    LLMEngine,
+    LLMError,
+    LLMPrompt,
+    LLMRequest,
+    PromptMode,
+    SamplingParams,
+    TokenStream,
+)
 from engines.normalize import ReferenceNormalizer
 from engines.text import TextError, TextFrontend
 from engines.token2wav.auto import select_token2wav
@@ -33,7 +42,8 @@ from realtime.admission import AdmissionPolicy, Load, Refuse
 from realtime.config import ServiceConfig
 from realtime.metrics import Metrics
 from realtime.placement import DevicePlan, WorkerLoad, least_loaded, split_capacity
-from realtime.session import PreparedVoice, Segment, ServiceError, Session, SpeechRequest
+from realtime.prompts import PromptCache, choose_mode
+from realtime.session import PreparedVoice, Segment, ServiceError, Session, SpeechRequest, language_code
 from realtime.token2wav_worker import Token2WavWorker
 from realtime.voices import VoiceInfo, VoiceRegistry, check_voice_id
 
@@ -132,6 +142,7 @@ class Runtime:
         self._admission = AdmissionPolicy.for_streams(config.max_streams, config.retry_after_s)
         # Per voice, one PreparedVoice per token2wav worker (its speaker state lives on that device).
         self._prepared: dict[str, list[PreparedVoice]] = {}
+        self._prompts: PromptCache | None = None  # LLM prompts per (voice, mode, instructions), once started
         self._sessions: set[Session] = set()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -163,6 +174,7 @@ class Runtime:
         for worker in workers:
             worker.start()
         self._engines, self._workers = engines, workers
+        self._prompts = PromptCache(engines.text)
         self._placed, self._capacity = [0] * len(workers), capacities
         devices = {torch.device(name) for name in engines.plan.llm_devices + engines.plan.token2wav_devices}
         gpus = sorted((device for device in devices if device.type == "cuda"), key=str)
@@ -285,6 +297,8 @@ class Runtime:
         if not self._accepting:
             raise ServiceError("shutting_down", "the server is shutting down", 503, self.config.retry_after_s)
         voices = self._voice(request.voice)
+        mode = choose_mode(request, voices[0].language)
+        prompt = self._prompt_of(voices[0], mode, request.instructions)
         segments = self._segments(request.text)
         stats = self.stats()
         decision = self._admission.decide(
@@ -293,6 +307,7 @@ class Runtime:
         if isinstance(decision, Refuse):
             raise ServiceError("busy", decision.reason, 429, decision.retry_after_s)
         index, placed = self._place()
+        placed.check_mode(mode)
         session_id = secrets.token_hex(4)
         session: Session
 
@@ -306,6 +321,7 @@ class Runtime:
             session_id,
             request,
             voices[index],
+            prompt,
             segments,
             placed,
             self.metrics,
@@ -318,9 +334,10 @@ class Runtime:
         self._placed[index] += 1
         self._track_sessions()
         logger.info(
-            "[%s] admitted: voice %s, %d segments, %d chars, token2wav on %s",
+            "[%s] admitted: voice %s, %s, %d segments, %d chars, token2wav on %s",
             session_id,
             request.voice,
+            mode,
             len(segments),
             len(request.text),
             placed.worker.device,
@@ -333,6 +350,11 @@ class Runtime:
         if voice is None:
             raise ServiceError("voice_not_found", f"there is no voice {voice_id!r}", 404)
         return voice
+
+    def _prompt_of(self, voice: PreparedVoice, mode: PromptMode, instructions: str | None) -> LLMPrompt:
+        if self._prompts is None:
+            raise ServiceError("not_ready", "the server is still starting", 503, self.config.retry_after_s)
+        return self._prompts.get(voice, mode, instructions)
 
     def _segments(self, text: str) -> list[Segment]:
         """`text` cut into LLM requests, or ServiceError (`text_too_long`, `empty_text`, ...)."""
@@ -354,19 +376,14 @@ class Runtime:
         """
         with self._counting_errors():
             voices = self._voice(voice)
+            prompt = self._prompt_of(voices[0], PromptMode.ZERO_SHOT, None)
             index, placed = self._place()
             prepared = voices[index]
             render_id = secrets.token_hex(4)
             token_streams: list[TokenStream] = []
             try:
                 for index, segment in enumerate(self._segments(text)):
-                    request = LLMRequest(
-                        request_id=f"{render_id}-{index}",
-                        text_ids=segment.text_ids,
-                        prompt_text_ids=prepared.prompt_text_ids,
-                        prompt_speech_tokens=prepared.prompt_speech_tokens,
-                        sampling=sampling,
-                    )
+                    request = prompt.request(f"{render_id}-{index}", segment.text_ids, sampling)
                     token_streams.append(placed.submit_llm(request))
                 pieces = [await self._render_segment(placed.worker, prepared, tokens)
                           for tokens in token_streams]
@@ -398,20 +415,26 @@ class Runtime:
 
     # -- voices --------------------------------------------------------------------------------
 
-    async def add_voice(self, voice_id: str, audio: bytes, transcript: str) -> VoiceInfo:
-        """Extract a voice from a reference clip and its transcript, store it and make it usable."""
+    async def add_voice(self, voice_id: str, audio: bytes, transcript: str,
+                        language: str | None = None) -> VoiceInfo:
+        """Extract a voice from a reference clip and its transcript, store it and make it usable.
+        Its language is `language` if given, else detected from the transcript."""
         with self._counting_errors():
-            return await self._add_voice(voice_id, audio, transcript)
+            return await self._add_voice(voice_id, audio, transcript, language)
 
-    async def _add_voice(self, voice_id: str, audio: bytes, transcript: str) -> VoiceInfo:
+    async def _add_voice(self, voice_id: str, audio: bytes, transcript: str,
+                         language: str | None) -> VoiceInfo:
         engines = self._running()
         check_voice_id(voice_id)
+        code = language_code(language) if language is not None else ""
         if voice_id in self.voices:
             raise ServiceError("voice_exists", f"a voice {voice_id!r} already exists; delete it first", 409)
         try:
             prompt = await asyncio.to_thread(engines.voice_encoder.encode, audio, transcript)
         except VoiceError as exc:
             raise ServiceError(exc.code, str(exc), 400) from exc
+        if code:
+            prompt = dataclasses.replace(prompt, language=code)
         await self._prepare(voice_id, prompt)
         try:
             return await asyncio.to_thread(self.voices.add, voice_id, prompt)
@@ -423,6 +446,8 @@ class Runtime:
         with self._counting_errors():
             await asyncio.to_thread(self.voices.remove, voice_id)
         self._prepared.pop(voice_id, None)
+        if self._prompts is not None:
+            self._prompts.forget(voice_id)
 
     async def _prepare(self, voice_id: str, prompt: VoicePrompt) -> None:
         """Make the voice usable on every token2wav worker (its speaker state lives on that device)."""
@@ -431,8 +456,11 @@ class Runtime:
         prompt_text_ids = tuple(engines.text.encode(prompt.prompt_text))
         prompt_speech_tokens = tuple(int(t) for t in prompt.speech_tokens.tolist())
         self._prepared[voice_id] = [
-            PreparedVoice(voice_id, prompt_text_ids, prompt_speech_tokens, speaker) for speaker in speakers
+            PreparedVoice(voice_id, prompt_text_ids, prompt_speech_tokens, speaker, prompt.language)
+            for speaker in speakers
         ]
+        if self._prompts is not None:
+            self._prompts.forget(voice_id)
 
 
 @dataclass(frozen=True)
@@ -444,6 +472,13 @@ class _Engines:
 
     def submit_llm(self, request: LLMRequest) -> TokenStream:
         return self.llm.submit(request)
+
+    def check_mode(self, mode: PromptMode) -> None:
+        """ServiceError `mode_not_supported` unless the LLM engine serves `mode`."""
+        if mode not in self.llm.modes:
+            served = ", ".join(sorted(self.llm.modes))
+            raise ServiceError("mode_not_supported", f"this server's {self.llm.name} LLM engine does not "
+                                                     f"serve {mode} requests (it serves: {served})")
 
     async def open_stream(self, speaker: SpeakerState) -> Token2WavStream:
         return await self.worker.open_stream(speaker)

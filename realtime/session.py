@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ import numpy as np
 from engines.config import SAMPLE_RATE, TOKEN_RATE_HZ
 from engines.errors import CodedError
 from engines.inline_tags import strip_tags
-from engines.llm.base import LLMError, LLMRequest, SamplingParams, TokenStream
+from engines.llm.base import LLMError, LLMPrompt, LLMRequest, PromptMode, SamplingParams, TokenStream
 from engines.token2wav.base import SpeakerState, Token2WavStream
 from realtime.audio import MAX_SPEED, MIN_SPEED, TempoStretcher
 from realtime.metrics import Metrics
@@ -58,20 +59,46 @@ class ServiceError(CodedError):
         self.retry_after_s = retry_after_s
 
 
+_LANGUAGE = re.compile(r"[a-z]{2,3}")
+
+
+def language_code(tag: str) -> str:
+    """The primary language subtag of a BCP 47 tag or ISO 639 code, lower case (`en-US` → `en`);
+    ServiceError `invalid_language` for anything else."""
+    primary = tag.strip().replace("_", "-").split("-")[0].lower()
+    if not _LANGUAGE.fullmatch(primary):
+        raise ServiceError("invalid_language", f"language must be an ISO 639 code such as 'en' or 'zh', "
+                                               f"got {tag[:20]!r}")
+    return primary
+
+
 @dataclass(frozen=True)
 class SpeechRequest:
-    """What to say and how. `sampling` carries the seed and, for tests/benchmarks, a fixed length."""
+    """What to say and how. `sampling` carries the seed and, for tests/benchmarks, a fixed length.
+
+    `instructions` (a style in words: emotion, rate, dialect, role) asks for the instruct2 mode;
+    `language` (ISO 639, stored as its primary subtag) for cross-lingual synthesis when it differs from
+    the voice's; `mode` names a mode explicitly (`realtime.prompts.choose_mode` decides). Blank
+    instructions count as none.
+    """
 
     text: str
     voice: str = "default"
     sampling: SamplingParams = field(default_factory=SamplingParams)
     speed: float = 1.0
+    instructions: str | None = None
+    language: str | None = None
+    mode: PromptMode | None = None
 
     def __post_init__(self) -> None:
         if not MIN_SPEED <= self.speed <= MAX_SPEED:
             raise ServiceError(
                 "invalid_speed", f"speed must be between {MIN_SPEED} and {MAX_SPEED}, got {self.speed}"
             )
+        if self.language is not None:
+            object.__setattr__(self, "language", language_code(self.language))
+        if self.instructions is not None and not self.instructions.strip():
+            object.__setattr__(self, "instructions", None)
 
 
 @dataclass(frozen=True)
@@ -98,12 +125,14 @@ class AudioChunk:
 
 @dataclass(frozen=True)
 class PreparedVoice:
-    """A voice ready for synthesis: LLM prompt ids/tokens and the token2wav speaker state."""
+    """A voice ready for synthesis: its zero-shot LLM prompt ids/tokens, its language and the token2wav
+    speaker state (used in every mode)."""
 
     voice_id: str
     prompt_text_ids: tuple[int, ...]
     prompt_speech_tokens: tuple[int, ...]
     speaker: SpeakerState
+    language: str
 
 
 @dataclass(frozen=True)
@@ -206,6 +235,7 @@ class Session:
         session_id: str,
         request: SpeechRequest,
         voice: PreparedVoice,
+        prompt: LLMPrompt,
         segments: Sequence[Segment],
         engines: Engines,
         metrics: Metrics,
@@ -220,6 +250,7 @@ class Session:
         self.session_id = session_id
         self.request = request
         self._voice = voice
+        self._prompt = prompt
         self._segments = list(segments)
         self._engines = engines
         self._metrics = metrics
@@ -336,15 +367,8 @@ class Session:
     def _submit(self, index: int) -> TokenStream:
         """Start the LLM request of segment `index`."""
         try:
-            token_stream = self._engines.submit_llm(
-                LLMRequest(
-                    request_id=f"{self.session_id}-{index}",
-                    text_ids=self._segments[index].text_ids,
-                    prompt_text_ids=self._voice.prompt_text_ids,
-                    prompt_speech_tokens=self._voice.prompt_speech_tokens,
-                    sampling=self.request.sampling,
-                )
-            )
+            token_stream = self._engines.submit_llm(self._prompt.request(
+                f"{self.session_id}-{index}", self._segments[index].text_ids, self.request.sampling))
         except LLMError as exc:
             raise ServiceError(exc.code, str(exc), 400) from exc
         if self._pace_llm:

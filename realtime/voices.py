@@ -41,6 +41,7 @@ class VoiceInfo:
     voice_id: str
     prompt_seconds: float
     builtin: bool
+    language: str  # ISO 639 code of its clip (cross-lingual synthesis for text in another)
 
 
 class VoiceRegistry:
@@ -80,7 +81,8 @@ class VoiceRegistry:
 
     def info(self, voice_id: str) -> VoiceInfo:
         prompt = self.get(voice_id)
-        return VoiceInfo(voice_id, prompt.num_tokens / TOKEN_RATE_HZ, voice_id == DEFAULT_VOICE)
+        return VoiceInfo(voice_id, prompt.num_tokens / TOKEN_RATE_HZ, voice_id == DEFAULT_VOICE,
+                         prompt.language)
 
     def list(self) -> list[VoiceInfo]:
         return [self.info(voice_id) for voice_id in sorted(self._voices)]

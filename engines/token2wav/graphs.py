@@ -379,7 +379,7 @@ class VocodeShape:
 @dataclass(frozen=True)
 class _VocoderInputs:
     mel: torch.Tensor
-    cache: tuple[torch.Tensor, torch.Tensor] | None  # source samples and sine phases
+    cache: torch.Tensor | None  # source samples
     noise: torch.Tensor
 
 
@@ -399,40 +399,32 @@ class GraphedVocoder(_ShapeGraphs[VocodeShape, _VocoderInputs, Vocoded]):
         self.chunks = frozenset(chunks)
         self.batches = batches
 
-    def vocode(self, mel: torch.Tensor, cache_source: torch.Tensor | None, cache_phase: torch.Tensor | None,
-               noise: torch.Tensor) -> Vocoded:
+    def vocode(self, mel: torch.Tensor, cache_source: torch.Tensor | None, noise: torch.Tensor) -> Vocoded:
         rows, _, frames = mel.shape
         cached = 0 if cache_source is None else cache_source.shape[2]
-        cache = None if cache_source is None or cache_phase is None else (cache_source, cache_phase)
         batch = round_up(rows, self.batches)
-        if batch is None or (frames, cached) not in self.chunks or (cached and cache is None):
-            return self.hift.vocode_with_noise(mel, cache_source, cache_phase, noise)
+        if batch is None or (frames, cached) not in self.chunks:
+            return self.hift.vocode_with_noise(mel, cache_source, noise)
         shape = VocodeShape(batch, frames, cached)
         inputs = self.buffers(shape)
         inputs.mel[:rows].copy_(mel)
         inputs.noise[:rows].copy_(noise)
-        if inputs.cache is not None and cache is not None:
-            for target, value in zip(inputs.cache, cache, strict=True):
-                target[:rows].copy_(value)
+        if inputs.cache is not None and cache_source is not None:
+            inputs.cache[:rows].copy_(cache_source)
         out = self.run(shape)
-        return Vocoded(out.speech[:rows].clone(), out.source[:rows].clone(), out.end_phase[:rows].clone())
+        return Vocoded(out.speech[:rows].clone(), out.source[:rows].clone())
 
     def _capture(self, shape: VocodeShape) -> _Graph[_VocoderInputs, Vocoded]:
         hift, b, f32 = self.hift, shape.batch, torch.float32
         samples = shape.frames * hift.hop_samples
         mel = self._arena.view("mel", (b, hift.cfg.in_channels, shape.frames), f32)
         noise = self._arena.view("noise", (b, samples - shape.cached, hift.num_harmonics), f32)
-        cache = None
-        if shape.cached:
-            cache = (self._arena.view("cache_source", (b, 1, shape.cached), f32),
-                     self._arena.view("cache_phase", (b, hift.num_harmonics), f32))
+        cache = self._arena.view("cache_source", (b, 1, shape.cached), f32) if shape.cached else None
         out = Vocoded(self._arena.view("speech", (b, samples), f32),
-                      self._arena.view("source", (b, 1, samples), f32),
-                      self._arena.view("end_phase", (b, hift.num_harmonics), f32))
+                      self._arena.view("source", (b, 1, samples), f32))
 
         def run() -> None:
-            source, phase = (None, None) if cache is None else cache
-            result = hift.vocode_with_noise(mel, source, phase, noise)
+            result = hift.vocode_with_noise(mel, cache, noise)
             for target, value in zip(out, result, strict=True):
                 target.copy_(value)
 

@@ -104,16 +104,14 @@ Noise = torch.Generator | Sequence[torch.Generator] | None
 
 
 class Vocoded(NamedTuple):
-    """One vocoder call: speech (B, L), source (B, 1, L), and the harmonic phases (B, H) in cycles at the
-    last mel frame, which a streaming caller hands to the next call to keep the sines continuous."""
+    """One vocoder call: speech (B, L) and source (B, 1, L)."""
 
     speech: Tensor
     source: Tensor
-    end_phase: Tensor
 
 
 class HiFTGenerator(nn.Module):
-    """The HiFT generator: `forward(mel)` is the reference call; `vocode` adds phase carry for streaming."""
+    """The HiFT generator: `forward(mel)` is the reference call; `vocode_with_noise` takes its noise given."""
 
     stft_window: Tensor  # periodic Hann, n_fft samples (buffer)
     harmonic_numbers: Tensor  # 1 … nb_harmonics + 1 (buffer)
@@ -171,19 +169,14 @@ class HiFTGenerator(nn.Module):
         """mel (B, 80, T) → speech (B, 480T) in [-0.99, 0.99] and source (B, 1, 480T).
 
         `cache_source` (B, 1, S) replaces the first S source samples (streaming continuity). The sine
-        phases start at zero at frame 0. `generator` (any device) draws the NSF noise, or one generator
-        per row draws that row's; None uses the global RNG of the mel's device.
+        phases start at zero at frame 0 of every call, as in the reference (its streaming restarts them
+        at each chunk's first cached frame). `generator` (any device) draws the NSF noise, or one
+        generator per row draws that row's; None uses the global RNG of the mel's device.
         """
-        out = self.vocode(mel, cache_source, generator=generator)
-        return out.speech, out.source
-
-    def vocode(self, mel: Tensor, cache_source: Tensor | None = None, cache_phase: Tensor | None = None, *,
-               generator: Noise = None) -> Vocoded:
-        """Like `forward`, plus phase carry: with `cache_phase` (B, H) = the `end_phase` of the call that
-        produced `cache_source`, the sines continue from that phase at the end of the cached frames."""
         cached = 0 if cache_source is None else cache_source.shape[-1]
         noise = self.draw_noise(generator, mel.shape[0], mel.shape[2] * self.hop_samples - cached, mel.device)
-        return self.vocode_with_noise(mel, cache_source, cache_phase, noise)
+        out = self.vocode_with_noise(mel, cache_source, noise)
+        return out.speech, out.source
 
     def draw_noise(self, generator: Noise, rows: int, samples: int, device: torch.device) -> Tensor:
         """NSF noise (rows, samples, harmonics) on `device`, for the samples after a call's cache.
@@ -200,38 +193,29 @@ class HiFTGenerator(nn.Module):
         noise = torch.randn((rows, samples, self.num_harmonics), generator=generator, device=source_device)
         return noise.to(device)
 
-    def vocode_with_noise(self, mel: Tensor, cache_source: Tensor | None, cache_phase: Tensor | None,
-                          noise: Tensor) -> Vocoded:
-        """`vocode` with its noise given (`draw_noise`: (B, 480·T − cached samples, harmonics)). It draws
+    def vocode_with_noise(self, mel: Tensor, cache_source: Tensor | None, noise: Tensor) -> Vocoded:
+        """`forward` with its noise given (`draw_noise`: (B, 480·T − cached samples, harmonics)). It draws
         nothing and never waits for the device, so a CUDA graph can capture it."""
         f0 = self.f0_predictor(mel)
         cached = 0 if cache_source is None else cache_source.shape[-1]
         if cached % self.hop_samples or cached > mel.shape[-1] * self.hop_samples:
             raise ValueError(f"cache_source of {cached} samples must cover whole frames of the "
                              f"{mel.shape[-1]}-frame mel")
-        if cache_phase is not None and cached == 0:
-            raise ValueError("cache_phase needs the cache_source it continues")
         if noise.shape[1] != mel.shape[2] * self.hop_samples - cached:
             raise ValueError(f"noise for {noise.shape[1]} samples; the samples after the cache are "
                              f"{mel.shape[2] * self.hop_samples - cached}")
-        phase = self._frame_phases(f0, cache_phase, cached // self.hop_samples)
-        source = self.m_source(self._excitation(f0, phase, noise))
+        source = self.m_source(self._excitation(f0, self._frame_phases(f0), noise))
         if cache_source is not None:
             source = torch.cat([cache_source.to(source.dtype), source[:, :, cached:]], dim=2)
-        end_phase = torch.remainder(phase[:, -1] * self.hop_samples, 1.0)
-        return Vocoded(self.decode(mel, source), source, end_phase)
+        return Vocoded(self.decode(mel, source), source)
 
-    def _frame_phases(self, f0: Tensor, cache_phase: Tensor | None, cached_frames: int) -> Tensor:
-        """Cumulative per-sample phase increment (cycles/sample summed over frames), (B, T, H).
+    def _frame_phases(self, f0: Tensor) -> Tensor:
+        """Cumulative per-sample phase increment (cycles/sample summed over frames from frame 0), (B, T, H).
 
-        The sample-level phase is this times 480, interpolated between frames. With `cache_phase`, the
-        sum is offset so that the last cached frame lands on the phase the previous call ended with.
+        The sample-level phase is this times 480, interpolated between frames.
         """
         increments = torch.remainder(f0.unsqueeze(-1) * self.harmonic_numbers / self.cfg.sampling_rate, 1.0)
-        phase = torch.cumsum(increments, dim=1)
-        if cache_phase is not None:
-            phase = phase + (cache_phase / self.hop_samples - phase[:, cached_frames - 1]).unsqueeze(1)
-        return phase
+        return torch.cumsum(increments, dim=1)
 
     def _excitation(self, f0: Tensor, phase: Tensor, noise: Tensor) -> Tensor:
         """Harmonic sines where voiced plus Gaussian noise, (B, L, H) at the sample rate.
@@ -323,16 +307,16 @@ class HiFTStream:
     """Per-request vocoder state: chunks of mel in, final audio out (MODEL_FACTS §5.6).
 
     Each call vocodes [the last 8 mel frames of the previous call, the new frames], restores the
-    previous call's last 3840 source samples (and its sine phases) over the re-synthesised frames,
-    cross-fades the first 3840 samples with the held-back speech tail under a Hamming window, and
-    holds back the last 3840 samples unless `last`. Concatenating the outputs gives the utterance.
+    previous call's last 3840 source samples over the re-synthesised frames, cross-fades the first 3840
+    samples with the held-back speech tail under a Hamming window, and holds back the last 3840 samples
+    unless `last`. Concatenating the outputs gives the utterance. As in the reference, every call starts
+    its sine phases afresh at its first (cached) frame, so on voiced frames the excitation changes
+    phase where the restored source ends, and only the first chunk's frames equal offline output.
 
-    One deliberate difference from the reference: it restarts the sine phases at every call, so the
-    excitation jumps where the restored source ends; here they continue (`HiFTGenerator.vocode`). The
-    noise comes from the stream's own generator on the vocoder's device, so a stream's audio does not
-    depend on which streams share its batch. On the CPU, whose draws concatenate exactly, a seeded
-    stream reproduces the offline output with the same seed everywhere but near the chunk joins (a CUDA
-    generator rounds its offset per call, so there the noise differs from offline's).
+    The noise comes from the stream's own generator on the vocoder's device, so a stream's audio does
+    not depend on which streams share its batch. On the CPU, whose draws concatenate exactly, a seeded
+    stream on unvoiced frames reproduces the offline output with the same seed everywhere but near the
+    chunk joins (a CUDA generator rounds its offset per call, so there the noise differs from offline's).
     """
 
     def __init__(self, hift: HiFTGenerator, *, seed: int | None = None) -> None:
@@ -350,12 +334,11 @@ class HiFTStream:
             self._noise.manual_seed(seed)
         self._mel: Tensor | None = None
         self._source: Tensor | None = None
-        self._phase: Tensor | None = None
         self._speech_tail: Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        cached = (self._mel, self._source, self._phase, self._speech_tail)
+        cached = (self._mel, self._source, self._speech_tail)
         return sum(t.nbytes for t in cached if t is not None)
 
     @torch.inference_mode()
@@ -370,11 +353,9 @@ class HiFTStream:
             raise RuntimeError("HiFTStream is closed")
         return self._hift
 
-    def _cache(self) -> tuple[Tensor, Tensor] | None:
-        """The source samples and sine phases the next call continues from, if any."""
-        if self._source is None or self._phase is None:
-            return None
-        return self._source, self._phase
+    def _cache(self) -> Tensor | None:
+        """The source samples the next call restores, if any."""
+        return self._source
 
     def _next_input(self, mel: Tensor, last: bool) -> Tensor | None:
         """[cached frames, mel] to vocode now, or None (and the stream closed) when there is nothing."""
@@ -405,21 +386,19 @@ class HiFTStream:
             return speech
         self._mel = mel[:, :, -cfg.mel_cache_frames:]
         self._source = out.source[:, :, -overlap:]
-        self._phase = out.end_phase
         self._speech_tail = speech[-overlap:]
         return speech[:-overlap]
 
     def close(self) -> None:
         """Drop the caches; later `process` calls raise. Idempotent."""
         self._hift = None
-        self._mel = self._source = self._phase = self._speech_tail = None
+        self._mel = self._source = self._speech_tail = None
 
 
 class VocoderGraphs(Protocol):
     """Runs `HiFTGenerator.vocode_with_noise` from CUDA graphs where it can (graphs.GraphedVocoder)."""
 
-    def vocode(self, mel: Tensor, cache_source: Tensor | None, cache_phase: Tensor | None,
-               noise: Tensor) -> Vocoded: ...
+    def vocode(self, mel: Tensor, cache_source: Tensor | None, noise: Tensor) -> Vocoded: ...
 
 
 @torch.inference_mode()
@@ -447,18 +426,17 @@ def vocode_streams(
         members = [streams[i] for i in indices]
         mel = torch.cat([pending[i] for i in indices])
         caches = [cache for s in members if (cache := s._cache()) is not None]
-        source = torch.cat([c[0] for c in caches]) if caches else None
-        phase = torch.cat([c[1] for c in caches]) if caches else None
+        source = torch.cat(caches) if caches else None
         hift = members[0].generator
         samples = mel.shape[2] * hift.hop_samples - (0 if source is None else source.shape[2])
         noise = hift.draw_noise([s._noise for s in members], len(members), samples, mel.device)
         if graphs is None:
-            out = hift.vocode_with_noise(mel, source, phase, noise)
+            out = hift.vocode_with_noise(mel, source, noise)
         else:
-            out = graphs.vocode(mel, source, phase, noise)
+            out = graphs.vocode(mel, source, noise)
         for row, index in enumerate(indices):
             rows = slice(row, row + 1)
-            row_out = Vocoded(out.speech[rows], out.source[rows], out.end_phase[rows])
+            row_out = Vocoded(out.speech[rows], out.source[rows])
             speech[index] = streams[index]._emit(mel[rows], row_out, lasts[index])
     # One transfer for the whole batch; streams that produced nothing get empty CPU audio.
     order = sorted(speech)

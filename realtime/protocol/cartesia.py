@@ -11,13 +11,17 @@ ignored. What is mapped:
   {"container": "raw", "encoding": "pcm_s16le" | "pcm_f32le" | "pcm_mulaw", "sample_rate"},
   "continue", "add_timestamps", "flush"?, "max_buffer_delay_ms"?, "generation_config": {"speed"}?,
   "model_id", "language"}` opens the context on its first input (voice, format, speed and buffering
-  come from it; `model_id`, `language`, `volume` and `emotion` are ignored), appends `transcript`,
+  come from it; `model_id` and `volume` are ignored), appends `transcript`,
   speaks what is buffered on `"flush": true`, and ends the context on `"continue": false` (the
   default). Transcripts of one context are joined exactly as sent and spoken as the input-streaming
   policy decides (`realtime/input_streaming.py`): `max_buffer_delay_ms` 0 speaks each one at once,
   otherwise sentences are spoken as they end and the rest within `max_buffer_delay_ms` (default 3000).
   `generation_config.speed` is a tempo multiplier; the older top-level `speed` (-1..1 or
   `slowest`..`fastest`) is mapped onto one.
+  `language` other than the voice's speaks cross-lingually. An emotion (`generation_config.emotion`,
+  or sonic-2's `voice.__experimental_controls.emotion` list of `name:level`) that CosyVoice2 was
+  instructed with (anger, positivity, sadness and their sonic-3 names, `EMOTION_INSTRUCTIONS`) becomes
+  an instruct2 instruction; other emotions and the levels are ignored.
 - `{"context_id", "cancel": true}` cancels the context (its synthesis stops, the slot is freed).
 - Out: `{"type": "chunk", "data": base64 audio, "done": false, "status_code": 206, "step_time",
   "context_id"}`; with `add_timestamps`, `{"type": "timestamps", "word_timestamps": {"words", "start",
@@ -49,12 +53,33 @@ from realtime.protocol.core import (
     field_of,
     parse_json_object,
     streaming_hints,
+    style_fields,
 )
 
 _ENCODINGS = {"pcm_s16le": Encoding.PCM_S16LE, "pcm_f32le": Encoding.PCM_F32LE, "pcm_mulaw": Encoding.MULAW}
 CONTAINERS = ("raw", "wav", "mp3")
 _SPEED_WORDS = {"slowest": 0.5, "slow": 0.75, "normal": 1.0, "fast": 1.33, "fastest": 2.0}
 _STATUS_FOR_CODE = {"busy": 429, "internal_error": 500}
+# Cartesia emotion names → the reference's instruct2 wording for that emotion (cosyvoice/utils/common.py).
+_HAPPY, _SAD, _ANGRY = "请非常开心地说一句话。", "请非常伤心地说一句话。", "请非常生气地说一句话。"
+EMOTION_INSTRUCTIONS = {
+    "positivity": _HAPPY, "happy": _HAPPY, "excited": _HAPPY, "joyful": _HAPPY, "enthusiastic": _HAPPY,
+    "sadness": _SAD, "sad": _SAD, "melancholic": _SAD, "disappointed": _SAD,
+    "anger": _ANGRY, "angry": _ANGRY, "mad": _ANGRY, "frustrated": _ANGRY,
+}
+
+
+def emotion_instruction(message: dict[str, Any], voice: dict[str, Any]) -> str | None:
+    """The instruction for the first emotion of `message` that CosyVoice2 knows, if any."""
+    generation = message.get("generation_config")
+    names: list[Any] = [generation.get("emotion")] if isinstance(generation, dict) else []
+    controls = voice.get("__experimental_controls")
+    if isinstance(controls, dict) and isinstance(controls.get("emotion"), list):
+        names += controls["emotion"]
+    for name in names:
+        if isinstance(name, str) and name.split(":")[0].strip().lower() in EMOTION_INSTRUCTIONS:
+            return EMOTION_INSTRUCTIONS[name.split(":")[0].strip().lower()]
+    return None
 
 
 def voice_of(message: dict[str, Any], context_id: str | None = None) -> str:
@@ -156,6 +181,7 @@ class CartesiaDialect:
             raise ProtocolError(
                 "unsupported_encoding", "the websocket sends the 'raw' container only", context_id
             )
+        style = style_fields({"language": message.get("language"), "context_id": context_id}, context_id)
         return StartContext(
             context_id,
             voice=voice_of(message, context_id),
@@ -165,6 +191,8 @@ class CartesiaDialect:
             streaming=streaming_hints(
                 context_id, max_buffer_delay_ms=field_of(message, "max_buffer_delay_ms", int)
             ),
+            language=style["language"],
+            instructions=emotion_instruction(message, field_of(message, "voice", dict, {})),
         )
 
     def encode(self, event: Event) -> list[str | bytes]:

@@ -16,7 +16,10 @@ utterance streams, e.g. one per agent turn) may be open on one socket at once.
   of letters, digits, `_`, `-`, `.`; `sample_rate`: 8000, 16000, 22050, 24000 (default), 44100 or
   48000; `encoding`: `pcm_s16le` (default), `pcm_f32le` or `mulaw` (G.711 µ-law); `voice` defaults
   to `default`;
-  `speed` (0.25–4), `seed` and `fixed_length` (speech tokens per sentence, for tests) are optional.
+  `speed` (0.25–4), `seed` and `fixed_length` (speech tokens per sentence, for tests) are optional;
+  so are `instructions` (a style in words, e.g. "Speak slowly and sadly.": the instruct2 mode),
+  `language` (ISO 639 code of the text: cross-lingual when it differs from the voice's) and `mode`
+  (`zero_shot`, `cross_lingual` or `instruct2`, to choose explicitly). See README "Modes".
   Input-streaming knobs (optional, see `realtime/input_streaming.py`): `max_buffer_delay_ms` (the
   longest text waits unspoken, default 3000; 0 speaks each `text` message as it arrives, for clients
   that send whole sentences), `min_words` (speak as soon as this many whole words are buffered) and
@@ -65,10 +68,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engines.errors import CodedError
+from engines.llm.base import PromptMode
 from engines.text import StreamingSentenceSplitter
 from realtime.audio import MAX_SPEED, MIN_SPEED, SUPPORTED_RATES, Encoding
 from realtime.input_streaming import Cut, InputStreamingDefaults, PendingText, StreamingHints, decide
-from realtime.session import WordTiming
+from realtime.session import ServiceError, WordTiming, language_code
 
 AUDIO_FRAME_KIND = 0x01
 _NATIVE_ENCODINGS = {e.value: e for e in (Encoding.PCM_S16LE, Encoding.PCM_F32LE, Encoding.MULAW)}
@@ -96,6 +100,9 @@ class StartContext:
     seed: int | None = None
     fixed_length: int | None = None
     streaming: StreamingHints = StreamingHints()  # when buffered text is spoken (input_streaming.py)
+    instructions: str | None = None
+    language: str | None = None  # primary subtag, lower case (`style_fields` checks it)
+    mode: PromptMode | None = None
     bit_rate: int | None = None  # bits/s of a compressed encoding (MP3, Opus); None: the codec's default
 
 
@@ -482,6 +489,23 @@ def streaming_hints(context_id: str | None, **hints: Any) -> StreamingHints:
         raise ProtocolError("invalid_message", str(exc), context_id) from None
 
 
+def style_fields(message: dict[str, Any], context_id: str) -> dict[str, Any]:
+    """`StartContext`'s `instructions`, `language` and `mode` from a start message (absent: None);
+    ProtocolError (`invalid_message`, `invalid_language`, `invalid_mode`) for bad values."""
+    language = field_of(message, "language", str)
+    mode = field_of(message, "mode", str)
+    try:
+        parsed_mode = PromptMode(mode) if mode is not None else None
+    except ValueError:
+        modes = ", ".join(m.value for m in PromptMode)
+        raise ProtocolError("invalid_mode", f"mode must be one of {modes}", context_id) from None
+    try:
+        code = language_code(language) if language is not None else None
+    except ServiceError as exc:
+        raise ProtocolError(exc.code, exc.message, context_id) from None
+    return {"instructions": field_of(message, "instructions", str), "language": code, "mode": parsed_mode}
+
+
 def words_json(words: tuple[WordTiming, ...]) -> list[dict[str, Any]]:
     return [
         {"word": w.word, "start_s": round(w.start_s, 3), "end_s": round(w.end_s, 3), "estimated": w.estimated}
@@ -543,6 +567,7 @@ class NativeDialect:
                         min_words=field_of(message, "min_words", int),
                         clause_min_words=field_of(message, "clause_min_words", int),
                     ),
+                    **style_fields(message, context_id),
                 )
             ]
         if kind == "text":

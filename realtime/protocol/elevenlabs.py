@@ -2,8 +2,9 @@
 
 Both endpoints are served at ElevenLabs' paths, so clients pointed at `ws://HOST:PORT` instead of
 `wss://api.elevenlabs.io` work. `model_id`, `xi_api_key`/`authorization`, `voice_settings` other than
-`speed`, `sync_alignment` (alignment is always sent), `inactivity_timeout`, `enable_logging`,
-`language_code` and the normalisation switches are accepted and ignored.
+`speed`, `sync_alignment` (alignment is always sent), `inactivity_timeout`, `enable_logging`
+and the normalisation switches are accepted and ignored. `language_code` (URL parameter, ISO 639-1)
+is the text's language: cross-lingual synthesis when it differs from the voice's.
 
 - `/v1/text-to-speech/{voice_id}/stream-input`: one utterance per socket. The first message (usually
   `{"text": " ", "voice_settings": ..., "generation_config": ...}`) opens it; every `{"text": ...}`
@@ -61,6 +62,7 @@ from realtime.protocol.core import (
     field_of,
     parse_json_object,
     streaming_hints,
+    style_fields,
 )
 from realtime.session import WordTiming
 
@@ -156,11 +158,17 @@ class ElevenLabsDialect:
     """ElevenLabs' message shapes over the core, for one voice and output format per socket."""
 
     def __init__(
-        self, voice_id: str, output_format: str, multi_context: bool, auto_mode: bool = False
+        self,
+        voice_id: str,
+        output_format: str,
+        multi_context: bool,
+        auto_mode: bool = False,
+        language_code: str | None = None,
     ) -> None:
         self._voice_id = voice_id
         self._format = parse_output_format(output_format)
         self._multi = multi_context
+        self._language = style_fields({"language": language_code}, SINGLE_CONTEXT)["language"]
         self._auto_mode = auto_mode
         self._aligners: dict[str, CharAligner] = {}  # per context, until it is done
 
@@ -211,6 +219,7 @@ class ElevenLabsDialect:
             encoding=self._format.encoding,
             bit_rate=self._format.bit_rate,
             speed=float(speed) if speed is not None else 1.0,
+            language=self._language,
             streaming=streaming_hints(
                 context_id,
                 max_buffer_delay_ms=0 if self._auto_mode else None,

@@ -3,13 +3,15 @@
 `POST /v1/audio/speech` takes OpenAI's JSON body: `model` (`cosyvoice2`, or the aliases `tts-1`,
 `tts-1-hd`, `gpt-4o-mini-tts`), `input`, `voice`, `response_format` (`pcm` = 24 kHz s16le, `wav`,
 `opus`, `mp3`, `flac`; default `mp3`), `speed` (0.25–4), `stream_format` (`audio`, or `sse` for
-`speech.audio.delta` events carrying base64 audio, then `speech.audio.done`) and `instructions`
-(accepted, not used: the voice prompt sets the style). Extensions: `seed` (int) and `fixed_length`
-(speech tokens per segment, for benchmarks). Audio is streamed as it is synthesised. OpenAI's voice
-names (`alloy`, `ash`, ...) speak the voice `ServiceConfig.voice_aliases` names (by default `default`)
-unless a voice of that name exists.
+`speech.audio.delta` events carrying base64 audio, then `speech.audio.done`) and `instructions` (a
+style in words: speaks in CosyVoice2's instruct2 mode with the voice's timbre). Extensions: `language`
+(ISO 639 code of `input`: cross-lingual when it differs from the voice's), `mode` (`zero_shot`,
+`cross_lingual`, `instruct2`), `seed` (int) and `fixed_length` (speech tokens per segment, for
+benchmarks). Audio is streamed as it is synthesised. OpenAI's voice names (`alloy`, `ash`, ...) speak
+the voice `ServiceConfig.voice_aliases` names (by default `default`) unless a voice of that name exists.
 
-Voices: `GET /v1/voices`; `POST /v1/voices` (multipart: `audio` file, `transcript`, `voice_id`);
+Voices: `GET /v1/voices`; `POST /v1/voices` (multipart: `audio` file, `transcript`, `voice_id`,
+optional `language`, else detected from the transcript);
 `DELETE /v1/voices/{voice_id}`.
 
 Every error has OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`; a busy server
@@ -32,7 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
-from engines.llm.base import SamplingParams
+from engines.llm.base import PromptMode, SamplingParams
 from realtime.audio import StreamEncoder, make_stream_encoder
 from realtime.runtime import Runtime
 from realtime.session import ServiceError, Session, SpeechRequest
@@ -48,6 +50,14 @@ STREAM_FORMATS = ("audio", "sse")
 MAX_JSON_BYTES = 256 * 1024
 # Encoders that are cheap enough to run on the event loop.
 _INLINE_FORMATS = ("pcm", "wav")
+
+
+# The body field a service error is about.
+_PARAM_OF_CODE = {
+    "voice_not_found": "voice", "empty_text": "input", "text_too_long": "input",
+    "instructions_too_long": "instructions", "empty_instructions": "instructions",
+    "invalid_mode": "mode", "missing_instructions": "mode", "mode_not_supported": "mode",
+}
 
 
 def error_response(exc: ServiceError, param: str | None = None) -> JSONResponse:
@@ -115,10 +125,19 @@ def parse_speech_body(body: Any) -> SpeechParams:
         sampling = SamplingParams(seed=seed, fixed_length=fixed_length)
     except ValueError as exc:
         raise _ParamError("fixed_length", str(exc)) from exc
+    instructions, language, mode = body.get("instructions"), body.get("language"), body.get("mode")
+    for name, value in (("instructions", instructions), ("language", language), ("mode", mode)):
+        if value is not None and not isinstance(value, str):
+            raise _ParamError(name, f"'{name}' must be a string", "invalid_type")
+    if mode is not None and mode not in set(PromptMode):
+        raise _ParamError("mode", f"mode must be one of {', '.join(PromptMode)}", "invalid_mode")
     try:
-        request = SpeechRequest(text=text, voice=voice, sampling=sampling, speed=float(speed))
+        request = SpeechRequest(text=text, voice=voice, sampling=sampling, speed=float(speed),
+                                instructions=instructions, language=language,
+                                mode=PromptMode(mode) if mode is not None else None)
     except ServiceError as exc:
-        raise _ParamError("speed", exc.message, exc.code) from exc
+        raise _ParamError("language" if exc.code == "invalid_language" else "speed", exc.message,
+                          exc.code) from exc
     return SpeechParams(request, response_format, stream_format)
 
 
@@ -200,14 +219,7 @@ def routes(runtime: Runtime) -> list[BaseRoute]:
             runtime.metrics.error(exc.code)
             return error_response(exc, "body")
         except ServiceError as exc:
-            return error_response(
-                exc,
-                "voice"
-                if exc.code == "voice_not_found"
-                else "input"
-                if exc.code in ("empty_text", "text_too_long")
-                else None,
-            )
+            return error_response(exc, _PARAM_OF_CODE.get(exc.code))
         encoder = make_stream_encoder(params.response_format)
         inline = params.response_format in _INLINE_FORMATS
         if params.stream_format == "sse":
@@ -223,15 +235,16 @@ def routes(runtime: Runtime) -> list[BaseRoute]:
 
     async def add_voice(request: Request) -> Response:
         try:
-            voice_id, audio, transcript = await _read_voice_upload(
+            voice_id, audio, transcript, language = await _read_voice_upload(
                 request, runtime.config.max_voice_upload_bytes
             )
-            info = await runtime.add_voice(voice_id, audio, transcript)
+            info = await runtime.add_voice(voice_id, audio, transcript, language)
         except _ParamError as exc:
             runtime.metrics.error(exc.code)
             return error_response(exc, exc.param)
         except ServiceError as exc:
-            return error_response(exc, "audio" if exc.http_status == 400 else None)
+            about_audio = "audio" if exc.http_status == 400 else None
+            return error_response(exc, "language" if exc.code == "invalid_language" else about_audio)
         logger.info("voice %s added", info.voice_id)
         return JSONResponse(_voice_json(info), status_code=201)
 
@@ -256,10 +269,11 @@ def _voice_json(info: Any) -> dict[str, Any]:
         "voice_id": info.voice_id,
         "prompt_seconds": round(info.prompt_seconds, 3),
         "builtin": info.builtin,
+        "language": info.language,
     }
 
 
-async def _read_voice_upload(request: Request, max_bytes: int) -> tuple[str, bytes, str]:
+async def _read_voice_upload(request: Request, max_bytes: int) -> tuple[str, bytes, str, str | None]:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes + 64 * 1024:
         raise _ParamError("audio", f"the upload is larger than {max_bytes} bytes", "upload_too_large")
@@ -273,6 +287,9 @@ async def _read_voice_upload(request: Request, max_bytes: int) -> tuple[str, byt
         audio = form.get("audio")
         transcript = form.get("transcript")
         voice_id = form.get("voice_id")
+        language = form.get("language")
+        if language is not None and not isinstance(language, str):
+            raise _ParamError("language", "'language' must be a string", "invalid_type")
         if not isinstance(audio, UploadFile):
             raise _ParamError("audio", "'audio' must be an uploaded file", "missing_audio")
         if not isinstance(transcript, str) or not transcript.strip():
@@ -288,4 +305,4 @@ async def _read_voice_upload(request: Request, max_bytes: int) -> tuple[str, byt
         data = await audio.read(max_bytes + 1)
         if len(data) > max_bytes:
             raise _ParamError("audio", f"the audio file is larger than {max_bytes} bytes", "upload_too_large")
-    return voice_id, data, transcript
+    return voice_id, data, transcript, language

@@ -12,11 +12,13 @@ Signalling (same port as the rest of the API):
 Control runs on the data channel the browser opens (any label; ``"control"`` by convention), as JSON
 text messages:
 
-- ``{"type": "speak", "text", "voice"?, "id"?, "speed"?, "seed"?, "fixed_length"?}`` starts an
+- ``{"type": "speak", "text", "voice"?, "id"?, "speed"?, "seed"?, "fixed_length"?, "instructions"?,
+  "language"?, "mode"?}`` starts an
   utterance. A new speak *barges in*: the current utterance is cancelled, its queued audio dropped,
   and the new one starts after it has released its engine slot. ``id`` (a string of the client's
   choosing; the server numbers them when absent) is echoed in every event about that utterance.
-  ``speed``, ``seed`` and ``fixed_length`` mean what they mean in the websocket protocol's ``start``.
+  ``speed``, ``seed``, ``fixed_length``, ``instructions``, ``language`` and ``mode`` mean what they
+  mean in the websocket protocol's ``start``.
 - ``{"type": "cancel"}`` stops the current utterance at once.
 
 Events back: ``{"type": "started", "id"}``; ``{"type": "first_audio", "id", "latency_ms"}`` when the
@@ -45,7 +47,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engines.llm.base import SamplingParams
+from engines.llm.base import PromptMode, SamplingParams
 from realtime.audio import Resampler, to_pcm16
 from realtime.config import WebRTCConfig
 from realtime.runtime import Runtime
@@ -78,10 +80,14 @@ class Speak:
     speed: float = 1.0
     seed: int | None = None
     fixed_length: int | None = None
+    instructions: str | None = None
+    language: str | None = None
+    mode: PromptMode | None = None
 
     def request(self) -> SpeechRequest:
         sampling = SamplingParams(seed=self.seed, fixed_length=self.fixed_length)
-        return SpeechRequest(text=self.text, voice=self.voice, sampling=sampling, speed=self.speed)
+        return SpeechRequest(text=self.text, voice=self.voice, sampling=sampling, speed=self.speed,
+                             instructions=self.instructions, language=self.language, mode=self.mode)
 
 
 @dataclass(frozen=True)
@@ -120,7 +126,14 @@ def parse_control(message: str | bytes) -> Speak | Cancel:
         isinstance(fixed_length, bool) or not isinstance(fixed_length, int) or fixed_length < 1
     ):
         raise ControlError("speak 'fixed_length' must be a positive integer")
-    return Speak(text, voice, utterance_id, float(speed), seed, fixed_length)
+    style = [body.get(name) for name in ("instructions", "language", "mode")]
+    if any(value is not None and not isinstance(value, str) for value in style):
+        raise ControlError("speak 'instructions', 'language' and 'mode' must be strings")
+    instructions, language, mode = style
+    if mode is not None and mode not in set(PromptMode):
+        raise ControlError(f"speak 'mode' must be one of {', '.join(PromptMode)}")
+    return Speak(text, voice, utterance_id, float(speed), seed, fixed_length, instructions, language,
+                 PromptMode(mode) if mode is not None else None)
 
 
 def check_offer(sdp: str) -> None:

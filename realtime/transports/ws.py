@@ -115,7 +115,8 @@ class _ContextRunner:
         start = self._start
         sampling = SamplingParams(seed=start.seed, fixed_length=start.fixed_length)
         return self._connection.runtime.speak(
-            SpeechRequest(text=text, voice=start.voice, speed=start.speed, sampling=sampling)
+            SpeechRequest(text=text, voice=start.voice, speed=start.speed, sampling=sampling,
+                          instructions=start.instructions, language=start.language, mode=start.mode)
         )
 
     async def _send(
@@ -285,6 +286,7 @@ def routes(runtime: Runtime) -> list[BaseRoute]:
                 query.get("output_format", DEFAULT_OUTPUT_FORMAT),
                 multi_context,
                 auto_mode=query.get("auto_mode", "false").lower() == "true",
+                language_code=query.get("language_code"),
             )
 
         return make

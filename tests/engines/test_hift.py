@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from reference import reference_manifest
 from torch.nn.utils import parametrize
 
@@ -126,23 +129,30 @@ def stream_in_chunks(hift: HiFTGenerator, mel: torch.Tensor, chunks: list[int],
     return pieces
 
 
-@pytest.mark.parametrize("f0_hz", [0.0, 150.0], ids=["unvoiced_noise", "voiced_sines"])
-def test_streaming_matches_offline_outside_the_joins(f0_hz: float) -> None:
+def voiced_hift(seed: int) -> HiFTGenerator:
+    """A tiny HiFT whose F0 varies around 150 Hz with the mel (every frame voiced)."""
+    torch.manual_seed(seed)
+    hift = HiFTGenerator(TINY).eval()
+    with torch.no_grad():
+        hift.f0_predictor.classifier.weight.mul_(1500.0)
+        hift.f0_predictor.classifier.bias.fill_(150.0)
+    return hift
+
+
+def test_unvoiced_streaming_matches_offline_outside_the_joins() -> None:
     """Same mel, same noise seed: equal length; equal away from joins; close at the joins.
 
-    A constant pitch makes the F0 predictor blind to chunk edges, so any mismatch away from joins would
-    come from the source: noise drawn out of order (unvoiced case) or sine phases restarted at a chunk
-    (voiced case). Around a join J (where the previous chunk's mel ended) the output differs by
+    Unvoiced frames (F0 = 0) carry noise only, so any mismatch away from joins would come from noise
+    drawn out of order. Around a join J (where the previous chunk's mel ended) the output differs by
     construction in [J − 3840, J): those samples are a Hamming cross-fade of two syntheses, one without
     right context. The new call then has only the 8 cached frames of left context, which shifts samples
-    up to J + 3840 by tiny amounts. Elsewhere only fp32 rounding remains: the offline sine phase grows to
-    thousands of cycles (resolution ~1e-4 cycle), the streaming one is carried modulo 1.
+    up to J + 3840 by tiny amounts. Elsewhere only fp32 rounding remains.
     """
     torch.manual_seed(1)
     hift = HiFTGenerator(TINY).eval()
     with torch.no_grad():
         hift.f0_predictor.classifier.weight.zero_()
-        hift.f0_predictor.classifier.bias.fill_(f0_hz)
+        hift.f0_predictor.classifier.bias.zero_()
     chunks = [40, 50, 45, 25]
     mel = torch.randn(1, 80, sum(chunks))
     with torch.no_grad():
@@ -161,6 +171,85 @@ def test_streaming_matches_offline_outside_the_joins(f0_hz: float) -> None:
     difference = streamed[near_join] - offline[near_join]
     # The cross-fade blends two close syntheses: its error stays far below the signal, no click.
     assert float(difference.pow(2).mean().sqrt()) < 0.2 * float(offline[near_join].pow(2).mean().sqrt())
+
+
+def reference_source(hift: HiFTGenerator, mel: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """CosyVoice2's SineGen2 + source module at 24 kHz, from its definition (MODEL_FACTS §7.3): F0
+    upsampled ×480 (nearest), per-sample phase increments (f0·h / sr) mod 1 with a random start phase on
+    sample 0 for the overtones, linear downsampling ×1/480, cumulative sum, ×480 and linear upsampling
+    back, 0.1·sin; voiced where F0 > 10 Hz; noise 0.003 (voiced) or 0.1/3 (unvoiced); Linear + tanh."""
+    cfg, hop = hift.cfg, hift.hop_samples
+    f0 = hift.f0_predictor(mel)  # (1, T)
+    f0_samples = f0.repeat_interleave(hop, dim=1).unsqueeze(-1)  # (1, L, 1)
+    harmonics = f0_samples * torch.arange(1, cfg.nb_harmonics + 2, dtype=torch.float32)
+    rad = (harmonics / cfg.sampling_rate) % 1
+    start = torch.rand(1, cfg.nb_harmonics + 1)
+    start[:, 0] = 0
+    rad[:, 0, :] = rad[:, 0, :] + start
+    rad = F.interpolate(rad.transpose(1, 2), scale_factor=1 / hop, mode="linear").transpose(1, 2)
+    phase = torch.cumsum(rad, dim=1) * 2 * math.pi
+    phase = F.interpolate(phase.transpose(1, 2) * hop, scale_factor=hop, mode="linear").transpose(1, 2)
+    sines = cfg.nsf_alpha * torch.sin(phase)
+    uv = (f0_samples > cfg.nsf_voiced_threshold).float()
+    excitation = sines * uv + (uv * cfg.nsf_sigma + (1 - uv) * cfg.nsf_alpha / 3) * noise
+    return torch.tanh(hift.m_source.l_linear(excitation)).transpose(1, 2)
+
+
+def reference_streaming(hift: HiFTGenerator, mel: torch.Tensor, chunks: list[int],
+                        seed: int) -> list[torch.Tensor]:
+    """Step-Audio2's / CosyVoice2's HiFT streaming (MODEL_FACTS §5.6), from its definition: each call
+    vocodes [8 cached mel frames, chunk] with its phases from zero, overwrites the first 3840 source
+    samples with the cached source, cross-fades 3840 samples with np.hamming(7680) halves, caches the
+    last 8 frames / 3840 source and speech samples, and holds those speech samples back unless last.
+    The noise comes from one generator, drawn for the samples after the cache (the cached ones are
+    overwritten anyway), as HiFTStream draws it."""
+    generator = torch.Generator().manual_seed(seed)
+    window = torch.from_numpy(np.hamming(2 * OVERLAP)).float()
+    cache_mel, cache_source, cache_speech = torch.zeros(1, 80, 0), torch.zeros(1, 1, 0), torch.zeros(1, 0)
+    pieces, start = [], 0
+    for i, frames in enumerate(chunks):
+        last = i == len(chunks) - 1
+        mel_in = torch.cat([cache_mel, mel[:, :, start:start + frames]], dim=2)
+        start += frames
+        samples = mel_in.shape[2] * hift.hop_samples
+        drawn = torch.randn((samples - cache_source.shape[2], TINY.nb_harmonics + 1), generator=generator)
+        noise = torch.cat([torch.zeros(cache_source.shape[2], TINY.nb_harmonics + 1), drawn])[None]
+        source = reference_source(hift, mel_in, noise)
+        source[:, :, :cache_source.shape[2]] = cache_source
+        speech = hift.decode(mel_in, source)
+        if cache_speech.shape[1]:
+            speech = speech.clone()
+            speech[:, :OVERLAP] = speech[:, :OVERLAP] * window[:OVERLAP] + cache_speech * window[OVERLAP:]
+        cache_mel, cache_source = mel_in[:, :, -8:], source[:, :, -OVERLAP:]
+        cache_speech = speech[:, -OVERLAP:]
+        pieces.append(speech[0] if last else speech[0, :-OVERLAP])
+    return pieces
+
+
+def test_voiced_streaming_equals_the_reference_streaming() -> None:
+    """On voiced frames of varying pitch: ours == the reference's streaming (phases restarted at every
+    call), and — what that streaming keeps of offline — the first chunk's emitted samples away from its
+    end equal offline output; later chunks, whose sines restart, do not.
+
+    Tolerance: the phases reach ~10³ cycles, where fp32 resolves ~1e-4 cycle; ours accumulates them per
+    frame, the reference per sample before interpolating (measured: 1.6e-5 at most on output ~0.1)."""
+    hift = voiced_hift(seed=2)
+    chunks = [30, 50, 60, 24]
+    mel = torch.randn(1, 80, sum(chunks), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        f0 = hift.f0_predictor(mel)
+        want = reference_streaming(hift, mel, chunks, seed=9)
+        offline, _ = hift(mel, generator=torch.Generator().manual_seed(9))
+    assert float((f0 > 80).float().mean()) > 0.9 and float(f0.std()) > 5  # voiced, pitch moving
+    got = stream_in_chunks(hift, mel, chunks, seed=9)
+    assert [g.numel() for g in got] == [w.numel() for w in want]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=0)
+    first_end = chunks[0] * SAMPLES_PER_MEL_FRAME - 2 * OVERLAP
+    torch.testing.assert_close(got[0][:first_end], offline[0, :first_end], atol=1e-4, rtol=0)
+    hop = SAMPLES_PER_MEL_FRAME
+    second = slice(chunks[0] * hop + OVERLAP, sum(chunks[:2]) * hop - OVERLAP)
+    assert float((torch.cat(got)[second] - offline[0, second]).abs().max()) > 5e-3
 
 
 def test_empty_final_chunk_flushes_the_held_back_tail(tiny_hift: HiFTGenerator) -> None:

@@ -1,7 +1,8 @@
 """Text normalisation as CosyVoice's front end does it without `ttsfrd` (its `wetext` path).
 
 `ReferenceNormalizer` is a `engines.text.Normalizer`: str → str, applied to each text (or streamed
-sentence) before it is cut into segments and tokenised. The steps, in the reference's order:
+sentence) before it is cut into segments and tokenised, and to a voice's transcript. The steps, in
+the reference's order:
 
 1. Text holding `<|` and `|>` (the model's own markup) is left as it is, as the reference skips its
    front end then.
@@ -58,9 +59,10 @@ def detect_language(text: str) -> Language:
 
 
 class ReferenceNormalizer:
-    """CosyVoice's `text_normalize` (wetext path, no paragraph split); thread-safe, stateless per call.
+    """CosyVoice's `text_normalize` (wetext path, no paragraph split); keeps no state between calls.
 
-    Loading the transducers takes ~1.5 s: build one per process, at start-up.
+    wetext loads all its transducers when first imported (1.5 s on an idle core, several times that
+    on a busy one): build one per process, at start-up, off the event loop.
     """
 
     def __init__(self) -> None:

@@ -144,6 +144,11 @@ class TextFrontend:
         """Token ids of `text` as given (no BOS/EOS, no normalisation)."""
         return list(self._backend.encode(text, add_special_tokens=False).ids)
 
+    def encode_transcript(self, transcript: str) -> list[int]:
+        """Token ids of a voice's transcript (the LLM prompt text), normalised as the reference normalises
+        its prompt text: whole, with neither the inline-tag rule nor segmentation."""
+        return self.encode(self._normalize(transcript))
+
     def decode(self, ids: Iterable[int]) -> str:
         return str(self._tokenizer.decode(list(ids)))
 

@@ -453,7 +453,7 @@ class Runtime:
         """Make the voice usable on every token2wav worker (its speaker state lives on that device)."""
         engines = self._running()
         speakers = await asyncio.gather(*(worker.prepare_speaker(prompt) for worker in self._workers))
-        prompt_text_ids = tuple(engines.text.encode(prompt.prompt_text))
+        prompt_text_ids = tuple(engines.text.encode_transcript(prompt.prompt_text))
         prompt_speech_tokens = tuple(int(t) for t in prompt.speech_tokens.tolist())
         self._prepared[voice_id] = [
             PreparedVoice(voice_id, prompt_text_ids, prompt_speech_tokens, speaker, prompt.language)

@@ -153,3 +153,13 @@ def test_the_text_frontend_tokenises_normalised_text_with_tags_as_single_ids(
     ids = frontend.encode(segment)
     for tag in ("[laughter]", "<strong>", "</strong>"):
         assert frontend.token_id(tag) in ids
+
+
+def test_a_voice_transcript_is_normalised_whole(normalize: ReferenceNormalizer, tmp_path: Path) -> None:
+    # The reference normalises its prompt text too (text_normalize(prompt_text, split=False)).
+    write_qwen2_tokenizer(tmp_path, vocab_size=1500)
+    frontend = TextFrontend(tmp_path, normalize)
+    transcript = "It costs $5.  I counted 12 of them."
+    assert frontend.encode_transcript(transcript) == frontend.encode(
+        "It costs five dollars. I counted twelve of them."
+    )

@@ -69,11 +69,11 @@ EMOTION_INSTRUCTIONS = {
 }
 
 
-def emotion_instruction(message: dict[str, Any], voice: dict[str, Any]) -> str | None:
+def emotion_instruction(message: dict[str, Any]) -> str | None:
     """The instruction for the first emotion of `message` that CosyVoice2 knows, if any."""
-    generation = message.get("generation_config")
+    generation, voice = message.get("generation_config"), message.get("voice")
     names: list[Any] = [generation.get("emotion")] if isinstance(generation, dict) else []
-    controls = voice.get("__experimental_controls")
+    controls = voice.get("__experimental_controls") if isinstance(voice, dict) else None
     if isinstance(controls, dict) and isinstance(controls.get("emotion"), list):
         names += controls["emotion"]
     for name in names:
@@ -192,7 +192,7 @@ class CartesiaDialect:
                 context_id, max_buffer_delay_ms=field_of(message, "max_buffer_delay_ms", int)
             ),
             language=style["language"],
-            instructions=emotion_instruction(message, field_of(message, "voice", dict, {})),
+            instructions=emotion_instruction(message),
         )
 
     def encode(self, event: Event) -> list[str | bytes]:

@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from realtime.audio import CodecStreamEncoder, Encoding, Resampler, encode_samples, wav_header
-from realtime.protocol.cartesia import output_format_of, speed_of, voice_of
+from realtime.protocol.cartesia import emotion_instruction, output_format_of, speed_of, voice_of
 from realtime.protocol.core import ProtocolError, field_of
 from realtime.runtime import Runtime
 from realtime.session import AudioChunk, ServiceError, Session, SpeechRequest
@@ -58,7 +58,10 @@ def parse_body(body: Any) -> CartesiaSpeech:
     transcript = field_of(body, "transcript", str, required=True)
     container, encoding, rate = output_format_of(body)
     try:
-        request = SpeechRequest(text=transcript, voice=voice_of(body), speed=speed_of(body))
+        language = body.get("language")
+        request = SpeechRequest(text=transcript, voice=voice_of(body), speed=speed_of(body),
+                                language=language if isinstance(language, str) else None,
+                                instructions=emotion_instruction(body))
     except ServiceError as exc:
         raise ProtocolError(exc.code, exc.message) from None
     return CartesiaSpeech(

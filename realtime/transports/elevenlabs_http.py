@@ -10,9 +10,10 @@
   synthesised, each with the characters of the words starting in its chunk (a space before every word
   but the first), times in seconds from the start of the utterance.
 
-Body: `text` (required); `voice_settings.speed` and `seed` are used; `model_id`, the other voice
-settings, `previous_text`/`next_text`, `language_code`, pronunciation dictionaries and normalisation
-switches are accepted and ignored. Errors: `{"detail": {"status": code, "message": sentence}}` with the
+Body: `text` (required); `voice_settings.speed`, `seed` and `language_code` (cross-lingual synthesis
+when it differs from the voice's language) are used; `model_id`, the other voice settings,
+`previous_text`/`next_text`, pronunciation dictionaries and normalisation switches are accepted and
+ignored. Errors: `{"detail": {"status": code, "message": sentence}}` with the
 HTTP status of the problem (400 bad body or format, 404 unknown voice, 413, 429 busy).
 """
 
@@ -63,7 +64,11 @@ def parse_body(body: Any, voice_id: str) -> SpeechRequest:
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ServiceError("invalid_seed", "'seed' must be an integer")
-    return SpeechRequest(text=text, voice=voice_id, sampling=SamplingParams(seed=seed), speed=float(speed))
+    language = body.get("language_code")
+    if language is not None and not isinstance(language, str):
+        raise ServiceError("invalid_language", "'language_code' must be a string")
+    return SpeechRequest(text=text, voice=voice_id, sampling=SamplingParams(seed=seed), speed=float(speed),
+                         language=language)
 
 
 def char_alignment(words: list[WordTiming], first_word: bool) -> dict[str, list[Any]]:

@@ -192,6 +192,15 @@ async def test_cartesia_language_and_emotion(live_server, received):
     # An emotion CosyVoice2 was not instructed with: ignored.
     await cartesia_turn(live_server, {"generation_config": {"emotion": "curiosity"}})
     assert_mode(received[-1], PromptMode.ZERO_SHOT, live_server)
+    # The HTTP route reads the same fields.
+    body = {"model_id": "sonic-3", "transcript": "Hi.", "voice": {"mode": "id", "id": "default"},
+            "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000}}
+    async with httpx.AsyncClient(base_url=live_server.http_url, timeout=60) as http:
+        assert (await http.post("/cartesia/tts/bytes", json={**body, "language": "es"})).status_code == 200
+        assert_mode(received[-1], PromptMode.CROSS_LINGUAL, live_server)
+        sad = {**body, "generation_config": {"emotion": "sad"}}
+        assert (await http.post("/cartesia/tts/bytes", json=sad)).status_code == 200
+        assert_mode(received[-1], PromptMode.INSTRUCT2, live_server, "请非常伤心地说一句话。")
 
 
 async def test_elevenlabs_language_code(live_server, received):
@@ -207,6 +216,11 @@ async def test_elevenlabs_language_code(live_server, received):
         assert_mode(received[-1], mode, live_server)
     async with connect(f"{live_server.ws_url}/v1/text-to-speech/default/stream-input?language_code=!!") as ws:
         assert json.loads(await ws.recv())["error"] == "invalid_language"
+    async with httpx.AsyncClient(base_url=live_server.http_url, timeout=60) as http:
+        response = await http.post("/v1/text-to-speech/default", params={"output_format": "pcm_24000"},
+                                   json={"text": "Hi.", "language_code": "ja"})
+        assert response.status_code == 200 and response.content
+    assert_mode(received[-1], PromptMode.CROSS_LINGUAL, live_server)
 
 
 # -- voices and the cache ---------------------------------------------------------------------------

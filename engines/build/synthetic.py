@@ -47,7 +47,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_VOICE = "default"
 DEFAULT_VOICE_TEXT = "This is the default voice of a synthetic test model."
 TOKENIZER_VOCAB = 1500  # below the tiny LLM's 2048 text rows once the special tokens are added
-INIT_STD = 0.02
 
 
 @dataclass(frozen=True)
@@ -174,32 +173,80 @@ def _checkpoint_writer(
 def random_state(spec: CheckpointSpec, cfgs: ModelConfigs, seed: int) -> dict[str, torch.Tensor]:
     """A random flat fp32 state dict for `spec`'s module (tied names share one tensor, as released).
 
-    Tiny modules use their own initialisation. Full ones are built on the meta device and filled
-    directly (matrices N(0, 0.02), 1-D weights/scales 1, other vectors 0): default initialisation of
-    the full LLM on a CPU takes minutes.
+    Every tensor is drawn, so that tests exercise all the arithmetic (a missing bias or norm affine
+    changes the output): matrices and kernels N(0, 1/(3·fan-in)) (the scale of PyTorch's default
+    init), norm scales and Snake α 1 + 0.1·N, biases and other vectors 0.05·N, weight-norm magnitudes
+    ‖v‖·(1 + 0.1·N) (so each kernel starts near its direction v, as weight_norm initialises it). HiFT's
+    F0 head is then calibrated to voiced pitch (`_voice_f0_head`). The module is built on the meta device
+    for names, shapes and layer kinds only: the full LLM's own initialisation takes minutes on a CPU.
     """
-    if cfgs.size == "tiny":
-        with torch.random.fork_rng():
-            torch.manual_seed(seed)
-            module = spec.module(cfgs)
-        state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    else:
-        generator = torch.Generator().manual_seed(seed)
-        state = {k: _cheap_init(k, v.shape, v.dtype, generator)
-                 for k, v in meta_module(spec, cfgs).state_dict().items()}
+    generator = torch.Generator().manual_seed(seed)
+    module = meta_module(spec, cfgs)
+    scales = _scale_names(module)
+    state: dict[str, torch.Tensor] = {}
+    for name, meta in module.state_dict().items():
+        state[name] = _draw(name, meta.shape, meta.dtype, name in scales, generator)
+    for name in state:
+        if name.endswith(WEIGHT_NORM_MAGNITUDE):
+            direction = state[name[: -len(WEIGHT_NORM_MAGNITUDE)] + WEIGHT_NORM_DIRECTION]
+            norm = direction.flatten(1).norm(dim=1).view(state[name].shape)
+            state[name] = norm * (1 + 0.1 * torch.randn(norm.shape, generator=generator))
     for name, source in spec.tied:
         state[name] = state[source]
+    from engines.token2wav.hift import HiFTGenerator
+
+    if isinstance(module, HiFTGenerator):
+        _voice_f0_head(state, cfgs, generator)
     return state
 
 
-def _cheap_init(name: str, shape: torch.Size, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+WEIGHT_NORM_MAGNITUDE = ".parametrizations.weight.original0"
+WEIGHT_NORM_DIRECTION = ".parametrizations.weight.original1"
+F0_MEAN_HZ, F0_SPREAD_HZ = 150.0, 30.0
+
+
+def _scale_names(module: torch.nn.Module) -> set[str]:
+    """State names that multiply a signal and are 1 at init: norm gains and Snake α."""
+    names = set()
+    for prefix, sub in module.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        if type(sub).__name__.endswith("Norm") and isinstance(getattr(sub, "weight", None), torch.Tensor):
+            names.add(f"{dot}weight")
+        if isinstance(getattr(sub, "alpha", None), torch.nn.Parameter):
+            names.add(f"{dot}alpha")
+    return names
+
+
+def _draw(name: str, shape: torch.Size, dtype: torch.dtype, scale: bool,
+          generator: torch.Generator) -> torch.Tensor:
     if not dtype.is_floating_point:
         return torch.zeros(shape, dtype=dtype)
+    noise = torch.randn(shape, generator=generator, dtype=dtype)
+    if scale:
+        return 1 + 0.1 * noise
     if len(shape) >= 2:
-        return torch.empty(shape, dtype=dtype).normal_(0.0, INIT_STD, generator=generator)
-    if name.endswith(("weight", "alpha")):  # norm scales and Snake α
-        return torch.ones(shape, dtype=dtype)
-    return torch.zeros(shape, dtype=dtype)
+        fan_in = noise[0].numel()
+        return noise / (3 * fan_in) ** 0.5
+    return 0.05 * noise
+
+
+def _voice_f0_head(state: dict[str, torch.Tensor], cfgs: ModelConfigs, generator: torch.Generator) -> None:
+    """Scale HiFT's F0 classifier so that it predicts voiced pitch: F0_MEAN_HZ on average and a spread of
+    F0_SPREAD_HZ over two kinds of input (standard-normal mels and the log-mel of the default voice's
+    clip), so the harmonic source runs (most frames 80–300 Hz) and its pitch moves with the mel."""
+    from engines.audio_features import flow_mel
+    from engines.token2wav.hift import HiFTGenerator
+
+    hift = HiFTGenerator(cfgs.hift)
+    hift.load_state_dict(state)
+    clip_mel = flow_mel(voiced_clip()).T[None]  # (1, 80, T)
+    noise_mel = torch.randn(1, cfgs.hift.in_channels, clip_mel.shape[2], generator=generator)
+    with torch.no_grad():
+        features = hift.f0_predictor.condnet(torch.cat([clip_mel, noise_mel])).transpose(1, 2)
+        raw = hift.f0_predictor.classifier.weight @ features.reshape(-1, features.shape[2]).T
+    scale = F0_SPREAD_HZ / float(raw.std())
+    state["f0_predictor.classifier.weight"] = state["f0_predictor.classifier.weight"] * scale
+    state["f0_predictor.classifier.bias"] = torch.tensor([F0_MEAN_HZ - scale * float(raw.mean())])
 
 
 def _write_tokenizer_dir(directory: Path, paths: ModelPaths, cfgs: ModelConfigs) -> None:

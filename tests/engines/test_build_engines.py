@@ -94,6 +94,45 @@ def test_every_checkpoint_loads_strictly_into_our_module(built: Path, spec) -> N
     load_strict(spec.module(TINY), spec.canonical(state), spec.name)
 
 
+@pytest.mark.parametrize("spec", CHECKPOINTS, ids=[spec.name for spec in CHECKPOINTS])
+def test_every_tensor_is_drawn(built: Path, spec) -> None:
+    """No tensor left at a constant init: biases are not 0, norm gains and Snake α not 1 (a missing bias
+    or affine would otherwise pass every test), and weight-norm magnitudes are positive."""
+    state = load_checkpoint(spec.path(ModelPaths(built)))
+    for name, tensor in state.items():
+        if tensor.numel() > 1:
+            assert float(tensor.std()) > 0, name
+        if name.endswith("bias") and tensor.numel() > 1:
+            assert float(tensor.abs().mean()) > 1e-3, name
+        if name.endswith(".original0"):
+            assert bool((tensor > 0).all()), name
+    module = spec.module(TINY)
+    gains = [name for name, sub in module.named_modules()
+             if type(sub).__name__.endswith("Norm") and getattr(sub, "weight", None) is not None]
+    assert all(not torch.allclose(state[f"{name}.weight"], torch.ones(1)) for name in gains)
+
+
+def test_synthetic_hift_predicts_voiced_pitch(built: Path) -> None:
+    """The harmonic source runs: 80–300 Hz on most frames of the default voice's prompt mel, of the
+    synthetic flow's output and of standard-normal mels, with a pitch that moves."""
+    from engines.token2wav.flow_dit import load_dit_flow
+    from engines.token2wav.hift import load_hift
+
+    paths = ModelPaths(built)
+    voice = VoicePrompt.load(paths.voices / "default.safetensors")
+    flow = load_dit_flow(paths.dit_flow, TINY.dit_flow, "cpu", torch.float32)
+    tokens = torch.randint(0, TINY.dit_flow.vocab_size, (60,), generator=torch.Generator().manual_seed(0))
+    mels = [voice.prompt_mel.T[None], flow.offline(flow.prepare_speaker(voice), tokens),
+            torch.randn(1, 80, 200, generator=torch.Generator().manual_seed(1))]
+    for path in (paths.hift, paths.cosyvoice2_hift):
+        hift = load_hift(path, TINY.hift, "cpu")
+        for mel in mels:
+            with torch.no_grad():
+                f0 = hift.f0_predictor(mel)
+            assert float(((f0 > 80) & (f0 < 300)).float().mean()) > 0.9
+            assert float(f0.std()) > 3
+
+
 def test_llm_head_is_tied_and_blanken_holds_the_backbone(built: Path) -> None:
     paths = ModelPaths(built)
     llm = load_checkpoint(paths.llm)

@@ -60,10 +60,10 @@ def _frames_to_array(frames: list[av.AudioFrame]) -> np.ndarray:
 class Resampler:
     """Stateful 24 kHz → `rate` float32 resampler for one stream (identity at 24 kHz).
 
-    A Kaiser-windowed sinc (torchaudio's `kaiser_best` constants): flat to 0.95 × the output Nyquist
-    and aliases below −140 dB, where the reference's Hann kernel (used on the voice path, where fidelity
-    to the reference matters) lets an 8.2 kHz tone fold into 16 kHz output at −8 dB. Pure numpy state
-    (a few hundred samples of history), nothing to close.
+    A Kaiser-windowed sinc (torchaudio's `kaiser_best` constants): within 0.05 dB up to 0.9 × the
+    output Nyquist and aliases below −140 dB, where the reference's Hann kernel (used on the voice path,
+    where fidelity to the reference matters) lets an 8.2 kHz tone fold into 16 kHz output at −8 dB.
+    Pure numpy state (a few hundred samples of history), nothing to close.
     """
 
     def __init__(self, rate: int) -> None:

@@ -3,7 +3,7 @@
 The core (`AgentProtocol`) knows nothing of sockets or engines. Dialects (this module's
 `NativeDialect`, `cartesia.py`, `elevenlabs.py`) turn frames into `Command`s and events into frames;
 the core turns commands into `Action`s the transport executes (speak this text in that context, abort
-a context, send an event, close); the transport reports back when a `Speak` has been fully sent.
+a context, release an ended one, send an event, close); the transport reports back when a `Speak` has been fully sent.
 
 Native wire format (`/v1/ws`)
 =============================
@@ -206,6 +206,14 @@ class Wake:
 
 
 @dataclass(frozen=True)
+class Release:
+    """The context ended once all its speech was sent: free what the transport holds for it (the
+    context id may be reused by a new context afterwards)."""
+
+    context_id: str
+
+
+@dataclass(frozen=True)
 class Send:
     event: Event
 
@@ -215,7 +223,7 @@ class Close:
     pass
 
 
-Action = Speak | Abort | Wake | Send | Close
+Action = Speak | Abort | Wake | Release | Send | Close
 
 
 @dataclass(frozen=True)
@@ -431,7 +439,11 @@ class AgentProtocol:
     def _finish_if_idle(self, context: _Context) -> list[Action]:
         if context.ending and not context.in_flight:
             del self._contexts[context.start.context_id]
-            return [Send(ContextDone(context.start.context_id, cancelled=False)), *self._close_if_drained()]
+            return [
+                Release(context.start.context_id),
+                Send(ContextDone(context.start.context_id, cancelled=False)),
+                *self._close_if_drained(),
+            ]
         return []
 
 

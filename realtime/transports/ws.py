@@ -41,6 +41,7 @@ from realtime.protocol.core import (
     NativeDialect,
     ProtocolError,
     ProtocolLimits,
+    Release,
     Send,
     Speak,
     StartContext,
@@ -58,12 +59,18 @@ MAX_QUEUED_SPEAKS = 256
 
 
 class _ContextRunner:
-    """Speaks one context's texts in order and sends their audio."""
+    """One context's lifetime: speaks its texts in order and sends their audio.
+
+    Everything the context holds (its task, text queue, sequence numbers, encoder, each session and
+    its resampler) belongs to this object and goes when the context ends (done, cancel or error), not
+    when the socket closes; a later context with the same id gets a new runner.
+    """
 
     def __init__(self, connection: _Connection, start: StartContext) -> None:
         self._connection = connection
         self._start = start
-        self._texts: asyncio.Queue[str] = asyncio.Queue(MAX_QUEUED_SPEAKS)
+        # None: the context ended; no text follows.
+        self._texts: asyncio.Queue[str | None] = asyncio.Queue(MAX_QUEUED_SPEAKS)
         self._seq = 0
         self._samples_out = 0
         # Ogg Opus is one stream per context (players stop at a second, chained Ogg stream); MP3 frames
@@ -78,6 +85,10 @@ class _ContextRunner:
     def speak(self, text: str) -> None:
         self._texts.put_nowait(text)
 
+    def finish(self) -> None:
+        """The context is done (every text spoken): end the task, which frees what it holds."""
+        self._texts.put_nowait(None)
+
     async def stop(self) -> None:
         """Cancel at once and wait (briefly) until the session has freed its engine resources."""
         self._task.cancel()
@@ -87,29 +98,53 @@ class _ContextRunner:
     async def _run(self) -> None:
         """Drain one session after another. While one is sent, the next queued text's session is
         already synthesising (bounded by the session's own queue), so sentences follow without a gap."""
-        start = self._start
         session: Session | None = None
         upcoming: Session | None = None
         try:
             while True:
-                session, upcoming = upcoming or self._open(await self._texts.get()), None
-                resampler = Resampler(start.sample_rate)
-                # One encoded stream per text: its last chunk carries the codec's tail.
-                encoder = self._opus or chunk_encoder(start.encoding, start.sample_rate, start.bit_rate)
-                offset_s = self._samples_out / start.sample_rate
-                async for chunk in session:
-                    await self._send(chunk, resampler, encoder, offset_s)
-                    if upcoming is None and not self._texts.empty():
-                        upcoming = self._open(self._texts.get_nowait())
-                        upcoming.start()
+                if upcoming is None:
+                    text = await self._texts.get()
+                    if text is None:
+                        return
+                    upcoming = self._open(text)
+                session, upcoming = upcoming, None
+                upcoming = await self._speak(session)
                 await session.aclose()
-                await self._connection.report_done(start.context_id)
+                session = None
+                await self._connection.report_done(self._start.context_id)
         except ServiceError as exc:
-            await self._connection.report_failure(start.context_id, exc.code, exc.message)
+            await self._connection.report_failure(self._start.context_id, exc.code, exc.message)
+        except Exception:  # a bug must end only this context, with an error, never the socket
+            logger.exception("[ws %s] context failed", self._connection.id)
+            self._connection.runtime.metrics.error("internal_error")
+            message = "the context failed on the server"
+            await self._connection.report_failure(self._start.context_id, "internal_error", message)
         finally:
             for pending in (session, upcoming):
                 if pending is not None:
                     await pending.aclose()
+
+    async def _speak(self, session: Session) -> Session | None:
+        """Send `session`'s audio; returns the next text's session if it was opened meanwhile."""
+        start = self._start
+        upcoming: Session | None = None
+        resampler = Resampler(start.sample_rate)
+        # One encoded stream per text: its last chunk carries the codec's tail.
+        encoder = self._opus or chunk_encoder(start.encoding, start.sample_rate, start.bit_rate)
+        offset_s = self._samples_out / start.sample_rate
+        try:
+            async for chunk in session:
+                await self._send(chunk, resampler, encoder, offset_s)
+                if upcoming is None and not self._texts.empty():
+                    text = self._texts.get_nowait()
+                    assert text is not None, "a context is finished only once every text is spoken"
+                    upcoming = self._open(text)
+                    upcoming.start()
+        except BaseException:
+            if upcoming is not None:
+                await upcoming.aclose()
+            raise
+        return upcoming
 
     def _open(self, text: str) -> Session:
         start = self._start
@@ -209,6 +244,12 @@ class _Connection:
         except ProtocolError as exc:
             self.runtime.metrics.error(exc.code)
             await self.send(ErrorEvent(exc.code, exc.message, exc.context_id))
+        except (WebSocketDisconnect, ConnectionError):
+            raise
+        except Exception:  # a bug must not drop the socket and every context on it
+            logger.exception("[ws %s] message failed", self.id)
+            self.runtime.metrics.error("internal_error")
+            await self.send(ErrorEvent("internal_error", "the message failed on the server"))
 
     async def _execute(self, actions: list[Action]) -> None:
         for action in actions:
@@ -225,6 +266,11 @@ class _Connection:
                 runner = self._runners.pop(action.context_id, None)
                 if runner is not None:
                     await runner.stop()
+            elif isinstance(action, Release):
+                self._cancel_wake(action.context_id)
+                runner = self._runners.pop(action.context_id, None)
+                if runner is not None:
+                    runner.finish()
             elif isinstance(action, Send):
                 await self.send(action.event)
             elif isinstance(action, Close):

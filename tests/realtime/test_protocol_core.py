@@ -23,6 +23,7 @@ from realtime.protocol.core import (
     NativeDialect,
     ProtocolError,
     ProtocolLimits,
+    Release,
     Send,
     Speak,
     StartContext,
@@ -56,14 +57,14 @@ def test_end_finishes_once_every_speak_is_done():
     p.handle(AppendText("c", "One. Two"))
     assert spoken(p.handle(EndContext("c"))) == ["Two"]
     assert p.speech_done("c") == []
-    assert p.speech_done("c") == [Send(ContextDone("c", cancelled=False))]
+    assert p.speech_done("c") == [Release("c"), Send(ContextDone("c", cancelled=False))]
     assert not p.has_context("c")
 
 
 def test_end_with_nothing_pending_is_done_at_once():
     p = protocol()
     p.handle(StartContext("c"))
-    assert p.handle(EndContext("c")) == [Send(ContextDone("c", cancelled=False))]
+    assert p.handle(EndContext("c")) == [Release("c"), Send(ContextDone("c", cancelled=False))]
 
 
 def test_cancel_aborts_and_acknowledges_and_late_reports_are_ignored():

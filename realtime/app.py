@@ -10,24 +10,29 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from realtime.config import ServiceConfig
 from realtime.runtime import Runtime
+from realtime.session import ServiceError
 from realtime.transports import cartesia_http, elevenlabs_http, http, ws
 from realtime.transports.webrtc import WebRTCGateway
 
 logger = logging.getLogger(__name__)
 
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"
+# Paths whose errors take OpenAI's shape (the HTTP API; the web page keeps plain text).
+API_PREFIX = "/v1/"
+ALL_METHODS = {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"}
 
 
 def server_config(
@@ -50,6 +55,32 @@ def server_config(
         timeout_graceful_shutdown=int(config.drain_timeout_s) + 1,
         log_level=log_level,
     )
+
+
+def _method_not_allowed(routes: list[BaseRoute]) -> list[Route]:
+    """For each API path, a route answering every method it does not serve: 405 in OpenAI's shape
+    with `Allow` (the web page's mount at `/` would otherwise answer 404 to, say, a GET)."""
+    allowed: dict[str, set[str]] = {}
+    for route in routes:
+        if isinstance(route, Route) and route.path.startswith(API_PREFIX) and route.methods:
+            allowed.setdefault(route.path, set()).update(route.methods)
+
+    def refuse(methods: set[str]) -> Callable[[Request], Awaitable[Response]]:
+        allow = ", ".join(sorted(methods))
+
+        async def endpoint(request: Request) -> Response:
+            message = f"{request.method} is not allowed on {request.url.path}; use {allow}"
+            error = ServiceError("method_not_allowed", message, 405)
+            response = http.error_response(error)
+            response.headers["Allow"] = allow
+            return response
+
+        return endpoint
+
+    return [
+        Route(path, refuse(methods), methods=sorted(ALL_METHODS - methods))
+        for path, methods in allowed.items()
+    ]
 
 
 def create_app(config: ServiceConfig, runtime: Runtime | None = None) -> Starlette:
@@ -88,8 +119,26 @@ def create_app(config: ServiceConfig, runtime: Runtime | None = None) -> Starlet
         *ws.routes(runtime),
         *webrtc.routes(),
     ]
+    routes.extend(_method_not_allowed(routes))
     if (WEB_DIR / "index.html").is_file():
         routes.append(Mount("/", StaticFiles(directory=WEB_DIR, html=True), name="web"))
-    app = Starlette(routes=routes, lifespan=lifespan)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        if not request.url.path.startswith(API_PREFIX):
+            return PlainTextResponse(exc.detail, exc.status_code, headers=exc.headers)
+        code = "not_found" if exc.status_code == 404 else "http_error"
+        return http.error_response(ServiceError(code, f"{exc.detail}: {request.url.path}", exc.status_code))
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        # Starlette logs the traceback; the client gets OpenAI's shape and the count goes up.
+        runtime.metrics.error("internal_error")
+        return http.error_response(ServiceError("internal_error", "the server failed on this request", 500))
+
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={HTTPException: http_error, Exception: server_error},
+    )
     app.state.runtime = runtime
     return app

@@ -3,7 +3,8 @@
 The core (`AgentProtocol`) knows nothing of sockets or engines. Dialects (this module's
 `NativeDialect`, `cartesia.py`, `elevenlabs.py`) turn frames into `Command`s and events into frames;
 the core turns commands into `Action`s the transport executes (speak this text in that context, abort
-a context, release an ended one, send an event, close); the transport reports back when a `Speak` has been fully sent.
+a context, release an ended one, send an event, close); the transport reports back when a `Speak` has
+been fully sent.
 
 Native wire format (`/v1/ws`)
 =============================
@@ -70,9 +71,11 @@ from typing import Any, Protocol
 from engines.errors import CodedError
 from engines.llm.base import PromptMode
 from engines.text import StreamingSentenceSplitter
+from realtime import validation
 from realtime.audio import MAX_SPEED, MIN_SPEED, SUPPORTED_RATES, Encoding
 from realtime.input_streaming import Cut, InputStreamingDefaults, PendingText, StreamingHints, decide
 from realtime.session import ServiceError, WordTiming, language_code
+from realtime.validation import MAX_SEED, InvalidInput, is_valid_text, parse_json
 
 AUDIO_FRAME_KIND = 0x01
 _NATIVE_ENCODINGS = {e.value: e for e in (Encoding.PCM_S16LE, Encoding.PCM_F32LE, Encoding.MULAW)}
@@ -387,6 +390,11 @@ class AgentProtocol:
         if not MIN_SPEED <= command.speed <= MAX_SPEED:
             message = f"speed must be between {MIN_SPEED} and {MAX_SPEED:g}, got {command.speed}"
             raise ProtocolError("invalid_speed", message, cid)
+        try:
+            validation.seed(command.seed)
+            validation.fixed_length(command.fixed_length)
+        except InvalidInput as exc:
+            raise ProtocolError(exc.code, exc.message, cid) from None
         self._contexts[cid] = _Context(command, StreamingSentenceSplitter(self._limits.sentence_max_chars))
         return []
 
@@ -462,11 +470,9 @@ def parse_json_object(frame: str | bytes) -> dict[str, Any]:
     if isinstance(frame, bytes):
         raise ProtocolError("binary_not_accepted", "send JSON text frames; binary frames are not accepted")
     try:
-        message = json.loads(frame)
-    except json.JSONDecodeError as exc:
-        raise ProtocolError(
-            "invalid_json", f"the message is not valid JSON ({exc.msg} at {exc.pos})"
-        ) from None
+        message = parse_json(frame)
+    except InvalidInput as exc:
+        raise ProtocolError(exc.code, exc.message) from None
     if not isinstance(message, dict):
         raise ProtocolError("invalid_message", "a message must be a JSON object")
     return message
@@ -479,8 +485,11 @@ def field_of(
     default: Any = None,
     required: bool = False,
 ) -> Any:
-    """`message[name]` checked against `kind` (bools are never numbers); ProtocolError otherwise."""
+    """`message[name]` checked against `kind` (bools are never numbers; integers fit 64 bits; strings
+    are valid Unicode); ProtocolError otherwise."""
     context_id = message.get("context_id") if isinstance(message.get("context_id"), str) else None
+    if context_id is not None and not is_valid_text(context_id):
+        context_id = None
     if name not in message or message[name] is None:
         if required:
             raise ProtocolError("invalid_message", f"'{name}' is required", context_id)
@@ -490,6 +499,10 @@ def field_of(
         raise ProtocolError("invalid_message", f"'{name}' has the wrong type", context_id)
     if not isinstance(value, kind):
         raise ProtocolError("invalid_message", f"'{name}' has the wrong type", context_id)
+    if isinstance(value, int) and not -MAX_SEED - 1 <= value <= MAX_SEED:
+        raise ProtocolError("out_of_range", f"'{name}' is out of range", context_id)
+    if isinstance(value, str) and not is_valid_text(value):
+        raise ProtocolError("invalid_text", f"'{name}' is not valid Unicode (a lone surrogate)", context_id)
     return value
 
 

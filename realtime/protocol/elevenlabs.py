@@ -72,6 +72,11 @@ _MP3_KBPS = range(8, 321)
 _OPUS_KBPS = range(6, 257)
 
 
+def _is_number(text: str) -> bool:
+    """ASCII digits of a plausible size (`int` refuses other Unicode digits and 4300+ of them)."""
+    return text.isascii() and text.isdigit() and len(text) <= 6
+
+
 @dataclass(frozen=True)
 class OutputFormat:
     """One ElevenLabs `output_format`: what the chunks are encoded as."""
@@ -87,8 +92,8 @@ def parse_output_format(name: str) -> OutputFormat:
     """The `OutputFormat` of an ElevenLabs `output_format`; ProtocolError for the ones we lack."""
     kind, _, rest = name.partition("_")
     rate_text, _, kbps_text = rest.partition("_")
-    rate = int(rate_text) if rate_text.isdigit() else 0
-    kbps = int(kbps_text) if kbps_text.isdigit() else None
+    rate = int(rate_text) if _is_number(rate_text) else 0
+    kbps = int(kbps_text) if _is_number(kbps_text) else None
     if kind == "pcm" and rate in SUPPORTED_RATES and not kbps_text:
         return OutputFormat(name, rate, Encoding.PCM_S16LE, None, "audio/pcm")
     if name == "ulaw_8000":

@@ -35,10 +35,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from engines.llm.base import PromptMode, SamplingParams
+from realtime import validation
 from realtime.audio import StreamEncoder, make_stream_encoder
 from realtime.runtime import Runtime
-from realtime.session import ServiceError, Session, SpeechRequest
+from realtime.session import AudioChunk, ServiceError, Session, SpeechRequest
 from realtime.transports.body import BodyTooLarge, read_body
+from realtime.validation import InvalidInput
 from realtime.voice_aliases import resolve_voice
 from realtime.voices import check_voice_id
 
@@ -98,9 +100,10 @@ def parse_speech_body(body: Any) -> SpeechParams:
         raise _ParamError(
             "model", f"unknown model {model!r}; use one of {', '.join(MODELS)}", "model_not_found"
         )
-    text = body.get("input")
-    if not isinstance(text, str):
-        raise _ParamError("input", "'input' must be a string", "invalid_type")
+    try:
+        text = validation.text(body.get("input"), "input")
+    except InvalidInput as exc:
+        raise _ParamError("input", exc.message, exc.code) from None
     voice = body.get("voice", "default")
     if not isinstance(voice, str):
         raise _ParamError("voice", "'voice' must be a string (a voice id)", "invalid_type")
@@ -114,25 +117,20 @@ def parse_speech_body(body: Any) -> SpeechParams:
     stream_format = body.get("stream_format", "audio")
     if stream_format not in STREAM_FORMATS:
         raise _ParamError("stream_format", f"stream_format must be 'audio' or 'sse', got {stream_format!r}")
-    speed = body.get("speed", 1.0)
-    if isinstance(speed, bool) or not isinstance(speed, int | float):
-        raise _ParamError("speed", "'speed' must be a number", "invalid_type")
-    seed, fixed_length = body.get("seed"), body.get("fixed_length")
-    for name, value in (("seed", seed), ("fixed_length", fixed_length)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise _ParamError(name, f"'{name}' must be an integer", "invalid_type")
     try:
-        sampling = SamplingParams(seed=seed, fixed_length=fixed_length)
-    except ValueError as exc:
-        raise _ParamError("fixed_length", str(exc)) from exc
-    instructions, language, mode = body.get("instructions"), body.get("language"), body.get("mode")
-    for name, value in (("instructions", instructions), ("language", language), ("mode", mode)):
-        if value is not None and not isinstance(value, str):
-            raise _ParamError(name, f"'{name}' must be a string", "invalid_type")
+        speed = validation.speed(body.get("speed", 1.0))
+        seed = validation.seed(body.get("seed"))
+        sampling = SamplingParams(seed=seed, fixed_length=validation.fixed_length(body.get("fixed_length")))
+        instructions, language, mode = body.get("instructions"), body.get("language"), body.get("mode")
+        for name, value in (("instructions", instructions), ("language", language), ("mode", mode)):
+            if value is not None:
+                validation.text(value, name)
+    except InvalidInput as exc:
+        raise _ParamError(exc.field or "body", exc.message, exc.code) from None
     if mode is not None and mode not in set(PromptMode):
         raise _ParamError("mode", f"mode must be one of {', '.join(PromptMode)}", "invalid_mode")
     try:
-        request = SpeechRequest(text=text, voice=voice, sampling=sampling, speed=float(speed),
+        request = SpeechRequest(text=text, voice=voice, sampling=sampling, speed=speed,
                                 instructions=instructions, language=language,
                                 mode=PromptMode(mode) if mode is not None else None)
     except ServiceError as exc:
@@ -145,11 +143,31 @@ async def _encode(encoder: StreamEncoder, inline: bool, pcm: Any) -> bytes:
     return encoder.encode(pcm) if inline else await asyncio.to_thread(encoder.encode, pcm)
 
 
-async def _audio_bytes(session: Session, encoder: StreamEncoder, inline: bool) -> AsyncIterator[bytes]:
+async def _first_chunk(session: Session) -> AudioChunk | None:
+    """The session's first chunk (None if it has none); closes the session when it fails."""
+    try:
+        return await anext(session)
+    except StopAsyncIteration:
+        return None
+    except BaseException:
+        await session.aclose()
+        raise
+
+
+async def _chunks(first: AudioChunk | None, session: Session) -> AsyncIterator[AudioChunk]:
+    if first is not None:
+        yield first
+    async for chunk in session:
+        yield chunk
+
+
+async def _audio_bytes(
+    session: Session, chunks: AsyncIterator[AudioChunk], encoder: StreamEncoder, inline: bool
+) -> AsyncIterator[bytes]:
     """The encoded file, piece by piece as chunks are synthesised; closes the session at the end.
     `inline`: the encoder is cheap enough to run on the event loop."""
     try:
-        async for chunk in session:
+        async for chunk in chunks:
             data = await _encode(encoder, inline, chunk.pcm)
             if data:
                 yield data
@@ -160,21 +178,25 @@ async def _audio_bytes(session: Session, encoder: StreamEncoder, inline: bool) -
         await session.aclose()
 
 
-async def _speech_bytes(session: Session, encoder: StreamEncoder, inline: bool) -> AsyncIterator[bytes]:
+async def _speech_bytes(
+    session: Session, chunks: AsyncIterator[AudioChunk], encoder: StreamEncoder, inline: bool
+) -> AsyncIterator[bytes]:
     try:
-        async for data in _audio_bytes(session, encoder, inline):
+        async for data in _audio_bytes(session, chunks, encoder, inline):
             yield data
     except ServiceError as exc:
         # Headers are gone: end the body early; the client sees a truncated file.
         logger.warning("[%s] speech stream ended early: %s", session.session_id, exc.code)
 
 
-async def _speech_events(session: Session, encoder: StreamEncoder, inline: bool) -> AsyncIterator[bytes]:
+async def _speech_events(
+    session: Session, chunks: AsyncIterator[AudioChunk], encoder: StreamEncoder, inline: bool
+) -> AsyncIterator[bytes]:
     def event(payload: dict[str, Any]) -> bytes:
         return f"data: {json.dumps(payload)}\n\n".encode()
 
     try:
-        async for data in _audio_bytes(session, encoder, inline):
+        async for data in _audio_bytes(session, chunks, encoder, inline):
             yield event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
     except ServiceError as exc:
         yield event(
@@ -204,14 +226,17 @@ def routes(runtime: Runtime) -> list[BaseRoute]:
         try:
             raw = await read_body(request, MAX_JSON_BYTES)
             try:
-                body = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise _ParamError("body", "the body is not valid JSON", "invalid_json") from None
+                body = validation.parse_json(raw)
+            except InvalidInput as exc:
+                raise _ParamError("body", exc.message, exc.code) from None
             params = parse_speech_body(body)
             voice = resolve_voice(
                 params.request.voice, lambda name: name in runtime.voices, runtime.config.voice_aliases
             )
             session = runtime.speak(dataclasses.replace(params.request, voice=voice))
+            # An error before the first audio (text the front end refuses, a length the engine
+            # cannot hold) still gets its status code: the headers wait for the first chunk.
+            first = await _first_chunk(session)
         except _ParamError as exc:
             runtime.metrics.error(exc.code)
             return error_response(exc, exc.param)
@@ -222,13 +247,16 @@ def routes(runtime: Runtime) -> list[BaseRoute]:
             return error_response(exc, _PARAM_OF_CODE.get(exc.code))
         encoder = make_stream_encoder(params.response_format)
         inline = params.response_format in _INLINE_FORMATS
+        chunks = _chunks(first, session)
         if params.stream_format == "sse":
             return StreamingResponse(
-                _speech_events(session, encoder, inline),
+                _speech_events(session, chunks, encoder, inline),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        return StreamingResponse(_speech_bytes(session, encoder, inline), media_type=encoder.content_type)
+        return StreamingResponse(
+            _speech_bytes(session, chunks, encoder, inline), media_type=encoder.content_type
+        )
 
     async def list_voices(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [_voice_json(v) for v in runtime.voices.list()]})
@@ -296,6 +324,8 @@ async def _read_voice_upload(request: Request, max_bytes: int) -> tuple[str, byt
             raise _ParamError(
                 "transcript", "'transcript' (what the clip says) is required", "missing_transcript"
             )
+        if not validation.is_valid_text(transcript):
+            raise _ParamError("transcript", "'transcript' is not valid Unicode", "invalid_text")
         if not isinstance(voice_id, str):
             raise _ParamError("voice_id", "'voice_id' is required", "missing_voice_id")
         try:

@@ -48,6 +48,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engines.llm.base import PromptMode, SamplingParams
+from realtime import validation
 from realtime.audio import Resampler, to_pcm16
 from realtime.config import WebRTCConfig
 from realtime.runtime import Runtime
@@ -56,10 +57,12 @@ from realtime.transports.audio_track import OPUS_RATE, Playout, SpeechTrack
 from realtime.transports.body import read_body
 from realtime.transports.http import error_response
 from realtime.transports.ice import advertise_only, rtc_configuration
+from realtime.validation import InvalidInput
 
 logger = logging.getLogger(__name__)
 
 MAX_OFFER_BYTES = 64 * 1024
+MAX_UTTERANCE_ID_CHARS = 128
 # How long a cancelled utterance may take to release its engine slot before the next one starts anyway.
 CANCEL_TIMEOUT_S = 2.0
 
@@ -100,39 +103,40 @@ def parse_control(message: str | bytes) -> Speak | Cancel:
     if isinstance(message, bytes):
         raise ControlError("control messages are JSON text, not binary")
     try:
-        body = json.loads(message)
-    except json.JSONDecodeError:
-        raise ControlError("control message is not valid JSON") from None
+        body = validation.parse_json(message)
+    except InvalidInput as exc:
+        raise ControlError(f"control message: {exc.message}") from None
     if not isinstance(body, dict):
         raise ControlError("control message must be a JSON object")
     kind = body.get("type")
     if kind == "cancel":
         return Cancel()
     if kind != "speak":
-        raise ControlError(f"unknown control message type {kind!r}; expected 'speak' or 'cancel'")
-    text, voice, utterance_id = body.get("text"), body.get("voice", "default"), body.get("id")
-    speed, seed, fixed_length = body.get("speed", 1.0), body.get("seed"), body.get("fixed_length")
-    if not isinstance(text, str) or not text.strip():
+        kind_shown = kind if isinstance(kind, str | int | float | None) else type(kind).__name__
+        raise ControlError(f"unknown control message type {kind_shown!r}; expected 'speak' or 'cancel'")
+    try:
+        text = validation.text(body.get("text"), "text")
+        voice = validation.text(body.get("voice", "default"), "voice")
+        utterance_id = body.get("id")
+        if utterance_id is not None:
+            utterance_id = validation.text(utterance_id, "id")
+            if not 1 <= len(utterance_id) <= MAX_UTTERANCE_ID_CHARS:
+                raise ControlError(f"speak 'id' must have 1 to {MAX_UTTERANCE_ID_CHARS} characters")
+        speed = validation.speed(body.get("speed", 1.0))
+        seed = validation.seed(body.get("seed"))
+        fixed_length = validation.fixed_length(body.get("fixed_length"))
+    except InvalidInput as exc:
+        raise ControlError(f"speak: {exc.message}") from None
+    if not text.strip():
         raise ControlError("speak needs a non-empty 'text' string")
-    if not isinstance(voice, str):
-        raise ControlError("speak 'voice' must be a string")
-    if utterance_id is not None and not isinstance(utterance_id, str):
-        raise ControlError("speak 'id' must be a string")
-    if isinstance(speed, bool) or not isinstance(speed, int | float):
-        raise ControlError("speak 'speed' must be a number")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ControlError("speak 'seed' must be an integer")
-    if fixed_length is not None and (
-        isinstance(fixed_length, bool) or not isinstance(fixed_length, int) or fixed_length < 1
-    ):
-        raise ControlError("speak 'fixed_length' must be a positive integer")
     style = [body.get(name) for name in ("instructions", "language", "mode")]
-    if any(value is not None and not isinstance(value, str) for value in style):
-        raise ControlError("speak 'instructions', 'language' and 'mode' must be strings")
+    valid = [value is None or (isinstance(value, str) and validation.is_valid_text(value)) for value in style]
+    if not all(valid):
+        raise ControlError("speak 'instructions', 'language' and 'mode' must be strings of valid Unicode")
     instructions, language, mode = style
     if mode is not None and mode not in set(PromptMode):
         raise ControlError(f"speak 'mode' must be one of {', '.join(PromptMode)}")
-    return Speak(text, voice, utterance_id, float(speed), seed, fixed_length, instructions, language,
+    return Speak(text, voice, utterance_id, speed, seed, fixed_length, instructions, language,
                  PromptMode(mode) if mode is not None else None)
 
 
@@ -140,8 +144,8 @@ def check_offer(sdp: str) -> None:
     """Refuse offers this transport cannot answer, before any peer connection is made."""
     try:
         description = SessionDescription.parse(sdp)
-    except (AssertionError, ValueError, IndexError, KeyError):
-        # aiortc's SDP parser reports malformed lines through asserts and lookups.
+    except Exception:
+        # aiortc's SDP parser reports malformed lines through asserts, lookups and conversions.
         raise ServiceError("bad_offer", "the offer is not valid SDP", 400) from None
     kinds = [media.kind for media in description.media]
     if not kinds:
@@ -186,7 +190,7 @@ class WebRTCSession:
         """Apply the browser's offer and return the complete answer (all local candidates gathered)."""
         try:
             await self._pc.setRemoteDescription(offer)
-        except ValueError as exc:
+        except Exception as exc:  # aiortc refuses what it cannot negotiate in several ways
             raise ServiceError("bad_offer", f"the offer was refused: {exc}", 400) from None
         self._pc.addTrack(self._track)
         with advertise_only(self._config.host_addresses):
@@ -251,6 +255,7 @@ class WebRTCSession:
         try:
             command = parse_control(message)
         except ControlError as exc:
+            self._runtime.metrics.error("bad_message")
             self._send({"type": "error", "code": "bad_message", "message": exc.message})
             return
         previous = self._cancel_utterance()
@@ -295,6 +300,12 @@ class WebRTCSession:
         except asyncio.CancelledError:
             self._send({"type": "done", "id": utterance_id, "cancelled": True})
             raise
+        except Exception:  # a bug must not take the session down: the utterance ends with an error
+            logger.exception("webrtc %s: utterance failed", self.id)
+            self._runtime.metrics.error("internal_error")
+            message = "the utterance failed on the server"
+            self._send({"type": "error", "id": utterance_id, "code": "internal_error", "message": message})
+            return
         finally:
             if first_audio is not None:
                 first_audio.cancel()
@@ -377,13 +388,14 @@ class WebRTCGateway:
 async def _read_offer(request: Request) -> RTCSessionDescription:
     body = await read_body(request, MAX_OFFER_BYTES)
     try:
-        payload = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        payload = validation.parse_json(body)
+    except InvalidInput:
         raise ServiceError("bad_offer", 'the body must be JSON: {"sdp": ..., "type": "offer"}', 400) from None
     if (
         not isinstance(payload, dict)
         or payload.get("type") != "offer"
         or not isinstance(payload.get("sdp"), str)
+        or not validation.is_valid_text(payload["sdp"])
     ):
         raise ServiceError("bad_offer", 'the body must be {"sdp": <string>, "type": "offer"}', 400)
     return RTCSessionDescription(sdp=payload["sdp"], type="offer")

@@ -134,6 +134,54 @@ async def test_bad_requests_get_openai_shaped_errors(live_server, body, status, 
     assert error["param"] == param and error["code"] == code and error["message"]
 
 
+@pytest.mark.parametrize(
+    ("raw", "param", "code"),
+    [
+        ('{"input": "hi", "speed": 1e400}', "body", "invalid_json"),
+        ('{"input": "hi", "speed": NaN}', "body", "invalid_json"),
+        ('{"input": "hi", "speed": ' + "9" * 400 + "}", "speed", "invalid_speed"),
+        ('{"input": "hi", "seed": ' + "9" * 40 + "}", "seed", "out_of_range"),
+        ('{"input": "hi", "seed": -1}', "seed", "out_of_range"),
+        ('{"input": "hi", "fixed_length": 0}', "fixed_length", "out_of_range"),
+        ('{"input": "hi", "fixed_length": 1000000000}', "fixed_length", "out_of_range"),
+        ('{"input": "\\ud800 hi"}', "input", "invalid_text"),
+        ('{"input": "hi", "x": ' + "[" * 100_000 + "]" * 100_000 + "}", "body", "invalid_json"),
+        ('{"input": "hi", "x": ' + "[" * 40 + "]" * 40 + "}", "body", "invalid_json"),
+        ('{"input": "hi", "x": ' + "1" * 5000 + "}", "body", "invalid_json"),
+    ],
+)
+async def test_malformed_values_are_refused_before_any_audio(live_server, raw, param, code):
+    async with httpx.AsyncClient(base_url=live_server.http_url) as http:
+        response = await http.post(
+            "/v1/audio/speech", content=raw.encode(), headers={"content-type": "application/json"}
+        )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["code"] == code and error["message"]
+    assert error["type"] == "invalid_request_error"
+
+
+async def test_an_error_after_admission_is_a_status_not_an_empty_200(live_server):
+    """Text the front end refuses only once admitted still gets its status: the headers wait for the
+    first audio."""
+    async with httpx.AsyncClient(base_url=live_server.http_url) as http:
+        body = {"input": "<|endofprompt|>", "response_format": "pcm"}
+        response = await http.post("/v1/audio/speech", json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "empty_text"
+
+
+async def test_wrong_methods_get_405_in_openai_shape(live_server):
+    async with httpx.AsyncClient(base_url=live_server.http_url) as http:
+        response = await http.get("/v1/audio/speech")
+        unknown = await http.get("/v1/nothing/here")
+    assert response.status_code == 405 and response.headers["allow"] == "POST"
+    error = response.json()["error"]
+    assert error["code"] == "method_not_allowed" and error["type"] == "invalid_request_error"
+    assert "POST" in error["message"]
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "not_found"
+
+
 async def test_malformed_json_body_is_refused(live_server):
     async with httpx.AsyncClient(base_url=live_server.http_url) as http:
         response = await http.post(

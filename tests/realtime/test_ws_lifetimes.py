@@ -1,9 +1,8 @@
 """Per-context resources on long-lived agent sockets end with the context, not with the socket.
 
 The README's own usage is one socket per agent and one context per turn, so a socket may speak for
-hours: every turn's task, resampler (two libav threads at any rate but 24 kHz) and queues must go
-when its context ends. The server runs in this process, so its threads and memory are this
-process's.
+hours: every turn's task, resampler and queues must go when its context ends. The server runs in
+this process, so its threads and memory are this process's.
 """
 
 from __future__ import annotations
@@ -27,9 +26,9 @@ DIALECT_TURNS = 200
 WARM_UP_TURNS = 40
 # Turns in flight at once, within max_streams; each turn opens a context of its own.
 LANES = 4
-# Leak bounds (a turn used to keep two threads and ~1.3 MiB until the socket closed): a few threads
-# of slack for the engines' and the loop's own pools, and far less memory than one leaked
-# resampler per turn.
+# Leak bounds (a turn used to keep its task, its resampler -- then two libav threads -- and ~1.3 MiB
+# until the socket closed): a few threads of slack for the engines' and the loop's own pools, and far
+# less memory than a leaked context per turn.
 THREAD_SLACK = 4
 RSS_SLACK_MIB = 64
 

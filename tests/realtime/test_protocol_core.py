@@ -202,7 +202,7 @@ def test_close_context_speaks_what_was_flushed_and_drops_the_rest():
     assert spoken(p.handle(Flush("c"))) == ["Flushed words"]
     p.handle(AppendText("c", "never flushed"))
     assert p.handle(CloseContext("c")) == []  # still speaking
-    assert p.speech_done("c") == [Send(ContextDone("c", cancelled=False))]
+    assert p.speech_done("c") == [Release("c"), Send(ContextDone("c", cancelled=False))]
     assert not p.has_context("c")
 
 
@@ -223,9 +223,9 @@ def test_draining_close_socket_waits_for_flushed_contexts():
     p.handle(AppendText("a", "Speaking now. "))
     p.handle(AppendText("b", "unflushed"))
     # b had nothing in flight: done at once; a finishes first, then the socket closes.
-    assert p.handle(CloseSocket(drain=True)) == [Send(ContextDone("b", cancelled=False))]
+    assert p.handle(CloseSocket(drain=True)) == [Release("b"), Send(ContextDone("b", cancelled=False))]
     with pytest.raises(ProtocolError) as refused:
         p.handle(AppendText("a", "more"))
     assert refused.value.code == "socket_closing"
-    assert p.speech_done("a") == [Send(ContextDone("a", cancelled=False)), Close()]
+    assert p.speech_done("a") == [Release("a"), Send(ContextDone("a", cancelled=False)), Close()]
 

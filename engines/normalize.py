@@ -13,14 +13,15 @@ the reference's order:
    "." → "。", " - " → "，", the brackets （）【】, backticks and "——" removed, trailing commas → "。".
    English: digit runs still left spelled out by `inflect` ("12" → "twelve").
 
-Departures, each for a reason (docs/fidelity.md): wetext runs on windows of whole sentences of at most
-160 characters (its cost grows faster than the text; the reference normalises the whole text at once),
-the inline tags of CosyVoice2's
+Departures, each for a reason (docs/fidelity.md): wetext runs on windows of whole sentences of about
+160 characters at most, a longer sentence cut at clauses or words (its cost grows faster than the text;
+the reference normalises the whole text at once), the inline tags of CosyVoice2's
 tokenizer (`[laughter]`, `<strong>`, …) are never handed to wetext, so they reach the tokenizer intact,
 and only ASCII digits are spelled out.
 
-wetext holds the GIL while it transduces (≈ 10–40 ms for a sentence with digits on a 2-core machine):
-callers on an event loop pay that per sentence with digits; text without digits costs microseconds.
+wetext holds the GIL while it transduces (≈ 10–40 ms for a sentence with digits, 1–3 s for a 4 KB
+text full of numbers, on the loaded 2-core dev machine): callers on an event loop pay that in full;
+text without digits costs microseconds.
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ _TAG = re.compile("(" + "|".join(re.escape(token) for token in SPECIAL_TOKENS) +
 # right after a CJK terminal, and newlines.
 _SENTENCE_GAP = re.compile(r"((?<=[.!?;])[ \t]+|(?<=[。！？；])|\n+)")
 _TRAILING_COMMAS = re.compile(r"[，,、]+$")
-# wetext's cost grows faster than the text (≈ 15 ms for 80 characters, 400 ms for 650 here): it gets
-# windows of whole sentences up to this long, which keep an abbreviation's full stop ("Jan. 5, 2024")
-# inside the context its reading depends on.
+_SOFT_BREAK = re.compile(r"[,，、:：]\s*|\s+")
+# wetext's cost grows faster than the text (≈ 15 ms for 80 characters, 400 ms for 650, 2.2 s for 900
+# without a sentence end, here): it gets windows of whole sentences up to about this long, which keep
+# an abbreviation's full stop ("Jan. 5, 2024") inside the context its reading depends on.
 WINDOW_CHARS = 160
 
 
@@ -116,18 +118,43 @@ class ReferenceNormalizer:
 
 
 def _windows(text: str) -> list[str]:
-    """`text` in consecutive pieces of whole sentences, each at most `WINDOW_CHARS` long unless one
-    sentence is longer, never across a newline; the pieces concatenate back to `text`."""
+    """`text` in consecutive pieces that concatenate back to it: whole sentences packed up to about
+    `WINDOW_CHARS`, never across a newline; a longer sentence is cut at clause or word boundaries (at
+    `WINDOW_CHARS`, outside any inline tag, when it has none), so no piece costs wetext more than a
+    window's worth."""
     pieces = _SENTENCE_GAP.split(text)  # sentence, gap, sentence, gap, …, sentence
     windows: list[str] = []
-    current = pieces[0]
-    for gap, sentence in zip(pieces[1::2], pieces[2::2], strict=True):
-        if "\n" in gap or len(current) + len(gap) + len(sentence) > WINDOW_CHARS:
-            windows += [current, gap]
-            current = sentence
-        else:
-            current += gap + sentence
+    current = ""
+    for index, piece in enumerate(pieces):
+        if index % 2 and "\n" in piece:
+            windows += [current, piece]
+            current = ""
+            continue
+        for part in [piece] if index % 2 else _bounded(piece):
+            if current.strip() and len(current) + len(part) > WINDOW_CHARS:
+                windows.append(current)
+                current = ""
+            current += part
     return [*windows, current]
+
+
+def _bounded(sentence: str) -> list[str]:
+    """`sentence` cut into parts of at most `WINDOW_CHARS` characters."""
+    parts = []
+    while len(sentence) > WINDOW_CHARS:
+        breaks = [m.end() for m in _SOFT_BREAK.finditer(sentence, 0, WINDOW_CHARS)]
+        cut = breaks[-1] if breaks else _outside_tags(sentence, WINDOW_CHARS)
+        parts.append(sentence[:cut])
+        sentence = sentence[cut:]
+    return [*parts, sentence]
+
+
+def _outside_tags(text: str, cut: int) -> int:
+    """`cut`, moved off any inline tag it would split (to the tag's start, or its end at the start)."""
+    for match in _TAG.finditer(text):
+        if match.start() < cut < match.end():
+            return match.start() or match.end()
+    return cut
 
 
 def _chinese_cleanups(text: str) -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from engines.build.tokenizer import write_qwen2_tokenizer
-from engines.normalize import WINDOW_CHARS, ReferenceNormalizer, detect_language
+from engines.normalize import WINDOW_CHARS, ReferenceNormalizer, _windows, detect_language
 from engines.text import SPECIAL_TOKENS, StreamingSentenceSplitter, TextFrontend
 
 
@@ -126,6 +126,29 @@ def test_long_text_is_normalised_in_windows_of_whole_sentences(normalize: Refere
     expected = " ".join(["I bought three apples on the fifth of january, twenty twenty four."] * (
         3 * WINDOW_CHARS // len(sentence)))
     assert normalize(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "12 " * 300,  # no sentence end at all
+        "5" * 1000,  # no break at all
+        "x" * 150 + "[laughter]" + "y" * 300,  # a hard cut would fall next to a tag
+        "y" * 155 + "[vocalized-noise]" + "z" * 300,  # … or inside one
+        "Short one. Another!\nNew line. " + "w" * 200 + ". End.",
+    ],
+)
+def test_windows_are_bounded_and_keep_the_text_and_its_tags(text: str) -> None:
+    # wetext's cost grows faster than its input: no window may be much longer than WINDOW_CHARS.
+    windows = _windows(text)
+    assert "".join(windows) == text
+    assert max(len(window) for window in windows) <= WINDOW_CHARS + 1
+    for tag in ("[laughter]", "[vocalized-noise]"):
+        assert sum(window.count(tag) for window in windows) == text.count(tag)
+
+
+def test_a_long_text_without_sentence_ends_is_normalised_whole(normalize: ReferenceNormalizer) -> None:
+    assert normalize("12 " * 200) == " ".join(["twelve"] * 200)
 
 
 def test_streamed_sentences_are_normalised_as_they_are_cut(normalize: ReferenceNormalizer) -> None:

@@ -117,3 +117,25 @@ def test_instructions_empty_or_too_long_are_refused(frontend: TextFrontend) -> N
 def test_unknown_bracket_rule_survives_tokenization(tmp_path: Path, frontend: TextFrontend) -> None:
     spoken = frontend.prepare("Footnote [12] says [applause] hi")
     assert spoken == "Footnote [12] says hi"
+
+
+@pytest.mark.parametrize("text", [
+    "It cost 25 dollars [laughter] on 3 May, <strong>12 times</strong> more [breath].",
+    "他笑了[laughter]，说了3次<strong>好的</strong>[breath]。",
+])
+def test_tags_survive_the_reference_normalisation_and_segmentation(tmp_path: Path, text: str) -> None:
+    from engines.normalize import ReferenceNormalizer
+
+    write_qwen2_tokenizer(tmp_path, vocab_size=1500)
+    front = TextFrontend(tmp_path, ReferenceNormalizer())
+    segments = front.split_segments(text, max_tokens=8, merge_len=0)
+    spoken = "".join(segments)
+    known = (*BRACKET_TAGS, *(tag for pair in PAIRED_TAGS for tag in pair))
+    tags = re.compile("|".join(re.escape(tag) for tag in known))
+    assert tags.findall(spoken) == tags.findall(text)
+    # Every paired span still within one segment.
+    assert sum(len(_tag_pieces(segment)) for segment in segments) == len(_tag_pieces(text))
+    assert "25" not in spoken and "3" not in spoken  # the numbers were normalised around the tags
+    for segment in segments:
+        ids = front.encode(segment)
+        assert ids.count(front.token_id("[breath]")) == segment.count("[breath]")

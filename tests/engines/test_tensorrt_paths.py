@@ -8,6 +8,7 @@ layout and backend selection. Tests that need `tensorrt_llm` or `tensorrt` skip,
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import json
 import os
@@ -37,7 +38,7 @@ from engines.build.tensorrt import (
 from engines.build.tokenizer import write_qwen2_tokenizer
 from engines.config import MANIFEST_NAME, ModelConfigs, ModelPaths
 from engines.llm.auto import select_llm, tensorrt_llm_unavailable
-from engines.llm.base import LLMError, LLMRequest, SamplingParams
+from engines.llm.base import LLMError, LLMPrompt, LLMRequest, PromptMode, SamplingParams
 from engines.llm.hf_export import SpeechVocab, is_exported
 from engines.llm.model import CosyVoice2LM
 from engines.llm.trtllm import (
@@ -591,3 +592,22 @@ def test_llm_selection_explains_why_tensorrt_llm_is_not_used(models_dir: Path) -
     assert "holds no engine" in str(tensorrt_llm_unavailable(models_dir, "cuda"))
     with pytest.raises(RuntimeError, match="cannot run"):
         select_llm(models_dir, "tensorrt_llm", device="cpu")
+
+
+async def test_engine_enqueues_each_modes_prompt_and_refuses_modes_it_does_not_serve(
+        engine_dirs: TrtLlmConfig) -> None:
+    instruct = LLMPrompt(PromptMode.INSTRUCT2, (5, 6, 7), ())
+    cross = LLMPrompt(PromptMode.CROSS_LINGUAL, (), ())
+    fake = FakeExecutorBindings(script=[1001, VOCAB.eos_ids[0]])
+    config = dataclasses.replace(engine_dirs, modes=frozenset({PromptMode.ZERO_SHOT, PromptMode.INSTRUCT2}))
+    engine = TrtLlmEngine(config, bindings=fake)  # type: ignore[arg-type]
+    await engine.start()
+    try:
+        stream = engine.submit(instruct.request("i", [10, 11], SamplingParams()))
+        assert await asyncio.wait_for(_collect(stream), 5) == [1]
+        assert fake.requests[0].input_token_ids == [VOCAB.sos_id, 5, 6, 7, 10, 11, VOCAB.task_id]
+        with pytest.raises(LLMError) as refused:
+            engine.submit(cross.request("c", [10], SamplingParams()))
+        assert refused.value.code == "mode_not_supported" and len(fake.requests) == 1
+    finally:
+        await engine.stop()

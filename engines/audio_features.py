@@ -38,54 +38,116 @@ FLOW_MELS = 80
 FLOW_FMAX = 8000.0
 
 
+# Sample rates a reference clip may have; outside them a file is refused before any sample is decoded.
+MIN_DECODE_RATE = 8000
+MAX_DECODE_RATE = 384000
+_DECODE_BLOCK_FRAMES = 1 << 16
+
+
 class AudioDecodeError(ValueError):
     """Bytes or a file that no available decoder reads as audio."""
 
 
-def decode_audio(source: bytes | Path | str) -> tuple[np.ndarray, int]:
+class AudioTooLong(AudioDecodeError):
+    """Audio longer than the caller's limit; decoding stopped there."""
+
+    def __init__(self, max_seconds: float) -> None:
+        super().__init__(f"the audio is longer than {max_seconds:g} s")
+        self.max_seconds = max_seconds
+
+
+def decode_audio(source: bytes | Path | str, max_seconds: float | None = None) -> tuple[np.ndarray, int]:
     """Decode a file path or encoded bytes to (mono float32 samples in [-1, 1], sample rate).
 
     WAV/FLAC/OGG-Vorbis go through libsndfile; anything else (mp3, opus, webm, m4a, …) through
-    PyAV/FFmpeg. Channels are averaged.
+    PyAV/FFmpeg. Channels are averaged. Decoding is streamed block by block: with `max_seconds`, it
+    stops with `AudioTooLong` as soon as the audio passes that length, so a small file that expands to
+    hours of audio costs no more memory than `max_seconds` of it. Sample rates outside
+    [MIN_DECODE_RATE, MAX_DECODE_RATE] are refused before decoding.
     """
     data = source if isinstance(source, bytes) else Path(source).read_bytes()
     if not data:
         raise AudioDecodeError("audio is empty (0 bytes)")
     try:
-        return _decode_soundfile(data)
+        return _decode_soundfile(data, max_seconds)
+    except AudioDecodeError:
+        raise
     except (RuntimeError, TypeError, ValueError):
         pass  # libsndfile does not know this container: try FFmpeg.
     try:
-        return _decode_av(data)
+        return _decode_av(data, max_seconds)
+    except AudioDecodeError:
+        raise
     except Exception as exc:  # PyAV raises a family of FFmpeg errors with no common base besides Exception.
         raise AudioDecodeError(f"not a readable audio file: {exc}") from exc
 
 
-def _decode_soundfile(data: bytes) -> tuple[np.ndarray, int]:
+class UnsupportedSampleRate(AudioDecodeError):
+    """Audio at a sample rate outside [MIN_DECODE_RATE, MAX_DECODE_RATE]."""
+
+    def __init__(self, rate: int) -> None:
+        super().__init__(
+            f"sample rate {rate} Hz is not supported; use {MIN_DECODE_RATE} to {MAX_DECODE_RATE} Hz"
+        )
+
+
+def _check_rate(rate: int) -> None:
+    if not MIN_DECODE_RATE <= rate <= MAX_DECODE_RATE:
+        raise UnsupportedSampleRate(rate)
+
+
+class _Collector:
+    """Mono blocks gathered until `max_samples` would be passed."""
+
+    def __init__(self, rate: int, max_seconds: float | None) -> None:
+        self.rate = rate
+        self._max_seconds = max_seconds
+        self._max_samples = None if max_seconds is None else math.floor(max_seconds * rate)
+        self._blocks: list[np.ndarray] = []
+        self._count = 0
+
+    def add(self, mono: np.ndarray) -> None:
+        self._count += mono.size
+        if self._max_samples is not None and self._count > self._max_samples:
+            assert self._max_seconds is not None
+            raise AudioTooLong(self._max_seconds)
+        self._blocks.append(mono.astype(np.float32, copy=False))
+
+    def samples(self) -> np.ndarray:
+        if not self._blocks:
+            raise AudioDecodeError("the audio stream holds no samples")
+        return np.concatenate(self._blocks)
+
+
+def _decode_soundfile(data: bytes, max_seconds: float | None) -> tuple[np.ndarray, int]:
     import soundfile
 
-    samples, sample_rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
-    return samples.mean(axis=1), int(sample_rate)
+    with soundfile.SoundFile(io.BytesIO(data)) as sound:
+        rate = int(sound.samplerate)
+        _check_rate(rate)
+        collector = _Collector(rate, max_seconds)
+        for block in sound.blocks(_DECODE_BLOCK_FRAMES, dtype="float32", always_2d=True):
+            collector.add(block.mean(axis=1))
+    return collector.samples(), rate
 
 
-def _decode_av(data: bytes) -> tuple[np.ndarray, int]:
+def _decode_av(data: bytes, max_seconds: float | None) -> tuple[np.ndarray, int]:
     import av
 
     with av.open(io.BytesIO(data), mode="r") as container:
         if not container.streams.audio:
             raise AudioDecodeError("no audio stream in the file")
         stream = container.streams.audio[0]
-        resampler = av.AudioResampler(format="fltp", layout="mono", rate=stream.rate)
-        pieces = [
-            out.to_ndarray().reshape(-1)
-            for frame in container.decode(stream)
-            for out in resampler.resample(frame)
-        ]
-        pieces.extend(out.to_ndarray().reshape(-1) for out in resampler.resample(None))
-        sample_rate = int(stream.rate)
-    if not pieces:
-        raise AudioDecodeError("the audio stream holds no samples")
-    return np.concatenate(pieces).astype(np.float32), sample_rate
+        rate = int(stream.rate)
+        _check_rate(rate)
+        collector = _Collector(rate, max_seconds)
+        resampler = av.AudioResampler(format="fltp", layout="mono", rate=rate)
+        for frame in container.decode(stream):
+            for out in resampler.resample(frame):
+                collector.add(out.to_ndarray().reshape(-1))
+        for out in resampler.resample(None):
+            collector.add(out.to_ndarray().reshape(-1))
+    return collector.samples(), rate
 
 
 def hz_to_mel_slaney(hz: np.ndarray | float) -> np.ndarray:

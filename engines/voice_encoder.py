@@ -18,8 +18,12 @@ import torch
 
 from engines.audio_features import (
     FLOW_SAMPLE_RATE,
+    MAX_DECODE_RATE,
+    MIN_DECODE_RATE,
     WHISPER_SAMPLE_RATE,
     AudioDecodeError,
+    AudioTooLong,
+    UnsupportedSampleRate,
     campplus_features,
     decode_audio,
     flow_mel,
@@ -104,7 +108,7 @@ class VoiceEncoder:
         text = transcript.strip()
         if not text:
             raise VoiceError("empty_transcript", "the transcript of the reference clip is empty")
-        samples, rate = self._load(audio, sample_rate)
+        samples, rate = self._load(audio, sample_rate, self.limits.max_seconds)
         self._validate(samples, rate)
         try:
             audio_16k = resample(samples, rate, WHISPER_SAMPLE_RATE)
@@ -145,7 +149,10 @@ class VoiceEncoder:
         return embedding
 
     @staticmethod
-    def _load(audio: bytes | Path | np.ndarray, sample_rate: int | None) -> tuple[np.ndarray, int]:
+    def _load(
+        audio: bytes | Path | np.ndarray, sample_rate: int | None, max_seconds: float
+    ) -> tuple[np.ndarray, int]:
+        """Samples and rate of the clip; encoded audio is decoded only up to `max_seconds`."""
         if isinstance(audio, np.ndarray):
             if sample_rate is None or sample_rate <= 0:
                 raise ValueError("sample_rate is required (and positive) for raw samples")
@@ -157,11 +164,18 @@ class VoiceEncoder:
                                                   f"{audio.shape}")
             return samples, sample_rate
         try:
-            return decode_audio(audio)
+            return decode_audio(audio, max_seconds=max_seconds)
+        except AudioTooLong:
+            raise VoiceError("audio_too_long", f"the clip lasts more than {max_seconds:g} s; at most "
+                                               f"{max_seconds:g} s is allowed") from None
+        except UnsupportedSampleRate as exc:
+            raise VoiceError("unsupported_sample_rate", str(exc)) from None
         except (AudioDecodeError, OSError) as exc:
             raise VoiceError("invalid_audio", str(exc)) from exc
 
     def _validate(self, samples: np.ndarray, rate: int) -> None:
+        if not MIN_DECODE_RATE <= rate <= MAX_DECODE_RATE:
+            raise VoiceError("unsupported_sample_rate", str(UnsupportedSampleRate(rate)))
         if not np.all(np.isfinite(samples)):
             raise VoiceError("invalid_audio", "audio contains NaN or infinite samples")
         seconds = samples.size / rate

@@ -16,15 +16,20 @@ from pathlib import Path
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from realtime.access import install_log_redaction, is_loopback
 from realtime.config import ServiceConfig
 from realtime.runtime import Runtime
 from realtime.session import ServiceError
 from realtime.transports import cartesia_http, elevenlabs_http, http, ws
+from realtime.transports.guard import Guard
+from realtime.transports.header_timeout import http_protocol
 from realtime.transports.webrtc import WebRTCGateway
 
 logger = logging.getLogger(__name__)
@@ -43,11 +48,12 @@ def server_config(
     Per-message deflate is off: PCM barely compresses, and deflating each audio frame cost the event
     loop about a millisecond per frame, which 64 streams starting together paid in series.
     """
-    return uvicorn.Config(
+    server = uvicorn.Config(
         app,
         host=host,
         port=port,
         loop="uvloop" if sys.platform != "win32" else "asyncio",
+        http=http_protocol(config.limits.header_timeout_s),
         ws="websockets-sansio",
         ws_max_size=1 << 20,
         ws_per_message_deflate=False,
@@ -55,6 +61,16 @@ def server_config(
         timeout_graceful_shutdown=int(config.drain_timeout_s) + 1,
         log_level=log_level,
     )
+    # uvicorn's access and websocket log lines include query strings, where keys may travel.
+    install_log_redaction()
+    if config.access.open and not is_loopback(host):
+        logger.warning(
+            "NO API KEYS: the service on %s:%d is open to anyone who can reach it; start it with "
+            "--api-key, --api-keys-file or $REALTIME_API_KEYS",
+            host,
+            port,
+        )
+    return server
 
 
 def _method_not_allowed(routes: list[BaseRoute]) -> list[Route]:
@@ -86,7 +102,7 @@ def _method_not_allowed(routes: list[BaseRoute]) -> list[Route]:
 def create_app(config: ServiceConfig, runtime: Runtime | None = None) -> Starlette:
     """The service app. The runtime is created (not started) here; the lifespan starts and drains it."""
     runtime = runtime or Runtime(config)
-    webrtc = WebRTCGateway(runtime, config.webrtc)
+    webrtc = WebRTCGateway(runtime, config.webrtc, config.limits.pending_offers_per_client)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -135,9 +151,20 @@ def create_app(config: ServiceConfig, runtime: Runtime | None = None) -> Starlet
         runtime.metrics.error("internal_error")
         return http.error_response(ServiceError("internal_error", "the server failed on this request", 500))
 
+    middleware = [
+        Middleware(
+            CORSMiddleware,
+            allow_origins=list(config.access.cors_origins),
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=["authorization", "content-type", "x-api-key", "xi-api-key", "cartesia-version"],
+            max_age=600,
+        ),
+        Middleware(Guard, config=config),
+    ]
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
+        middleware=middleware,
         exception_handlers={HTTPException: http_error, Exception: server_error},
     )
     app.state.runtime = runtime

@@ -13,7 +13,15 @@ from typing import get_args
 
 from engines.llm.auto import LLMBackend
 from engines.token2wav.auto import Token2WavBackend
-from realtime.config import DEFAULT_CACHE_DIR, IceServer, ServiceConfig, WebRTCConfig
+from realtime.access import KEYS_ENV, read_keys
+from realtime.config import (
+    DEFAULT_CACHE_DIR,
+    AccessConfig,
+    IceServer,
+    LimitsConfig,
+    ServiceConfig,
+    WebRTCConfig,
+)
 from realtime.placement import PlacementKind, parse_devices
 from realtime.schedule import ScheduleKind
 from realtime.voice_aliases import DEFAULT_VOICE_ALIASES, parse_alias
@@ -65,6 +73,7 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         ice_servers=tuple(_ice_server(spec) for spec in args.ice_server),
     )
     models = Path(args.models) if args.models else default_models_dir()
+    access, limits = _access_and_limits(args)
     return ServiceConfig(
         models_dir=models,
         host=args.host,
@@ -88,7 +97,57 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         llm_pacing=not args.baseline,
         webrtc=webrtc,
         voice_aliases={**DEFAULT_VOICE_ALIASES, **dict(args.voice_alias)},
+        access=access,
+        limits=limits,
     )
+
+
+# `serve` flags of LimitsConfig fields: (flag, field, type, help).
+_LIMIT_FLAGS: tuple[tuple[str, str, type, str], ...] = (
+    ("--rate-limit", "requests_per_s", float, "requests (HTTP, websockets, offers) per s per client"),
+    ("--rate-burst", "request_burst", int, "requests a client may make at once before the rate applies"),
+    ("--max-connections-per-client", "connections_per_client", int, "websockets + HTTP requests at once"),
+    ("--header-timeout", "header_timeout_s", float, "seconds a client has to send request headers"),
+    ("--body-timeout", "body_timeout_s", float, "seconds a request body may stall between pieces"),
+    ("--ws-idle-timeout", "ws_idle_timeout_s", float, "close websockets silent and not speaking this long"),
+    ("--context-idle-timeout", "context_idle_timeout_s", float,
+     "end a context holding unspoken text (no flush/end) with no input this long"),
+    ("--max-queued-sentences", "queued_sentences", int, "texts queued for speaking per context"),
+    ("--max-pending-offers", "pending_offers_per_client", int, "unconnected WebRTC sessions per client"),
+    ("--max-voices-per-client", "voices_per_client", int, "uploaded voices per client"),
+    ("--max-voice-bytes-per-client", "voice_bytes_per_client", int, "bytes of uploaded voices per client"),
+    ("--max-voices", "voices_total", int, "uploaded voices in all"),
+    ("--max-voice-bytes", "voice_bytes_total", int, "bytes of uploaded voices in all"),
+)
+
+
+def _access_and_limits(args: argparse.Namespace) -> tuple[AccessConfig, LimitsConfig]:
+    if args.command != "serve":
+        return AccessConfig(), LimitsConfig()
+    keys = read_keys(args.api_key, Path(args.api_keys_file) if args.api_keys_file else None)
+    limits = LimitsConfig(**{name: getattr(args, name) for _, name, _, _ in _LIMIT_FLAGS})
+    return AccessConfig(api_keys=keys, cors_origins=tuple(args.cors_origin)), limits
+
+
+def _add_access_flags(sub: argparse.ArgumentParser) -> None:
+    defaults = LimitsConfig()
+    sub.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help=f"accepted API key (repeatable; also --api-keys-file and ${KEYS_ENV}); none: open to all",
+    )
+    sub.add_argument("--api-keys-file", help="file of accepted API keys, one per line")
+    sub.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        help="web origin besides the service's own that browsers may call it from (repeatable; '*': any)",
+    )
+    for flag, name, kind, help_text in _LIMIT_FLAGS:
+        default = getattr(defaults, name)
+        help_text = f"{help_text} (default: %(default)s)"
+        sub.add_argument(flag, dest=name, type=kind, default=default, help=help_text)
 
 
 def serve(config: ServiceConfig) -> int:
@@ -207,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
             help="benchmark baseline: one LLM request at a time, batch-1 token2wav on "
             f"{BASELINE_TOKEN2WAV_WORKERS} threads",
         )
+        if name == "serve":
+            _add_access_flags(sub)
         if name == "synth":
             source = sub.add_mutually_exclusive_group(required=True)
             source.add_argument("text", nargs="?", help="one text to speak into --out")

@@ -51,7 +51,7 @@ class WebRTCConfig:
     """
 
     max_sessions: int = 16
-    connect_timeout_s: float = 20.0
+    connect_timeout_s: float = 10.0
     playout_buffer_s: float = 30.0
     host_addresses: tuple[str, ...] | None = None
     ice_servers: tuple[IceServer, ...] = ()
@@ -70,6 +70,91 @@ class WebRTCConfig:
                     ipaddress.ip_address(address)
                 except ValueError:
                     raise ValueError(f"webrtc host address must be an IP address, got {address!r}") from None
+
+
+@dataclass(frozen=True)
+class AccessConfig:
+    """Who may use the service, and from which web origins.
+
+    api_keys: accepted API keys; none leaves the service open (a warning at start when it listens
+    beyond loopback). Each key is its own principal: rate, connection and voice limits are per key,
+    and a voice belongs to the key that uploaded it. Without keys the principal is the client's IP.
+    cors_origins: web origins (`https://app.example`) other than the service's own that browsers may
+    call it from; `*` allows any. Browser requests from any other origin (websockets and WebRTC
+    signalling included) are refused.
+    """
+
+    api_keys: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for key in self.api_keys:
+            if len(key) < 8 or not key.isprintable() or any(c.isspace() for c in key):
+                raise ValueError("API keys must be at least 8 printable characters without spaces")
+        for origin in self.cors_origins:
+            if origin != "*" and not origin.startswith(("http://", "https://")):
+                raise ValueError(f"CORS origins look like https://host[:port] or '*', got {origin!r}")
+
+    @property
+    def open(self) -> bool:
+        return not self.api_keys
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """Per-client limits (a client is an API key, or an IP address when the service has no keys).
+
+    requests_per_s / request_burst: a token bucket of HTTP requests, websocket connections and WebRTC
+        offers per client.
+    connections_per_client: websockets and HTTP requests in progress at once per client.
+    header_timeout_s: time a client has to send a request's headers.
+    body_timeout_s: longest wait for the next piece of a request body.
+    ws_idle_timeout_s: a websocket with no message from the client and nothing being spoken this long
+        is closed.
+    context_idle_timeout_s: a context holding text not yet spoken (no flush, no end) that receives
+        nothing this long is ended with `context_timeout`.
+    queued_sentences: texts queued for speaking per context; more get `queue_full`.
+    pending_offers_per_client: WebRTC sessions answered and not yet connected, per client.
+    voices_per_client / voice_bytes_per_client: uploaded voices (count, bytes on disk) per client.
+    voices_total / voice_bytes_total: the same, all clients together.
+    """
+
+    requests_per_s: float = 20.0
+    request_burst: int = 200
+    connections_per_client: int = 256
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    ws_idle_timeout_s: float = 300.0
+    context_idle_timeout_s: float = 60.0
+    queued_sentences: int = 64
+    pending_offers_per_client: int = 4
+    voices_per_client: int = 32
+    voice_bytes_per_client: int = 32 * 1024 * 1024
+    voices_total: int = 1024
+    voice_bytes_total: int = 1024 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        for name in (
+            "requests_per_s",
+            "header_timeout_s",
+            "body_timeout_s",
+            "ws_idle_timeout_s",
+            "context_idle_timeout_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in (
+            "request_burst",
+            "connections_per_client",
+            "queued_sentences",
+            "pending_offers_per_client",
+            "voices_per_client",
+            "voice_bytes_per_client",
+            "voices_total",
+            "voice_bytes_total",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -105,6 +190,8 @@ class ServiceConfig:
     webrtc: the WebRTC transport's limits and ICE policy (`WebRTCConfig`).
     voice_aliases: voice names of other APIs (OpenAI's `alloy`, ...) → our voice ids, used where no
         voice of that name exists (`realtime/voice_aliases.py`; default: every OpenAI name → `default`).
+    access: API keys and allowed web origins (`AccessConfig`).
+    limits: per-client rate, connection, idle-time, queue and voice limits (`LimitsConfig`).
     """
 
     models_dir: Path
@@ -133,6 +220,8 @@ class ServiceConfig:
     retry_after_s: int = 1
     webrtc: WebRTCConfig = field(default_factory=WebRTCConfig)
     voice_aliases: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_VOICE_ALIASES))
+    access: AccessConfig = field(default_factory=AccessConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models_dir", Path(self.models_dir))

@@ -38,6 +38,7 @@ from engines.token2wav.auto import select_token2wav
 from engines.token2wav.base import SpeakerState, Token2Wav, Token2WavStream
 from engines.voice import VoicePrompt
 from engines.voice_encoder import VoiceEncoder, VoiceError, VoiceLimits
+from realtime.access import OPERATOR
 from realtime.admission import AdmissionPolicy, Load, Refuse
 from realtime.config import ServiceConfig
 from realtime.metrics import Metrics
@@ -45,7 +46,7 @@ from realtime.placement import DevicePlan, WorkerLoad, least_loaded, split_capac
 from realtime.prompts import PromptCache, choose_mode
 from realtime.session import PreparedVoice, Segment, ServiceError, Session, SpeechRequest, language_code
 from realtime.token2wav_worker import Token2WavWorker
-from realtime.voices import VoiceInfo, VoiceRegistry, check_voice_id
+from realtime.voices import VoiceInfo, VoiceQuota, VoiceRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -130,9 +131,20 @@ class Runtime:
         loader: Callable[[ServiceConfig], LoadedEngines] = load_engines,
     ) -> None:
         self.config = config
+        limits = config.limits
         self.voices = VoiceRegistry(
-            config.voice_store, ModelPaths(config.models_dir).voices / "default.safetensors"
+            config.voice_store,
+            ModelPaths(config.models_dir).voices / "default.safetensors",
+            VoiceQuota(
+                limits.voices_per_client,
+                limits.voice_bytes_per_client,
+                limits.voices_total,
+                limits.voice_bytes_total,
+            ),
         )
+        # One reference clip encoded at a time: uploads queue here instead of taking every core from
+        # the streams being spoken.
+        self._voice_encoding = asyncio.Semaphore(1)
         self.metrics = Metrics()
         self._loader = loader
         self._engines: LoadedEngines | None = None
@@ -416,35 +428,41 @@ class Runtime:
     # -- voices --------------------------------------------------------------------------------
 
     async def add_voice(self, voice_id: str, audio: bytes, transcript: str,
-                        language: str | None = None) -> VoiceInfo:
-        """Extract a voice from a reference clip and its transcript, store it and make it usable.
-        Its language is `language` if given, else detected from the transcript."""
+                        language: str | None = None, *, owner: str = OPERATOR) -> VoiceInfo:
+        """Extract a voice from a reference clip and its transcript, store it as `owner`'s (a principal,
+        `access.py`) and make it usable. Its language is `language` if given, else detected from the
+        transcript. The id is reserved first, so a concurrent upload or delete of it is refused at once."""
         with self._counting_errors():
-            return await self._add_voice(voice_id, audio, transcript, language)
+            self.voices.reserve(voice_id, owner)
+            try:
+                return await self._add_voice(voice_id, audio, transcript, language)
+            finally:
+                self.voices.release(voice_id)  # a no-op once committed
 
     async def _add_voice(self, voice_id: str, audio: bytes, transcript: str,
                          language: str | None) -> VoiceInfo:
         engines = self._running()
-        check_voice_id(voice_id)
         code = language_code(language) if language is not None else ""
-        if voice_id in self.voices:
-            raise ServiceError("voice_exists", f"a voice {voice_id!r} already exists; delete it first", 409)
-        try:
-            prompt = await asyncio.to_thread(engines.voice_encoder.encode, audio, transcript)
-        except VoiceError as exc:
-            raise ServiceError(exc.code, str(exc), 400) from exc
+        async with self._voice_encoding:
+            try:
+                prompt = await asyncio.to_thread(engines.voice_encoder.encode, audio, transcript)
+            except VoiceError as exc:
+                raise ServiceError(exc.code, str(exc), 400) from exc
         if code:
             prompt = dataclasses.replace(prompt, language=code)
+        self.voices.check_room(voice_id, _stored_bytes(prompt))
         await self._prepare(voice_id, prompt)
         try:
-            return await asyncio.to_thread(self.voices.add, voice_id, prompt)
+            size = await asyncio.to_thread(self.voices.store, voice_id, prompt)
+            return self.voices.commit(voice_id, prompt, size)
         except BaseException:
             self._prepared.pop(voice_id, None)
             raise
 
-    async def remove_voice(self, voice_id: str) -> None:
+    async def remove_voice(self, voice_id: str, requester: str | None = None) -> None:
+        """Delete a voice; with `requester`, only the principal that uploaded it may."""
         with self._counting_errors():
-            await asyncio.to_thread(self.voices.remove, voice_id)
+            self.voices.remove(voice_id, requester)
         self._prepared.pop(voice_id, None)
         if self._prompts is not None:
             self._prompts.forget(voice_id)
@@ -461,6 +479,12 @@ class Runtime:
         ]
         if self._prompts is not None:
             self._prompts.forget(voice_id)
+
+
+def _stored_bytes(prompt: VoicePrompt) -> int:
+    """About the size of a voice's file: its tensors and transcript."""
+    tensors = (prompt.speech_tokens, prompt.speaker_embedding, prompt.prompt_mel)
+    return sum(t.numel() * t.element_size() for t in tensors) + len(prompt.prompt_text.encode())
 
 
 @dataclass(frozen=True)

@@ -234,6 +234,7 @@ class ProtocolLimits:
     max_contexts: int = 8
     max_pending_chars: int = 4096  # text received and not yet spoken, per context
     sentence_max_chars: int = 300  # a sentence without punctuation is cut here
+    max_queued_texts: int = 64  # texts of one context waiting to be spoken (or being spoken)
 
 
 @dataclass
@@ -311,6 +312,14 @@ class AgentProtocol:
             context.ending = True
             actions.extend(self._finish_if_idle(context))
         return actions
+
+    def speaking(self) -> bool:
+        """Whether any context has speech queued or in progress."""
+        return any(context.in_flight for context in self._contexts.values())
+
+    def holding_text(self) -> list[str]:
+        """Contexts holding text that is not being spoken yet (waiting for more, a flush or an end)."""
+        return [cid for cid, context in self._contexts.items() if context.splitter.pending]
 
     def speech_done(self, context_id: str) -> list[Action]:
         """The transport finished one Speak of `context_id` (all its audio sent)."""
@@ -435,10 +444,16 @@ class AgentProtocol:
             actions.append(Wake(context.start.context_id, decision.recheck_after_s))
         return actions
 
-    @staticmethod
-    def _speak(context: _Context, sentences: list[str]) -> list[Action]:
+    def _speak(self, context: _Context, sentences: list[str]) -> list[Action]:
         if not sentences:
             return []
+        if len(context.in_flight) >= self._limits.max_queued_texts:
+            raise ProtocolError(
+                "queue_full",
+                f"context {context.start.context_id!r} already has {self._limits.max_queued_texts} texts "
+                "waiting to be spoken; this text was dropped (send fewer, longer texts, or wait)",
+                context.start.context_id,
+            )
         text = " ".join(sentences)
         context.in_flight.append(len(text))
         context.speaks += 1

@@ -33,6 +33,7 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
+from starlette.types import Message
 
 from engines.llm.base import PromptMode, SamplingParams
 from realtime import validation
@@ -50,6 +51,8 @@ MODELS = ("cosyvoice2", "tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 RESPONSE_FORMATS = ("mp3", "opus", "wav", "pcm", "flac")
 STREAM_FORMATS = ("audio", "sse")
 MAX_JSON_BYTES = 256 * 1024
+# Room for the multipart boundaries and the small fields around a voice upload's audio.
+_MULTIPART_OVERHEAD = 64 * 1024
 # Encoders that are cheap enough to run on the event loop.
 _INLINE_FORMATS = ("pcm", "wav")
 
@@ -266,7 +269,8 @@ def routes(runtime: Runtime) -> list[BaseRoute]:
             voice_id, audio, transcript, language = await _read_voice_upload(
                 request, runtime.config.max_voice_upload_bytes
             )
-            info = await runtime.add_voice(voice_id, audio, transcript, language)
+            owner = principal_of(request)
+            info = await runtime.add_voice(voice_id, audio, transcript, language, owner=owner)
         except _ParamError as exc:
             runtime.metrics.error(exc.code)
             return error_response(exc, exc.param)
@@ -277,8 +281,10 @@ def routes(runtime: Runtime) -> list[BaseRoute]:
         return JSONResponse(_voice_json(info), status_code=201)
 
     async def delete_voice(request: Request) -> Response:
+        # Without API keys every client may delete any uploaded voice (there is no identity to own it).
+        requester = None if runtime.config.access.open else principal_of(request)
         try:
-            await runtime.remove_voice(request.path_params["voice_id"])
+            await runtime.remove_voice(request.path_params["voice_id"], requester)
         except ServiceError as exc:
             return error_response(exc, "voice_id")
         return Response(status_code=204)
@@ -301,17 +307,35 @@ def _voice_json(info: Any) -> dict[str, Any]:
     }
 
 
+def principal_of(request: Request) -> str:
+    """Who sent the request (an API key's id, or the client's IP without keys), set by the guard."""
+    return str(getattr(request.state, "principal", "anonymous"))
+
+
 async def _read_voice_upload(request: Request, max_bytes: int) -> tuple[str, bytes, str, str | None]:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes + 64 * 1024:
-        raise _ParamError("audio", f"the upload is larger than {max_bytes} bytes", "upload_too_large")
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise _ParamError(
             "body",
             "send multipart/form-data with 'audio', 'transcript' and 'voice_id'",
             "invalid_content_type",
         )
-    async with request.form(max_files=1, max_fields=8) as form:
+    # Read (at most the limit of) the body first: a chunked upload is refused as soon as it passes the
+    # limit, instead of being spooled whole by the multipart parser.
+    try:
+        body = await read_body(request, max_bytes + _MULTIPART_OVERHEAD)
+    except BodyTooLarge:
+        message = f"the upload is larger than {max_bytes} bytes"
+        raise _ParamError("audio", message, "upload_too_large") from None
+    replayed = False
+
+    async def replay() -> Message:
+        nonlocal replayed
+        if replayed:
+            return {"type": "http.disconnect"}
+        replayed = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async with Request(request.scope, replay).form(max_files=1, max_fields=8) as form:
         audio = form.get("audio")
         transcript = form.get("transcript")
         voice_id = form.get("voice_id")

@@ -30,6 +30,10 @@ cancellation) or ``{"type": "error", "id", "code", "message"}``. Malformed contr
 A session ends when the peer goes away (the connection turns ``failed`` or ``closed``: a DTLS close, or
 ICE consent checks unanswered), when no connection comes up within ``connect_timeout_s`` of the answer,
 on DELETE, or at shutdown; ending cancels its utterance, which frees its engine slot.
+
+Offers without a DTLS fingerprint are refused (400 `bad_offer`). A client may hold at most
+`limits.pending_offers_per_client` sessions answered and not yet connected (429
+`too_many_pending_offers`), so offers that never connect cannot lock other clients out.
 """
 
 from __future__ import annotations
@@ -51,11 +55,12 @@ from engines.llm.base import PromptMode, SamplingParams
 from realtime import validation
 from realtime.audio import Resampler, to_pcm16
 from realtime.config import WebRTCConfig
+from realtime.limits import Slots
 from realtime.runtime import Runtime
 from realtime.session import ServiceError, SpeechRequest
 from realtime.transports.audio_track import OPUS_RATE, Playout, SpeechTrack
 from realtime.transports.body import read_body
-from realtime.transports.http import error_response
+from realtime.transports.http import error_response, principal_of
 from realtime.transports.ice import advertise_only, rtc_configuration
 from realtime.validation import InvalidInput
 
@@ -159,6 +164,8 @@ def check_offer(sdp: str) -> None:
         for media in description.media
     ):
         raise ServiceError("bad_offer", "the offer has no ICE credentials (ice-ufrag/ice-pwd)", 400)
+    if any(media.dtls is None or not media.dtls.fingerprints for media in description.media):
+        raise ServiceError("bad_offer", "the offer has no DTLS fingerprint (a=fingerprint)", 400)
 
 
 class WebRTCSession:
@@ -169,12 +176,19 @@ class WebRTCSession:
     """
 
     def __init__(
-        self, session_id: str, runtime: Runtime, config: WebRTCConfig, on_closed: Callable[[str], None]
+        self,
+        session_id: str,
+        runtime: Runtime,
+        config: WebRTCConfig,
+        on_closed: Callable[[str], None],
+        on_settled: Callable[[], None] = lambda: None,
     ) -> None:
         self.id = session_id
         self._runtime = runtime
         self._config = config
         self._on_closed = on_closed
+        # Called once, when the connection comes up or the session ends, whichever is first.
+        self._on_settled: Callable[[], None] | None = on_settled
         self._pc = RTCPeerConnection(rtc_configuration(config.ice_servers))
         self._playout = Playout(capacity=int(config.playout_buffer_s * OPUS_RATE))
         self._track = SpeechTrack(self._playout)
@@ -222,16 +236,24 @@ class WebRTCSession:
             await self._pc.close()
         finally:
             logger.info("webrtc %s: closed", self.id)
+            self._settle()
             self._on_closed(self.id)
+
+    def _settle(self) -> None:
+        settled, self._on_settled = self._on_settled, None
+        if settled is not None:
+            settled()
 
     def _on_connection_state(self) -> None:
         # aiortc has no "disconnected" state: a vanished peer fails its ICE consent checks (RFC 7675),
         # which closes the ICE transport and moves the connection to "closed".
         state = self._pc.connectionState
         logger.info("webrtc %s: connection %s", self.id, state)
-        if state == "connected" and self._watchdog is not None:
-            self._watchdog.cancel()
-            self._watchdog = None
+        if state == "connected":
+            self._settle()
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+                self._watchdog = None
         elif state in ("failed", "closed"):
             self._begin_close()
 
@@ -333,10 +355,13 @@ class WebRTCSession:
 class WebRTCGateway:
     """The signalling routes and the bounded registry of live sessions."""
 
-    def __init__(self, runtime: Runtime, config: WebRTCConfig) -> None:
+    def __init__(self, runtime: Runtime, config: WebRTCConfig, pending_per_client: int = 4) -> None:
         self._runtime = runtime
         self._config = config
         self._sessions: dict[str, WebRTCSession] = {}
+        # Sessions answered and not yet connected, per client: one client's offers that never connect
+        # cannot take every session slot.
+        self._pending = Slots(pending_per_client)
 
     def routes(self) -> list[Route]:
         return [
@@ -359,7 +384,22 @@ class WebRTCGateway:
                     503,
                     retry_after_s=1,
                 )
-            session = WebRTCSession(secrets.token_urlsafe(12), self._runtime, self._config, self._forget)
+            client = principal_of(request)
+            if not self._pending.try_acquire(client):
+                raise ServiceError(
+                    "too_many_pending_offers",
+                    f"you already have {self._pending.limit} WebRTC sessions that have not connected; "
+                    "connect or close them first",
+                    429,
+                    retry_after_s=1,
+                )
+            session = WebRTCSession(
+                secrets.token_urlsafe(12),
+                self._runtime,
+                self._config,
+                self._forget,
+                on_settled=lambda: self._pending.release(client),
+            )
             # Registered before the first await, so concurrent offers count against the limit.
             self._sessions[session.id] = session
             try:

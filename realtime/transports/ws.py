@@ -20,6 +20,7 @@ from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from engines.llm.base import SamplingParams
+from realtime.access import ApiKeys
 from realtime.audio import (
     RAW_ENCODINGS,
     CodecStreamEncoder,
@@ -33,6 +34,7 @@ from realtime.protocol.core import (
     Abort,
     Action,
     AgentProtocol,
+    AppendText,
     AudioOut,
     Close,
     Dialect,
@@ -54,8 +56,6 @@ from realtime.session import AudioChunk, ServiceError, Session, SpeechRequest, W
 logger = logging.getLogger(__name__)
 
 CANCEL_TIMEOUT_S = 2.0
-# Speaks queued per context; the protocol's character limit is the real bound.
-MAX_QUEUED_SPEAKS = 256
 
 
 class _ContextRunner:
@@ -69,8 +69,11 @@ class _ContextRunner:
     def __init__(self, connection: _Connection, start: StartContext) -> None:
         self._connection = connection
         self._start = start
-        # None: the context ended; no text follows.
-        self._texts: asyncio.Queue[str | None] = asyncio.Queue(MAX_QUEUED_SPEAKS)
+        # None: the context ended; no text follows. The protocol refuses texts beyond
+        # `queued_sentences` (`queue_full`) before they reach the queue; one more place for the None.
+        self._texts: asyncio.Queue[str | None] = asyncio.Queue(
+            connection.runtime.config.limits.queued_sentences + 1
+        )
         self._seq = 0
         self._samples_out = 0
         # Ogg Opus is one stream per context (players stop at a second, chained Ogg stream); MP3 frames
@@ -205,6 +208,7 @@ class _Connection:
             ProtocolLimits(
                 max_contexts=runtime.config.max_contexts_per_socket,
                 max_pending_chars=runtime.config.max_text_chars,
+                max_queued_texts=runtime.config.limits.queued_sentences,
             ),
             voice_exists=lambda voice: voice in runtime.voices,
         )
@@ -212,18 +216,35 @@ class _Connection:
         self._wakes: dict[str, asyncio.Task[None]] = {}  # one pending policy timer per context
         self._send_lock = asyncio.Lock()
         self._closed = False
+        limits = runtime.config.limits
+        self._idle_s = limits.ws_idle_timeout_s
+        self._context_idle_s = limits.context_idle_timeout_s
+        self._last_message = 0.0
+        self._last_text: dict[str, float] = {}  # context id → when text last came for it
+        # An ElevenLabs client that sent no key in its handshake sends it in its first message.
+        self._awaiting_key = bool(websocket.scope.get("state", {}).get("auth_pending"))
 
     async def serve(self) -> None:
         await self.websocket.accept()
         logger.info("[ws %s] connected", self.id)
+        loop = asyncio.get_running_loop()
+        self._last_message = loop.time()
         try:
             while not self._closed:
-                message = await self.websocket.receive()
+                try:
+                    async with asyncio.timeout_at(self._next_deadline()):
+                        message = await self.websocket.receive()
+                except TimeoutError:
+                    await self._expire(loop.time())
+                    continue
                 if message["type"] == "websocket.disconnect":
                     break
+                self._last_message = loop.time()
                 frame = message.get("text")
                 if frame is None:
                     frame = message.get("bytes") or b""
+                if self._awaiting_key and not await self._authenticate(frame):
+                    break
                 await self._receive(frame)
         except WebSocketDisconnect:
             pass
@@ -236,10 +257,57 @@ class _Connection:
             self._runners.clear()
             logger.info("[ws %s] disconnected", self.id)
 
+    def _next_deadline(self) -> float:
+        """When the socket, or a context holding unspoken text, has been idle too long."""
+        deadline = self._last_message + self._idle_s
+        for context_id in self.protocol.holding_text():
+            last_text = self._last_text.get(context_id, self._last_message)
+            deadline = min(deadline, last_text + self._context_idle_s)
+        return deadline
+
+    async def _expire(self, now: float) -> None:
+        """End contexts whose unspoken text waited too long; close the socket if it is idle."""
+        for context_id in self.protocol.holding_text():
+            if now - self._last_text.get(context_id, self._last_message) >= self._context_idle_s:
+                self._last_text.pop(context_id, None)
+                message = (
+                    f"context {context_id!r} held text without a flush or an end for "
+                    f"{self._context_idle_s:g} s; it was ended"
+                )
+                await self._execute(self.protocol.speech_failed(context_id, "context_timeout", message))
+        if now - self._last_message >= self._idle_s and not self.protocol.speaking():
+            await self.send(
+                ErrorEvent("idle_timeout", f"no message for {self._idle_s:g} s; closing the socket")
+            )
+            self._closed = True
+            await self.websocket.close(1008, "idle timeout")
+
+    async def _authenticate(self, frame: str | bytes) -> bool:
+        """Check the key of a first message (ElevenLabs' `xi_api_key` or `authorization`); on failure
+        say so and close (1008)."""
+        self._awaiting_key = False
+        key: object = None
+        with contextlib.suppress(ValueError):
+            message = json.loads(frame)
+            if isinstance(message, dict):
+                key = message.get("xi_api_key") or message.get("authorization")
+        if isinstance(key, str) and key.lower().startswith("bearer "):
+            key = key[len("bearer ") :].strip()
+        if isinstance(key, str) and ApiKeys(self.runtime.config.access.api_keys).principal(key) is not None:
+            return True
+        code = "missing_api_key" if key is None else "invalid_api_key"
+        await self.send(ErrorEvent(code, "an API key is required: send xi-api-key or xi_api_key"))
+        self._closed = True
+        await self.websocket.close(1008, code)
+        return False
+
     async def _receive(self, frame: str | bytes) -> None:
         try:
             commands = self.dialect.decode(frame, self.protocol)
+            now = asyncio.get_running_loop().time()
             for command in commands:
+                if isinstance(command, AppendText):
+                    self._last_text[command.context_id] = now
                 await self._execute(self.protocol.handle(command))
         except ProtocolError as exc:
             self.runtime.metrics.error(exc.code)

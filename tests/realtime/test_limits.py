@@ -231,7 +231,7 @@ async def test_absurd_sample_rates_are_refused(tight: LiveServer) -> None:
     async with httpx.AsyncClient(base_url=tight.http_url, timeout=60) as http:
         response = await upload(http, "one-hertz", buffer.getvalue())
     assert response.status_code == 400
-    assert response.json()["error"]["code"] == "invalid_audio"
+    assert response.json()["error"]["code"] == "unsupported_sample_rate"
     assert "sample rate 1 Hz" in response.json()["error"]["message"]
 
 

@@ -319,7 +319,7 @@ class AgentProtocol:
 
     def holding_text(self) -> list[str]:
         """Contexts holding text that is not being spoken yet (waiting for more, a flush or an end)."""
-        return [cid for cid, context in self._contexts.items() if context.splitter.pending]
+        return [cid for cid, context in self._contexts.items() if context.splitter.pending.strip()]
 
     def speech_done(self, context_id: str) -> list[Action]:
         """The transport finished one Speak of `context_id` (all its audio sent)."""

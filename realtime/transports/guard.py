@@ -68,12 +68,8 @@ def dialect_of(path: str) -> str:
 def error_body(dialect: str, refusal: Refusal) -> dict[str, Any]:
     """The JSON body of a refusal in `dialect`'s error shape."""
     if dialect == "cartesia":
-        return {
-            "status_code": refusal.status,
-            "error": refusal.code,
-            "title": _TITLES.get(refusal.status, "Error"),
-            "message": refusal.message,
-        }
+        title = _TITLES.get(refusal.status, "Error")
+        return {"error_code": refusal.code, "title": title, "message": refusal.message}
     if dialect == "elevenlabs":
         return {"detail": {"status": refusal.code, "message": refusal.message}}
     if dialect == "native":

@@ -191,7 +191,7 @@ async def test_cartesia_ws_refusal_is_in_cartesias_shape(keyed: LiveServer) -> N
     status, body = await refused_handshake(url)
     assert status == 401
     assert (
-        body["status_code"] == 401 and body["error"] == "invalid_api_key" and body["title"] == "Unauthorized"
+        body["error_code"] == "invalid_api_key" and body["title"] == "Unauthorized"
     )
 
 

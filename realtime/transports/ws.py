@@ -331,11 +331,13 @@ class _Connection:
                 self._wakes[action.context_id] = asyncio.create_task(self._wake_later(action))
             elif isinstance(action, Abort):
                 self._cancel_wake(action.context_id)
+                self._last_text.pop(action.context_id, None)
                 runner = self._runners.pop(action.context_id, None)
                 if runner is not None:
                     await runner.stop()
             elif isinstance(action, Release):
                 self._cancel_wake(action.context_id)
+                self._last_text.pop(action.context_id, None)
                 runner = self._runners.pop(action.context_id, None)
                 if runner is not None:
                     runner.finish()

@@ -127,13 +127,15 @@ class CharAligner:
         self._words = 0
         self._last_word_end = 0.0
         self._last_char = ""
+        self._space_sent = False  # a filler space already separates the last word from the next
 
     def chunk(
         self, words: tuple[WordTiming, ...], start_s: float, duration_s: float, final: bool
     ) -> dict[str, Any]:
         for word in words:
-            if self._words:
+            if self._words and not self._space_sent:
                 self._pending.append((" ", min(self._last_word_end, word.start_s)))
+            self._space_sent = False
             step = (word.end_s - word.start_s) / max(len(word.word), 1)
             self._pending.extend((char, word.start_s + i * step) for i, char in enumerate(word.word))
             self._last_word_end = word.end_s
@@ -149,6 +151,8 @@ class CharAligner:
                 taken.append((" ", start_s))
                 if self._pending and self._pending[0][0] == " ":
                     self._pending.popleft()  # the word's leading space is this one
+                elif not self._pending and self._words:
+                    self._space_sent = True  # and the next word's, when it comes
         duration_ms = round(duration_s * 1000)
         starts: list[int] = []
         for _, char_start in taken:

@@ -379,17 +379,22 @@ class Runtime:
 
     # -- offline synthesis ---------------------------------------------------------------------
 
-    async def render(self, text: str, voice: str, sampling: SamplingParams) -> np.ndarray:
-        """The whole utterance at once (offline, no admission): 24 kHz float32 audio.
+    async def render(self, text: str, voice: str, sampling: SamplingParams, instructions: str | None = None,
+                     language: str | None = None) -> np.ndarray:
+        """The whole utterance at once (offline, no admission): 24 kHz float32 audio, in the mode
+        `instructions` and `language` choose (`realtime.prompts.choose_mode`).
 
         Every segment's LLM request is submitted at once; each segment's tokens then go to token2wav as
         one final chunk, which the worker batches with the chunks of other renders. Cancelling frees
         the LLM requests and token2wav streams. Raises ServiceError.
         """
         with self._counting_errors():
+            speech = SpeechRequest(text, voice, sampling, instructions=instructions, language=language)
             voices = self._voice(voice)
-            prompt = self._prompt_of(voices[0], PromptMode.ZERO_SHOT, None)
+            mode = choose_mode(speech, voices[0].language)
+            prompt = self._prompt_of(voices[0], mode, speech.instructions)
             index, placed = self._place()
+            placed.check_mode(mode)
             prepared = voices[index]
             render_id = secrets.token_hex(4)
             token_streams: list[TokenStream] = []

@@ -1,7 +1,8 @@
 """`realtime synth`: offline synthesis of many texts into files, batched, through the service's runtime.
 
 A JSON Lines file holds one item per line, `{"text": ..., "voice": ..., "out": ...}` (`voice` defaults
-to `default`; a relative `out` is relative to the file). Items run concurrently (at most twice the
+to `default`; a relative `out` is relative to the file; optional `instructions` and `language` choose
+the mode as in the APIs). Items run concurrently (at most twice the
 LLM's slots at a time, so its batch stays full while finished items wait for token2wav); each one is a
 `Runtime.render`: its LLM requests run to the end and token2wav renders each as one final chunk, the
 worker running up to `token2wav_batch` of them per `run_chunks` call. The output format follows the
@@ -37,6 +38,8 @@ class SynthItem:
     text: str
     out: Path
     voice: str = "default"
+    instructions: str | None = None
+    language: str | None = None
 
     def __post_init__(self) -> None:
         if self.out.suffix.lower() not in FORMATS:
@@ -52,9 +55,14 @@ def read_jsonl(path: Path) -> list[SynthItem]:
         try:
             entry = json.loads(line)
             out = Path(entry["out"])
-            items.append(SynthItem(str(entry["text"]), path.parent / out, str(entry.get("voice", "default"))))
+            style = {name: entry.get(name) for name in ("instructions", "language")}
+            if any(value is not None and not isinstance(value, str) for value in style.values()):
+                raise TypeError("instructions and language must be strings")
+            items.append(SynthItem(str(entry["text"]), path.parent / out, str(entry.get("voice", "default")),
+                                   **style))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{path}:{number}: expected {{\"text\", \"out\"[, \"voice\"]}}: {exc}") from exc
+            raise ValueError(f"{path}:{number}: expected {{\"text\", \"out\"[, \"voice\", \"instructions\", "
+                             f"\"language\"]}}: {exc}") from exc
     if not items:
         raise ValueError(f"{path} holds no items")
     return items
@@ -96,7 +104,7 @@ async def synthesize(runtime: Runtime, items: Sequence[SynthItem], sampling: Sam
 
     async def speak(item: SynthItem) -> float:
         async with in_flight:
-            pcm = await runtime.render(item.text, item.voice, sampling)
+            pcm = await runtime.render(item.text, item.voice, sampling, item.instructions, item.language)
         data = await asyncio.to_thread(encode_file, pcm, item.out.suffix)
         item.out.parent.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(item.out.write_bytes, data)

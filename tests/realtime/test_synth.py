@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from engines.config import SAMPLE_RATE, SAMPLES_PER_TOKEN
+from engines.llm.base import LLMRequest, PromptMode, TokenStream
+from engines.llm.torch_engine import TorchLLMEngine
 from engines.token2wav.base import ChunkJob
 from engines.token2wav.torch_backend import TorchToken2Wav
 from realtime.cli import main
@@ -45,16 +47,26 @@ def test_jsonl_items_become_files_of_the_expected_length(
         return run_chunks(self, jobs)
 
     monkeypatch.setattr(TorchToken2Wav, "run_chunks", recording)
+    modes: list[PromptMode] = []
+    submit = TorchLLMEngine.submit
+
+    def recording_submit(self: TorchLLMEngine, request: LLMRequest) -> TokenStream:
+        modes.append(request.mode)
+        return submit(self, request)
+
+    monkeypatch.setattr(TorchLLMEngine, "submit", recording_submit)
     items = [
         {"text": "Hello there.", "out": "a.wav"},
-        {"text": "A second, longer sentence to speak.", "voice": "default", "out": "out/b.flac"},
-        {"text": "Third.", "out": str(tmp_path / "c.mp3")},
+        {"text": "A second, longer sentence to speak.", "voice": "default", "out": "out/b.flac",
+         "instructions": "Speak slowly."},
+        {"text": "Third.", "out": str(tmp_path / "c.mp3"), "language": "zh"},
     ]
     jsonl = tmp_path / "items.jsonl"
     jsonl.write_text("\n".join(json.dumps(item) for item in items) + "\n\n")
     assert main(cli(tiny_models, "--jsonl", str(jsonl), "--batch", "2")) == 0
     # Each utterance is one final chunk of all its tokens; a call takes at most --batch of them.
     assert sorted(job for batch in batches for job in batch) == [(TOKENS, True)] * 3
+    assert sorted(modes) == sorted(PromptMode)
     assert max(len(batch) for batch in batches) <= 2
 
     expected = TOKENS * SAMPLES_PER_TOKEN

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import secrets
@@ -311,7 +312,7 @@ class Runtime:
         voices = self._voice(request.voice)
         mode = choose_mode(request, voices[0].language)
         prompt = self._prompt_of(voices[0], mode, request.instructions)
-        segments = self._segments(request.text)
+        self._check_text(request.text)
         stats = self.stats()
         decision = self._admission.decide(
             Load(stats.active_streams, stats.llm_waiting, stats.token2wav_queue)
@@ -334,7 +335,7 @@ class Runtime:
             request,
             voices[index],
             prompt,
-            segments,
+            functools.partial(self._segments, request.text),
             placed,
             self.metrics,
             self.config.chunk_queue,
@@ -346,11 +347,10 @@ class Runtime:
         self._placed[index] += 1
         self._track_sessions()
         logger.info(
-            "[%s] admitted: voice %s, %s, %d segments, %d chars, token2wav on %s",
+            "[%s] admitted: voice %s, %s, %d chars, token2wav on %s",
             session_id,
             request.voice,
             mode,
-            len(segments),
             len(request.text),
             placed.worker.device,
         )
@@ -368,8 +368,18 @@ class Runtime:
             raise ServiceError("not_ready", "the server is still starting", 503, self.config.retry_after_s)
         return self._prompts.get(voice, mode, instructions)
 
+    def _check_text(self, text: str) -> None:
+        """The checks that cost nothing, made before admission; normalising and cutting the text (which
+        can take hundreds of milliseconds) happen after it, off the event loop (`_segments`)."""
+        limit = self._running().text.max_text_chars
+        if len(text) > limit:
+            raise ServiceError("text_too_long", f"text has {len(text)} characters; the limit is {limit}", 400)
+        if not text.strip():
+            raise ServiceError("empty_text", "text is empty or only whitespace", 400)
+
     def _segments(self, text: str) -> list[Segment]:
-        """`text` cut into LLM requests, or ServiceError (`text_too_long`, `empty_text`, ...)."""
+        """`text` cut into LLM requests, or ServiceError (`text_too_long`, `empty_text`, ...). Blocking:
+        sessions call it on a worker thread."""
         engines = self._running()
         try:
             pieces = engines.text.split_segments(text, SEGMENT_TOKENS)
@@ -399,7 +409,8 @@ class Runtime:
             render_id = secrets.token_hex(4)
             token_streams: list[TokenStream] = []
             try:
-                for index, segment in enumerate(self._segments(text)):
+                segments = await asyncio.to_thread(self._segments, text)
+                for index, segment in enumerate(segments):
                     request = prompt.request(f"{render_id}-{index}", segment.text_ids, sampling)
                     token_streams.append(placed.submit_llm(request))
                 pieces = [await self._render_segment(placed.worker, prepared, tokens)

@@ -2,11 +2,13 @@
 
 Contract (transports code against this):
 
-- `Runtime.speak(SpeechRequest) -> Session` validates and admits at once (raises `ServiceError`:
-  `busy`, `voice_not_found`, `empty_text`, `text_too_long`, ...), so an HTTP handler can still answer
-  with a status code. The `Session` is an async iterator of `AudioChunk`s: float32 mono PCM at
-  24000 Hz whose concatenation is the utterance; the last one has `final=True`. Errors while
-  synthesising are raised from the iteration as `ServiceError`.
+- `Runtime.speak(SpeechRequest) -> Session` makes the cheap checks and admits at once (raises
+  `ServiceError`: `busy`, `voice_not_found`, `empty_text`, `text_too_long`, ...). The `Session` is an
+  async iterator of `AudioChunk`s: float32 mono PCM at 24000 Hz whose concatenation is the utterance;
+  the last one has `final=True`. Its text is normalised and cut into segments first, on a worker
+  thread (seconds for long runs of numbers); errors from then on (text the front end refuses, a
+  length the engine cannot hold) are raised from the iteration as `ServiceError`, so an HTTP handler
+  that wants a status code for them awaits the first chunk before answering.
 - Always end a session with `await session.aclose()` (or `async with session:`); that (or cancelling
   the task iterating it) stops synthesis within one chunk and frees the LLM slot and the token2wav
   stream at once. Synthesis starts at the first iteration (or at `session.start()`, to prepare audio
@@ -236,7 +238,7 @@ class Session:
         request: SpeechRequest,
         voice: PreparedVoice,
         prompt: LLMPrompt,
-        segments: Sequence[Segment],
+        segments: Callable[[], Sequence[Segment]],
         engines: Engines,
         metrics: Metrics,
         chunk_queue: int,
@@ -245,13 +247,12 @@ class Session:
         pace_llm: bool = True,
         schedule: ScheduleKind = ScheduleKind.EXPONENTIAL,
     ) -> None:
-        if not segments:
-            raise ValueError("a session needs at least one segment")
         self.session_id = session_id
         self.request = request
         self._voice = voice
         self._prompt = prompt
-        self._segments = list(segments)
+        self._prepare_segments = segments
+        self._segments: list[Segment] = []  # once prepared
         self._engines = engines
         self._metrics = metrics
         self._clock = clock
@@ -332,6 +333,10 @@ class Session:
     async def _produce(self) -> None:
         started = self._clock()
         try:
+            # Normalising and cutting the text may take a while: off the event loop, after admission.
+            self._segments = list(await asyncio.to_thread(self._prepare_segments))
+            if not self._segments:
+                raise ServiceError("empty_text", "text is empty or only whitespace")
             for index, segment in enumerate(self._segments):
                 token_stream, self._upcoming = self._upcoming or self._submit(index), None
                 await self._speak_segment(segment, token_stream, index + 1)

@@ -89,6 +89,7 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         schedule=ScheduleKind(args.schedule),
         max_streams=args.max_streams,
         drain_timeout_s=args.drain_timeout,
+        voice_sync_s=args.voice_sync,
         # The baseline the benchmark compares against (the design we replace): no batching across
         # requests, one LLM request at a time and batch-1 token2wav on a small pool of threads.
         llm_slots=1 if args.baseline else None,
@@ -236,6 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
             type=float,
             default=10.0,
             help="seconds running streams get to finish at shutdown",
+        )
+        sub.add_argument(
+            "--voice-sync",
+            type=float,
+            default=2.0,
+            help="seconds between re-reads of the voices directory, for replicas sharing it",
         )
         sub.add_argument(
             "--advertise-address",

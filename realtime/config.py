@@ -186,6 +186,8 @@ class ServiceConfig:
         the GPU to token2wav instead of decoding seconds ahead of playback; off, every request decodes
         to its end at once (the benchmark's baseline, as CosyVoice's runtime does).
     drain_timeout_s: how long shutdown waits for running streams before cancelling them.
+    voice_sync_s: how often the voices directory is re-read for voices other replicas sharing it added
+        or deleted (a voice is also loaded on its first use, and a deleted one forgotten at its next).
     retry_after_s: the Retry-After a busy answer suggests.
     webrtc: the WebRTC transport's limits and ICE policy (`WebRTCConfig`).
     voice_aliases: voice names of other APIs (OpenAI's `alloy`, ...) → our voice ids, used where no
@@ -217,6 +219,7 @@ class ServiceConfig:
     chunk_queue: int = 4
     llm_pacing: bool = True
     drain_timeout_s: float = 10.0
+    voice_sync_s: float = 2.0
     retry_after_s: int = 1
     webrtc: WebRTCConfig = field(default_factory=WebRTCConfig)
     voice_aliases: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_VOICE_ALIASES))
@@ -250,6 +253,8 @@ class ServiceConfig:
         DevicePlan(self.llm_devices or ("cpu",), self.token2wav_devices or ("cpu",))  # refuses an empty list
         if self.llm_slots is not None and self.llm_slots < 1:
             raise ValueError(f"llm_slots must be >= 1, got {self.llm_slots}")
+        if not self.voice_sync_s > 0:
+            raise ValueError(f"voice_sync_s must be > 0, got {self.voice_sync_s}")
         if not self.drain_timeout_s > 0:
             raise ValueError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s}")
         # The speech tokenizer reads at most 30 s in one call.

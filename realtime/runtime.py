@@ -160,6 +160,8 @@ class Runtime:
         self._idle = asyncio.Event()
         self._idle.set()
         self._accepting = False
+        self._voice_loads: dict[str, asyncio.Task[None]] = {}  # voices being read from the directory
+        self._voice_sync: asyncio.Task[None] | None = None
         # Read when scraped rather than kept in step by hand.
         self.metrics.active_streams.set_function(lambda: len(self._sessions))
         self.metrics.queue_depth.set_function(lambda: sum(worker.queue_depth for worker in self._workers))
@@ -201,6 +203,7 @@ class Runtime:
             await self._prepare(info.voice_id, self.voices.get(info.voice_id))
         if gpus and "default" in self._prepared:
             await self._warm_up(self._prepared["default"])
+        self._voice_sync = asyncio.create_task(self._sync_voices(), name="voice-sync")
         self._accepting = True
         logger.info(
             "runtime ready: llm %s on %s, token2wav %s on %s, %d voices",
@@ -239,6 +242,11 @@ class Runtime:
             )
         for session in list(self._sessions):
             await session.aclose()
+        for task in (self._voice_sync, *self._voice_loads.values()):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._engines is not None:
             for llm in self._engines.llms:
                 await llm.stop()
@@ -292,6 +300,12 @@ class Runtime:
         return index, _Engines(llm, self._workers[index])
 
     # -- synthesis -----------------------------------------------------------------------------
+
+    async def open_session(self, request: SpeechRequest) -> Session:
+        """`speak`, once the request's voice is usable here: a voice another replica just stored in the
+        shared directory is loaded first (`ensure_voice`). What transports call."""
+        await self.ensure_voice(request.voice)
+        return self.speak(request)
 
     def speak(self, request: SpeechRequest) -> Session:
         """A session for `request`, admitted now; raises ServiceError when it cannot be served."""
@@ -357,8 +371,12 @@ class Runtime:
         return session
 
     def _voice(self, voice_id: str) -> list[PreparedVoice]:
-        """The voice prepared on every token2wav worker (one entry per worker, in order)."""
+        """The voice prepared on every token2wav worker (one entry per worker, in order). A voice that
+        another replica deleted from the shared directory is forgotten here (one stat)."""
         voice = self._prepared.get(voice_id)
+        if voice is not None and not self.voices.on_disk(voice_id):
+            self._forget_voice(voice_id)
+            voice = None
         if voice is None:
             raise ServiceError("voice_not_found", f"there is no voice {voice_id!r}", 404)
         return voice
@@ -477,8 +495,46 @@ class Runtime:
 
     async def remove_voice(self, voice_id: str, requester: str | None = None) -> None:
         """Delete a voice; with `requester`, only the principal that uploaded it may."""
+        await self.ensure_voice(voice_id)  # another replica may have stored it
         with self._counting_errors():
             self.voices.remove(voice_id, requester)
+        self._forget_voice(voice_id)
+
+    async def ensure_voice(self, voice_id: str) -> None:
+        """Make usable here a voice that another replica stored in the shared voices directory, before
+        its first use; transports call it before `speak`. One stat when there is nothing to do; loads
+        of one voice by concurrent requests are shared."""
+        if voice_id in self._prepared or not self.voices.on_disk(voice_id):
+            return  # ready, or `speak` answers voice_not_found
+        load = self._voice_loads.get(voice_id)
+        if load is None:
+            load = self._voice_loads[voice_id] = asyncio.create_task(self._load_voice(voice_id))
+            load.add_done_callback(lambda _: self._voice_loads.pop(voice_id, None))
+        await asyncio.shield(load)
+
+    async def _load_voice(self, voice_id: str) -> None:
+        stored = await asyncio.to_thread(self.voices.read, voice_id)
+        if stored is not None and voice_id not in self._prepared and self.voices.adopt(voice_id, stored):
+            await self._prepare(voice_id, stored.prompt)
+            logger.info("voice %s loaded from the shared directory", voice_id)
+
+    async def _sync_voices(self) -> None:
+        """Every `voice_sync_s`, adopt the voices other replicas stored and forget those they deleted,
+        so that listings agree across replicas and first uses rarely wait for a load."""
+        while True:
+            await asyncio.sleep(self.config.voice_sync_s)
+            try:
+                stored = await asyncio.to_thread(self.voices.stored_ids)
+                for voice_id in sorted(self.voices.known_ids() - stored):
+                    if not self.voices.on_disk(voice_id):  # not re-stored since the listing
+                        self._forget_voice(voice_id)
+                for voice_id in sorted(stored - self.voices.known_ids()):
+                    await self.ensure_voice(voice_id)
+            except Exception:  # a failing shared volume must not end the sync for good
+                logger.exception("syncing the voices directory failed")
+
+    def _forget_voice(self, voice_id: str) -> None:
+        self.voices.forget(voice_id)
         self._prepared.pop(voice_id, None)
         if self._prompts is not None:
             self._prompts.forget(voice_id)

@@ -11,15 +11,23 @@ without one belongs to the operator. An upload first *reserves* its id (`reserve
 of the same id, or a delete, while the first is still being encoded is refused at once instead of
 racing it; quotas (`VoiceQuota`: count and bytes, per owner and in all) are checked at the
 reservation and again with the encoded size when the voice is stored.
+
+Several server processes (replicas) may share one directory. The reservation is an `<id>.owner` file
+created exclusively, so two replicas cannot upload one id at once; a voice another replica stored is
+read and adopted on first use or by the runtime's periodic sync (`stored_ids`, `read`, `adopt`); a
+voice whose file another replica deleted is forgotten when it is next asked for (`on_disk`) or synced.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from engines.config import TOKEN_RATE_HZ
 from engines.voice import VoicePrompt
@@ -32,6 +40,9 @@ DEFAULT_VOICE = "default"
 VOICE_SUFFIX = ".safetensors"
 OWNER_SUFFIX = ".owner"
 _VOICE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+# An `<id>.owner` file with no voice beside it for this long is the reservation of an upload whose
+# process died (uploads take seconds), so a new upload may take the id over.
+STALE_RESERVATION_S = 600.0
 
 
 def check_voice_id(voice_id: str) -> str:
@@ -52,6 +63,14 @@ class VoiceInfo:
     prompt_seconds: float
     builtin: bool
     language: str  # ISO 639 code of its clip (cross-lingual synthesis for text in another)
+
+
+class StoredVoice(NamedTuple):
+    """A voice as read from the directory: its features, its owner and its file's size."""
+
+    prompt: VoicePrompt
+    owner: str
+    size: int
 
 
 @dataclass(frozen=True)
@@ -86,22 +105,66 @@ class VoiceRegistry:
         self._owners = {DEFAULT_VOICE: OPERATOR}
         self._sizes = {}
         self._directory.mkdir(parents=True, exist_ok=True)
-        for path in sorted(self._directory.glob(f"*{VOICE_SUFFIX}")):
-            voice_id = path.name[: -len(VOICE_SUFFIX)]
-            if voice_id == DEFAULT_VOICE or not _VOICE_ID.fullmatch(voice_id):
-                continue
-            try:
-                self._voices[voice_id] = VoicePrompt.load(path)
-            except ValueError as exc:
-                logger.warning("skipping voice file %s: %s", path, exc)
-                continue
-            owner_file = self._owner_path(voice_id)
-            self._owners[voice_id] = owner_file.read_text().strip() if owner_file.is_file() else OPERATOR
-            self._sizes[voice_id] = path.stat().st_size
+        for voice_id in sorted(self.stored_ids()):
+            stored = self.read(voice_id)
+            if stored is not None:
+                self.adopt(voice_id, stored)
         logger.info("%d voices loaded", len(self._voices))
 
+    def read(self, voice_id: str) -> StoredVoice | None:
+        """One stored voice as it is on disk now (written by this process or another sharing the
+        directory), or None if there is no valid voice file for it. Blocking file I/O and no registry
+        state touched: call it off the event loop, then `adopt` it."""
+        if voice_id == DEFAULT_VOICE or not _VOICE_ID.fullmatch(voice_id):
+            return None
+        path = self._path(voice_id)
+        try:
+            prompt = VoicePrompt.load(path)
+            size = path.stat().st_size
+            owner_file = self._owner_path(voice_id)
+            owner = owner_file.read_text().strip() if owner_file.is_file() else OPERATOR
+        except FileNotFoundError:
+            return None
+        except ValueError as exc:
+            logger.warning("skipping voice file %s: %s", path, exc)
+            return None
+        return StoredVoice(prompt, owner, size)
+
+    def adopt(self, voice_id: str, stored: StoredVoice) -> bool:
+        """Make a voice `read` from the directory known here (unless this process is uploading that id
+        itself); whether it was adopted."""
+        if voice_id in self._reserved:
+            return False
+        self._voices[voice_id], self._owners[voice_id], self._sizes[voice_id] = stored
+        return True
+
+    def stored_ids(self) -> frozenset[str]:
+        """The ids of the voice files in the directory now (blocking: a directory listing)."""
+        ids = (path.name[: -len(VOICE_SUFFIX)] for path in self._directory.glob(f"*{VOICE_SUFFIX}"))
+        return frozenset(vid for vid in ids if vid != DEFAULT_VOICE and _VOICE_ID.fullmatch(vid))
+
+    def known_ids(self) -> frozenset[str]:
+        """The uploaded voices this process knows (not `default`, not uploads in progress)."""
+        return frozenset(self._voices.keys() - {DEFAULT_VOICE})
+
+    def on_disk(self, voice_id: str) -> bool:
+        """Whether a voice file for `voice_id` exists now (another process sharing the directory may
+        have added or deleted it): one stat."""
+        if voice_id == DEFAULT_VOICE:
+            return True
+        return bool(_VOICE_ID.fullmatch(voice_id)) and self._path(voice_id).is_file()
+
+    def forget(self, voice_id: str) -> None:
+        """Drop a voice that another process deleted from the shared directory."""
+        self._voices.pop(voice_id, None)
+        self._owners.pop(voice_id, None)
+        self._sizes.pop(voice_id, None)
+
     def __contains__(self, voice_id: str) -> bool:
-        return voice_id in self._voices
+        """Known here or stored by another process sharing the directory (not yet `adopt`ed here)."""
+        if voice_id in self._voices:
+            return voice_id == DEFAULT_VOICE or voice_id in self._reserved or self.on_disk(voice_id)
+        return voice_id not in self._reserved and self.on_disk(voice_id)
 
     def get(self, voice_id: str) -> VoicePrompt:
         try:
@@ -125,7 +188,7 @@ class VoiceRegistry:
         """Claim `voice_id` for an upload by `owner` (refused if taken, being uploaded, or over quota).
         Then `check_room`, `store` and `commit` it, or `release` it."""
         check_voice_id(voice_id)
-        if voice_id in self._voices or voice_id in self._reserved:
+        if voice_id in self._voices or voice_id in self._reserved or self.on_disk(voice_id):
             raise ServiceError("voice_exists", f"a voice {voice_id!r} already exists; delete it first", 409)
         quota = self._quota
         owned = sum(1 for o in self._owners.values() if o == owner) + sum(
@@ -140,6 +203,7 @@ class VoiceRegistry:
                 "voice_quota_exceeded", f"the server already holds {quota.total} uploaded voices", 403
             )
         self._check_bytes(owner, 0)
+        self._claim(voice_id, owner)
         self._reserved[voice_id] = owner
 
     def release(self, voice_id: str) -> None:
@@ -196,6 +260,27 @@ class VoiceRegistry:
                 "voice_quota_exceeded", f"the server's voices would take more than {quota.bytes_total} bytes",
                 403,
             )
+
+    def _claim(self, voice_id: str, owner: str) -> None:
+        """Create `<id>.owner` exclusively: the one upload of `voice_id` among every process sharing the
+        directory. A claim left by a process that died mid-upload is taken over once stale."""
+        path = self._owner_path(voice_id)
+        for _ in range(2):
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                with contextlib.suppress(FileNotFoundError):
+                    stale = time.time() - path.stat().st_mtime > STALE_RESERVATION_S
+                    if stale and not self.on_disk(voice_id):
+                        path.unlink()
+                        continue
+                raise ServiceError(
+                    "voice_busy", f"voice {voice_id!r} is being uploaded elsewhere; try again", 409
+                ) from None
+            with os.fdopen(fd, "w") as claim:
+                claim.write(owner + "\n")
+            return
+        raise ServiceError("voice_busy", f"voice {voice_id!r} is being uploaded elsewhere; try again", 409)
 
     def _write_owner(self, voice_id: str, owner: str) -> None:
         path = self._owner_path(voice_id)

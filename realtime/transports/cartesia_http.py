@@ -157,7 +157,7 @@ def routes(runtime: Runtime) -> list[BaseRoute]:
             if sse and speech.container != "raw":
                 message = "server-sent events carry the 'raw' container only"
                 raise ProtocolError("unsupported_encoding", message)
-            return runtime.speak(speech.request), speech
+            return await runtime.open_session(speech.request), speech
         except (ProtocolError, BodyTooLarge) as exc:
             runtime.metrics.error(exc.code)
             return _error(exc.code, exc.message, 413 if isinstance(exc, BodyTooLarge) else 400)

@@ -158,7 +158,7 @@ def routes(runtime: Runtime) -> list[BaseRoute]:
                 body = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise ServiceError("invalid_json", "the body is not valid JSON") from None
-            return runtime.speak(parse_body(body, voice_id)), output
+            return await runtime.open_session(parse_body(body, voice_id)), output
         except ProtocolError as exc:
             runtime.metrics.error(exc.code)
             return _error(exc.code, exc.message, 400)

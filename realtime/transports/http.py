@@ -236,7 +236,7 @@ def routes(runtime: Runtime) -> list[BaseRoute]:
             voice = resolve_voice(
                 params.request.voice, lambda name: name in runtime.voices, runtime.config.voice_aliases
             )
-            session = runtime.speak(dataclasses.replace(params.request, voice=voice))
+            session = await runtime.open_session(dataclasses.replace(params.request, voice=voice))
             # An error before the first audio (text the front end refuses, a length the engine
             # cannot hold) still gets its status code: the headers wait for the first chunk.
             first = await _first_chunk(session)

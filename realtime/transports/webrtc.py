@@ -304,7 +304,7 @@ class WebRTCSession:
                 await asyncio.wait([previous], timeout=CANCEL_TIMEOUT_S)
             self._send({"type": "started", "id": utterance_id})
             resampler = Resampler(OPUS_RATE)
-            stream = self._runtime.speak(command.request())
+            stream = await self._runtime.open_session(command.request())
             try:
                 async for chunk in stream:
                     samples = to_pcm16(resampler.process(chunk.pcm))

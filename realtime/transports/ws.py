@@ -109,7 +109,7 @@ class _ContextRunner:
                     text = await self._texts.get()
                     if text is None:
                         return
-                    upcoming = self._open(text)
+                    upcoming = await self._open(text)
                 session, upcoming = upcoming, None
                 upcoming = await self._speak(session)
                 await session.aclose()
@@ -141,7 +141,7 @@ class _ContextRunner:
                 if upcoming is None and not self._texts.empty():
                     text = self._texts.get_nowait()
                     assert text is not None, "a context is finished only once every text is spoken"
-                    upcoming = self._open(text)
+                    upcoming = await self._open(text)
                     upcoming.start()
         except BaseException:
             if upcoming is not None:
@@ -149,10 +149,10 @@ class _ContextRunner:
             raise
         return upcoming
 
-    def _open(self, text: str) -> Session:
+    async def _open(self, text: str) -> Session:
         start = self._start
         sampling = SamplingParams(seed=start.seed, fixed_length=start.fixed_length)
-        return self._connection.runtime.speak(
+        return await self._connection.runtime.open_session(
             SpeechRequest(text=text, voice=start.voice, speed=start.speed, sampling=sampling,
                           instructions=start.instructions, language=start.language, mode=start.mode)
         )

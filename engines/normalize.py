@@ -20,8 +20,8 @@ tokenizer (`[laughter]`, `<strong>`, …) are never handed to wetext, so they re
 and only ASCII digits are spelled out.
 
 wetext holds the GIL while it transduces (≈ 10–40 ms for a sentence with digits, 1–3 s for a 4 KB
-text full of numbers, on the loaded 2-core dev machine): callers on an event loop pay that in full;
-text without digits costs microseconds.
+text full of numbers, on the loaded 2-core dev machine), one window at a time: call it off the event
+loop. Text without digits costs microseconds.
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import get_args
+from typing import Any, get_args
 
 from engines.llm.auto import LLMBackend
 from engines.token2wav.auto import Token2WavBackend
@@ -302,11 +302,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-search", action="store_true", help="skip the max-concurrency search")
     bench.add_argument("--search-max", type=int, default=256)
     bench.add_argument("--json", type=Path, default=Path("bench-results/bench.json"))
+    paced = bench.add_argument_group("token-paced turns (realtime/bench_tokens.py)")
+    paced.add_argument("--token-paced", action="store_true",
+                       help="measure first audio after the first sentence's last token of an LLM-paced turn")
+    paced.add_argument("--clients", default="native,cartesia,cartesia-sentences",
+                       help="comma-separated client shapes to drive")
+    paced.add_argument("--turns", type=int, default=5, help="turns per client")
+    paced.add_argument("--token-interval-ms", type=float, default=30.0, help="time between LLM tokens")
     return parser
 
 
 def bench(args: argparse.Namespace) -> int:
-    from realtime.bench import BenchOptions, run
+    from realtime.bench import BenchOptions, run, spawned_server
+
+    if args.token_paced:
+        return token_paced(args, spawned_server)
 
     return run(
         BenchOptions(
@@ -322,6 +332,25 @@ def bench(args: argparse.Namespace) -> int:
             json_path=args.json,
         )
     )
+
+
+def token_paced(args: argparse.Namespace, spawned_server: Callable[..., Any]) -> int:
+    from urllib.parse import urlsplit
+
+    from realtime import bench_tokens
+
+    def table(url: str) -> str:
+        parts = urlsplit(url)
+        return bench_tokens.run(
+            f"ws://{parts.netloc}", args.clients.split(","), args.turns, args.token_interval_ms / 1000
+        )
+
+    if args.url:
+        print(table(args.url))
+    else:
+        with spawned_server(args.models, tuple(args.server_arg)) as url:
+            print(table(url))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,7 +8,7 @@ is `http://HOST:PORT/cartesia` (the websocket: `ws://HOST:PORT/cartesia`); `api_
 ignored. What is mapped:
 
 - A generation request `{"context_id", "transcript", "voice": {"mode": "id", "id"}, "output_format":
-  {"container": "raw", "encoding": "pcm_s16le" | "pcm_f32le" | "pcm_mulaw", "sample_rate"},
+  {"container": "raw", "encoding": "pcm_s16le" | "pcm_f32le" | "pcm_mulaw" | "pcm_alaw", "sample_rate"},
   "continue", "add_timestamps", "flush"?, "max_buffer_delay_ms"?, "generation_config": {"speed"}?,
   "model_id", "language"}` opens the context on its first input (voice, format, speed and buffering
   come from it; `model_id` and `volume` are ignored), appends `transcript`,
@@ -56,7 +56,10 @@ from realtime.protocol.core import (
     style_fields,
 )
 
-_ENCODINGS = {"pcm_s16le": Encoding.PCM_S16LE, "pcm_f32le": Encoding.PCM_F32LE, "pcm_mulaw": Encoding.MULAW}
+_ENCODINGS = {
+    "pcm_s16le": Encoding.PCM_S16LE, "pcm_f32le": Encoding.PCM_F32LE, "pcm_mulaw": Encoding.MULAW,
+    "pcm_alaw": Encoding.ALAW,
+}
 CONTAINERS = ("raw", "wav", "mp3")
 _SPEED_WORDS = {"slowest": 0.5, "slow": 0.75, "normal": 1.0, "fast": 1.33, "fastest": 2.0}
 _STATUS_FOR_CODE = {"busy": 429, "internal_error": 500}

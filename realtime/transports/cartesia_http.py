@@ -36,7 +36,8 @@ logger = logging.getLogger(__name__)
 
 MAX_JSON_BYTES = 256 * 1024
 _RAW_CONTENT_TYPES = {
-    Encoding.PCM_S16LE: "audio/pcm", Encoding.PCM_F32LE: "audio/pcm", Encoding.MULAW: "audio/basic"
+    Encoding.PCM_S16LE: "audio/pcm", Encoding.PCM_F32LE: "audio/pcm", Encoding.MULAW: "audio/basic",
+    Encoding.ALAW: "audio/pcma",
 }
 
 

@@ -390,12 +390,17 @@ def run(options: BenchOptions) -> int:
         print(format_table("\nserver", ours))
         report["server"] = {"levels": [asdict(r) for r in ours], "max_streams_without_underrun": best}
     else:
-        with spawned_server(o.models, o.server_args) as url:
+        # Every stream is one socket from this one client: the spawned server's per-client limits must
+        # admit them all at once (the level's streams connect together).
+        sockets = str(2 * max(o.search_max, *o.streams))
+        room = ("--max-connections-per-client", sockets, "--rate-burst", sockets, "--rate-limit", sockets)
+        server_args = (*room, *o.server_args)
+        with spawned_server(o.models, server_args) as url:
             ours, best = asyncio.run(run_levels(url, o.streams, o.tokens, o.voice, o.search, o.search_max))
         report["ours"] = {"levels": [asdict(r) for r in ours], "max_streams_without_underrun": best}
         print(format_table("\nours", ours))
         if o.baseline:
-            with spawned_server(o.models, (*o.server_args, "--baseline")) as url:
+            with spawned_server(o.models, (*server_args, "--baseline")) as url:
                 base, _ = asyncio.run(run_levels(url, o.streams, o.tokens, o.voice, False, o.search_max))
             report["baseline"] = {"levels": [asdict(r) for r in base]}
             print(format_table("\nbaseline (no cross-request batching)", base))

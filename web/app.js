@@ -16,6 +16,11 @@ const rt = {
 };
 window.__rt = rt;
 
+// A server started with API keys needs one: open the page as /?api_key=KEY. It goes to the API as a
+// Bearer header, and to the websocket (where browsers cannot set headers) as the api_key parameter.
+const API_KEY = new URLSearchParams(location.search).get("api_key");
+const authHeaders = (headers = {}) => (API_KEY ? { ...headers, authorization: `Bearer ${API_KEY}` } : headers);
+
 const MAX_LOG_LINES = 50;
 const ICE_GATHERING_TIMEOUT_MS = 3000;
 const STATS_INTERVAL_MS = 500;
@@ -151,7 +156,7 @@ class WebRTCClient {
     await iceGatheringComplete(pc);
     const response = await fetch("/v1/webrtc/offer", {
       method: "POST",
-      headers: { "content-type": "application/json" },
+      headers: authHeaders({ "content-type": "application/json" }),
       body: JSON.stringify({ sdp: pc.localDescription.sdp, type: "offer" }),
     });
     if (!response.ok) throw new Error(await errorMessage(response));
@@ -217,7 +222,9 @@ class WebRTCClient {
     clearInterval(this.statsTimer);
     const sessionId = rt.webrtc.sessionId;
     // keepalive lets the request outlive the page when this runs on pagehide.
-    if (sessionId) fetch(`/v1/webrtc/${sessionId}`, { method: "DELETE", keepalive: true }).catch(() => {});
+    if (sessionId) {
+      fetch(`/v1/webrtc/${sessionId}`, { method: "DELETE", keepalive: true, headers: authHeaders() }).catch(() => {});
+    }
     this.pc?.close();
     this.context?.close();
     this.pc = null;
@@ -281,7 +288,8 @@ class WebSocketClient {
     setState("connecting");
     await this.openAudio();
     const scheme = location.protocol === "https:" ? "wss" : "ws";
-    const socket = new WebSocket(`${scheme}://${location.host}/v1/ws`);
+    const query = API_KEY ? `?api_key=${encodeURIComponent(API_KEY)}` : "";
+    const socket = new WebSocket(`${scheme}://${location.host}/v1/ws${query}`);
     socket.binaryType = "arraybuffer";
     socket.onmessage = (event) =>
       typeof event.data === "string" ? this.onEvent(JSON.parse(event.data)) : this.onAudio(event.data);
@@ -379,7 +387,7 @@ class WebSocketClient {
 // ----------------------------------------------------------------------------------------- voices
 
 async function loadVoices(select) {
-  const response = await fetch("/v1/voices");
+  const response = await fetch("/v1/voices", { headers: authHeaders() });
   if (!response.ok) throw new Error(await errorMessage(response));
   const { data } = await response.json();
   const list = $("voice");
@@ -401,7 +409,7 @@ async function uploadVoice(event) {
   form.append("transcript", $("upload-text").value);
   form.append("audio", $("upload-file").files[0]);
   status.textContent = "uploading…";
-  const response = await fetch("/v1/voices", { method: "POST", body: form });
+  const response = await fetch("/v1/voices", { method: "POST", body: form, headers: authHeaders() });
   if (!response.ok) {
     status.textContent = await errorMessage(response);
     return;

@@ -5,6 +5,7 @@ audio files (no server, batched; realtime/synth.py);
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -69,6 +70,7 @@ def _voice_alias(text: str) -> tuple[str, str]:
 def _config(args: argparse.Namespace) -> ServiceConfig:
     webrtc = WebRTCConfig(
         max_sessions=args.max_streams,
+        connect_timeout_s=getattr(args, "webrtc_connect_timeout", WebRTCConfig.connect_timeout_s),
         host_addresses=tuple(args.advertise_address) if args.advertise_address else None,
         ice_servers=tuple(_ice_server(spec) for spec in args.ice_server),
     )
@@ -100,6 +102,7 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         voice_aliases={**DEFAULT_VOICE_ALIASES, **dict(args.voice_alias)},
         access=access,
         limits=limits,
+        **{name: getattr(args, name) for _, name, _, _ in _SERVICE_LIMIT_FLAGS if hasattr(args, name)},
     )
 
 
@@ -119,6 +122,15 @@ _LIMIT_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--max-voice-bytes-per-client", "voice_bytes_per_client", int, "bytes of uploaded voices per client"),
     ("--max-voices", "voices_total", int, "uploaded voices in all"),
     ("--max-voice-bytes", "voice_bytes_total", int, "bytes of uploaded voices in all"),
+)
+
+
+# `serve` flags of ServiceConfig's own limits: (flag, field, type, help).
+_SERVICE_LIMIT_FLAGS: tuple[tuple[str, str, type, str], ...] = (
+    ("--max-text-chars", "max_text_chars", int, "longest text of a request or a context's buffer"),
+    ("--max-contexts-per-socket", "max_contexts_per_socket", int, "contexts open at once on one websocket"),
+    ("--max-voice-upload-seconds", "max_voice_upload_s", float, "longest reference clip (decoding stops)"),
+    ("--max-voice-upload-bytes", "max_voice_upload_bytes", int, "largest reference clip upload"),
 )
 
 
@@ -145,6 +157,16 @@ def _add_access_flags(sub: argparse.ArgumentParser) -> None:
         default=[],
         help="web origin besides the service's own that browsers may call it from (repeatable; '*': any)",
     )
+    sub.add_argument(
+        "--webrtc-connect-timeout",
+        type=float,
+        default=WebRTCConfig.connect_timeout_s,
+        help="close a WebRTC session not connected this long after its answer (default: %(default)s)",
+    )
+    service_defaults = {f.name: f.default for f in dataclasses.fields(ServiceConfig)}
+    for flag, name, kind, help_text in _SERVICE_LIMIT_FLAGS:
+        help_text = f"{help_text} (default: %(default)s)"
+        sub.add_argument(flag, dest=name, type=kind, default=service_defaults[name], help=help_text)
     for flag, name, kind, help_text in _LIMIT_FLAGS:
         default = getattr(defaults, name)
         help_text = f"{help_text} (default: %(default)s)"

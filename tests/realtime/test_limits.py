@@ -339,3 +339,63 @@ async def test_concurrent_connections_per_client(tiny_models: Path, tmp_path: Pa
                         break
                     except InvalidStatus:
                         await asyncio.sleep(0.05)
+
+
+async def test_every_limit_has_a_serve_flag() -> None:
+    from realtime.cli import _config, build_parser
+
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--models",
+            "/nonexistent",
+            "--api-key",
+            "flag-key-1234",
+            "--cors-origin",
+            "https://a.example",
+            "--rate-limit",
+            "5",
+            "--rate-burst",
+            "7",
+            "--max-connections-per-client",
+            "9",
+            "--header-timeout",
+            "2",
+            "--body-timeout",
+            "3",
+            "--ws-idle-timeout",
+            "4",
+            "--context-idle-timeout",
+            "5",
+            "--max-queued-sentences",
+            "6",
+            "--max-pending-offers",
+            "1",
+            "--max-voices-per-client",
+            "2",
+            "--max-voice-bytes-per-client",
+            "1000",
+            "--max-voices",
+            "3",
+            "--max-voice-bytes",
+            "2000",
+            "--max-text-chars",
+            "100",
+            "--max-contexts-per-socket",
+            "2",
+            "--max-voice-upload-seconds",
+            "10",
+            "--max-voice-upload-bytes",
+            "4096",
+            "--webrtc-connect-timeout",
+            "6",
+        ]
+    )
+    config = _config(args)
+    assert config.access.api_keys == ("flag-key-1234",) and config.access.cors_origins == (
+        "https://a.example",
+    )
+    assert config.limits == LimitsConfig(5.0, 7, 9, 2.0, 3.0, 4.0, 5.0, 6, 1, 2, 1000, 3, 2000)
+    assert (config.max_text_chars, config.max_contexts_per_socket) == (100, 2)
+    assert (config.max_voice_upload_s, config.max_voice_upload_bytes) == (10.0, 4096)
+    assert config.webrtc.connect_timeout_s == 6.0

@@ -7,11 +7,14 @@ Routes: `/healthz` (the process is up), `/readyz` (engines loaded, accepting str
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
@@ -103,6 +106,23 @@ def create_app(config: ServiceConfig, runtime: Runtime | None = None) -> Starlet
     """The service app. The runtime is created (not started) here; the lifespan starts and drains it."""
     runtime = runtime or Runtime(config)
     webrtc = WebRTCGateway(runtime, config.webrtc, config.limits.pending_offers_per_client)
+    sockets = ws.WebSocketHub()
+    runtime.metrics.track_connections(lambda: len(sockets), lambda: len(webrtc))
+
+    async def drain(timeout_s: float) -> None:
+        """Before the server stops: not ready, new work refused, running utterances on every transport
+        finish (websockets get their `done` and a 1001 close) for up to `timeout_s`; then the rest is
+        cancelled."""
+        logger.info("draining: running streams get up to %.1f s to finish", timeout_s)
+        runtime.begin_drain()
+        await sockets.drain()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await asyncio.gather(sockets.wait_closed(), webrtc.wait_idle(), runtime.wait_idle())
+        except TimeoutError:
+            logger.warning("drain timed out: cancelling what still runs")
+        await sockets.abort()
+        await webrtc.aclose()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -120,7 +140,7 @@ def create_app(config: ServiceConfig, runtime: Runtime | None = None) -> Starlet
     async def readyz(request: Request) -> Response:
         if runtime.ready:
             return JSONResponse({"status": "ready"})
-        return JSONResponse({"status": "starting"}, status_code=503)
+        return JSONResponse({"status": "draining" if runtime.draining else "starting"}, status_code=503)
 
     async def metrics(request: Request) -> Response:
         return Response(runtime.metrics.render(), media_type=runtime.metrics.content_type)
@@ -132,7 +152,7 @@ def create_app(config: ServiceConfig, runtime: Runtime | None = None) -> Starlet
         *http.routes(runtime),
         *elevenlabs_http.routes(runtime),
         *cartesia_http.routes(runtime),
-        *ws.routes(runtime),
+        *ws.routes(runtime, sockets),
         *webrtc.routes(),
     ]
     routes.extend(_method_not_allowed(routes))
@@ -168,4 +188,41 @@ def create_app(config: ServiceConfig, runtime: Runtime | None = None) -> Starlet
         exception_handlers={HTTPException: http_error, Exception: server_error},
     )
     app.state.runtime = runtime
+    app.state.drain = drain
     return app
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with the service's drain on SIGTERM/SIGINT before uvicorn's own shutdown.
+
+    uvicorn alone stops accepting, cuts websockets with 1012 and cancels HTTP streams after its grace
+    period, and only then runs the lifespan's shutdown; and it re-raises the signal, so the process
+    dies by it. Here the first signal starts the app's `drain` (the server still answers: /readyz
+    says draining, new work is refused), uvicorn's shutdown follows once it is over, and the process
+    exits 0. A second SIGINT still forces uvicorn out.
+    """
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        drain: Callable[[float], Coroutine[Any, Any, None]],
+        drain_timeout_s: float,
+    ) -> None:
+        super().__init__(config)
+        self._drain = drain
+        self._drain_timeout_s = drain_timeout_s
+        self._drain_requested = False
+        self._draining: asyncio.Task[None] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain_requested or self.should_exit:
+            super().handle_exit(sig, frame)
+            return
+        self._drain_requested = True  # the tick starts the drain (a signal handler must not await)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._drain_requested and self._draining is None:
+            self._draining = asyncio.create_task(self._drain(self._drain_timeout_s))
+        if self._draining is not None and self._draining.done():
+            self.should_exit = True
+        return await super().on_tick(counter)

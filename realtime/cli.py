@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import socket
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -173,15 +174,59 @@ def _add_access_flags(sub: argparse.ArgumentParser) -> None:
         sub.add_argument(flag, dest=name, type=kind, default=default, help=help_text)
 
 
+def preflight(config: ServiceConfig) -> None:
+    """What would make the start fail after seconds of loading, checked first: the models directory
+    and the devices. ValueError/FileNotFoundError with one sentence."""
+    import torch
+
+    from engines.config import read_manifest
+
+    if not config.models_dir.is_dir():
+        raise FileNotFoundError(f"--models: {config.models_dir} is not a directory")
+    read_manifest(config.models_dir)
+    plan = config.device_plan
+    for device in {*plan.llm_devices, *plan.token2wav_devices}:
+        if not device.startswith("cuda"):
+            continue
+        if not torch.cuda.is_available():
+            build = "has no CUDA" if torch.version.cuda is None else "sees no GPU"
+            raise ValueError(f"device {device!r}: PyTorch {torch.__version__} {build}; try --device cpu")
+        index = int(device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} GPU(s) are visible")
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (before any engine loads, so a taken port fails at once)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(config: ServiceConfig) -> int:
-    """Run uvicorn until SIGINT/SIGTERM; running streams get `drain_timeout_s` to finish."""
-    import uvicorn
+    """Run the server until SIGTERM/SIGINT, then drain: running streams get `drain_timeout_s` to finish
+    (realtime.app.DrainingServer); exit 0 after a clean drain."""
+    from realtime.app import DrainingServer, create_app, server_config
 
-    from realtime.app import create_app, server_config
-
+    try:
+        preflight(config)
+        sock = listen(config.host, config.port)
+    except (OSError, ValueError) as exc:
+        print(f"realtime serve: {exc}", file=sys.stderr)
+        return 2
     app = create_app(config)
-    uvicorn.Server(server_config(app, config, host=config.host, port=config.port, log_level="info")).run()
-    return 0
+    uvicorn_config = server_config(app, config, host=config.host, port=config.port, log_level="info")
+    server = DrainingServer(uvicorn_config, app.state.drain, config.drain_timeout_s)
+    with sock:
+        server.run(sockets=[sock])
+    return 0 if server.started else 1
 
 
 def synth(config: ServiceConfig, args: argparse.Namespace) -> int:
@@ -196,6 +241,7 @@ def synth(config: ServiceConfig, args: argparse.Namespace) -> int:
         else:
             items = [SynthItem(args.text, args.out, args.voice)]
         sampling = SamplingParams(seed=args.seed, fixed_length=args.fixed_length)
+        preflight(config)
     except (OSError, ValueError) as exc:
         print(f"realtime synth: {exc}", file=sys.stderr)
         return 2

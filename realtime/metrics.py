@@ -45,6 +45,11 @@ class Metrics:
             registry=self.registry,
         )
         self.active_streams = Gauge("tts_active_streams", "Streams being synthesised", registry=self.registry)
+        self.token2wav_open_streams = Gauge(
+            "tts_token2wav_open_streams",
+            "token2wav streams open on the worker threads (their caches held)",
+            registry=self.registry,
+        )
         self.queue_depth = Gauge(
             "tts_token2wav_queue_depth",
             "Chunks waiting for the token2wav worker",
@@ -90,6 +95,14 @@ class Metrics:
         """Report each token2wav worker's streams, capacity and health by device, and the free stream
         capacity in all (what an autoscaler scales on), read at every scrape."""
         self.registry.register(_PlacementCollector(read_loads))
+
+    def track_connections(self, websockets: Callable[[], int], webrtc_sessions: Callable[[], int]) -> None:
+        """Report the open agent websockets and WebRTC sessions, read at every scrape."""
+        Gauge("tts_websocket_connections", "Agent websockets open", registry=self.registry).set_function(
+            lambda: float(websockets())
+        )
+        Gauge("tts_webrtc_sessions", "WebRTC sessions (peer connections) open",
+              registry=self.registry).set_function(lambda: float(webrtc_sessions()))
 
     def error(self, code: str) -> None:
         self.errors.labels(code=code).inc()

@@ -162,8 +162,12 @@ class Runtime:
         self._accepting = False
         self._voice_loads: dict[str, asyncio.Task[None]] = {}  # voices being read from the directory
         self._voice_sync: asyncio.Task[None] | None = None
+        self._draining = False
         # Read when scraped rather than kept in step by hand.
         self.metrics.active_streams.set_function(lambda: len(self._sessions))
+        self.metrics.token2wav_open_streams.set_function(
+            lambda: sum(worker.open_streams for worker in self._workers)
+        )
         self.metrics.queue_depth.set_function(lambda: sum(worker.queue_depth for worker in self._workers))
         self.metrics.track_placement(self._worker_loads)
 
@@ -253,9 +257,21 @@ class Runtime:
         for worker in self._workers:
             await asyncio.to_thread(worker.stop)
 
+    def begin_drain(self) -> None:
+        """Shutting down: new work is refused (`shutting_down`), work already accepted carries on."""
+        self._draining = True
+
+    async def wait_idle(self) -> None:
+        """Return once no session is running."""
+        await self._idle.wait()
+
     @property
     def ready(self) -> bool:
-        return self._accepting
+        return self._accepting and not self._draining
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
 
     def stats(self) -> RuntimeStats:
         engines = self._running()
@@ -301,16 +317,20 @@ class Runtime:
 
     # -- synthesis -----------------------------------------------------------------------------
 
-    async def open_session(self, request: SpeechRequest) -> Session:
+    async def open_session(self, request: SpeechRequest, continuing: bool = False) -> Session:
         """`speak`, once the request's voice is usable here: a voice another replica just stored in the
         shared directory is loaded first (`ensure_voice`). What transports call."""
         await self.ensure_voice(request.voice)
-        return self.speak(request)
+        return self.speak(request, continuing)
 
-    def speak(self, request: SpeechRequest) -> Session:
-        """A session for `request`, admitted now; raises ServiceError when it cannot be served."""
+    def speak(self, request: SpeechRequest, continuing: bool = False) -> Session:
+        """A session for `request`, admitted now; raises ServiceError when it cannot be served.
+
+        `continuing`: the request carries on work accepted before a drain began (the next sentence of
+        an open websocket context), which a drain lets finish; other new work is refused meanwhile.
+        """
         with self._counting_errors():
-            return self._admit(request)
+            return self._admit(request, continuing)
 
     @contextlib.contextmanager
     def _counting_errors(self) -> Iterator[None]:
@@ -320,8 +340,8 @@ class Runtime:
             self.metrics.error(exc.code)
             raise
 
-    def _admit(self, request: SpeechRequest) -> Session:
-        if not self._accepting:
+    def _admit(self, request: SpeechRequest, continuing: bool) -> Session:
+        if not self._accepting or (self._draining and not continuing):
             raise ServiceError("shutting_down", "the server is shutting down", 503, self.config.retry_after_s)
         voices = self._voice(request.voice)
         mode = choose_mode(request, voices[0].language)

@@ -212,6 +212,12 @@ class WebRTCSession:
         self._watchdog = asyncio.create_task(self._close_unless_connected(self._config.connect_timeout_s))
         return self._pc.localDescription
 
+    @property
+    def utterance(self) -> asyncio.Task[None] | None:
+        """The utterance being spoken, if any."""
+        task = self._utterance
+        return task if task is not None and not task.done() else None
+
     async def close(self) -> None:
         """End the session and return once it has ended; safe to call again, from any task."""
         await asyncio.shield(self._begin_close())
@@ -369,12 +375,22 @@ class WebRTCGateway:
             Route("/v1/webrtc/{session_id}", self._delete, methods=["DELETE"]),
         ]
 
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    async def wait_idle(self) -> None:
+        """Return once no session has an utterance running (a drain lets them finish)."""
+        while running := [task for session in self._sessions.values() if (task := session.utterance)]:
+            await asyncio.wait(running)
+
     async def aclose(self) -> None:
         """Close every session (at shutdown)."""
         await asyncio.gather(*(session.close() for session in list(self._sessions.values())))
 
     async def _offer(self, request: Request) -> Response:
         try:
+            if self._runtime.draining:
+                raise ServiceError("shutting_down", "the server is shutting down", 503, retry_after_s=1)
             offer = await _read_offer(request)
             check_offer(offer.sdp)
             if len(self._sessions) >= self._config.max_sessions:

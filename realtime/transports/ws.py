@@ -37,6 +37,7 @@ from realtime.protocol.core import (
     AppendText,
     AudioOut,
     Close,
+    CloseSocket,
     Dialect,
     ErrorEvent,
     Event,
@@ -152,9 +153,11 @@ class _ContextRunner:
     async def _open(self, text: str) -> Session:
         start = self._start
         sampling = SamplingParams(seed=start.seed, fixed_length=start.fixed_length)
+        # Text of an open context is work accepted already: a drain lets it finish.
         return await self._connection.runtime.open_session(
             SpeechRequest(text=text, voice=start.voice, speed=start.speed, sampling=sampling,
-                          instructions=start.instructions, language=start.language, mode=start.mode)
+                          instructions=start.instructions, language=start.language, mode=start.mode),
+            continuing=True,
         )
 
     async def _send(
@@ -216,6 +219,7 @@ class _Connection:
         self._wakes: dict[str, asyncio.Task[None]] = {}  # one pending policy timer per context
         self._send_lock = asyncio.Lock()
         self._closed = False
+        self._close_code = 1000  # 1001 (going away) once the server drains
         limits = runtime.config.limits
         self._idle_s = limits.ws_idle_timeout_s
         self._context_idle_s = limits.context_idle_timeout_s
@@ -223,6 +227,19 @@ class _Connection:
         self._last_text: dict[str, float] = {}  # context id → when text last came for it
         # An ElevenLabs client that sent no key in its handshake sends it in its first message.
         self._awaiting_key = bool(websocket.scope.get("state", {}).get("auth_pending"))
+
+    async def drain(self) -> None:
+        """The server is going away: every open context ends once its accepted text is spoken (its
+        `done` follows), new contexts and text are refused, then the socket closes with 1001."""
+        if not self._closed:
+            self._close_code = 1001
+            await self._execute(self.protocol.handle(CloseSocket(drain=True)))
+
+    async def abort(self) -> None:
+        """The drain ran out of time: cancel what is left and close with 1001."""
+        if not self._closed:
+            self._close_code = 1001
+            await self._execute(self.protocol.handle(CloseSocket()))
 
     async def serve(self) -> None:
         await self.websocket.accept()
@@ -345,7 +362,7 @@ class _Connection:
                 await self.send(action.event)
             elif isinstance(action, Close):
                 self._closed = True
-                await self.websocket.close(1000)
+                await self.websocket.close(self._close_code)
 
     def _cancel_wake(self, context_id: str) -> None:
         timer = self._wakes.pop(context_id, None)
@@ -378,7 +395,48 @@ class _Connection:
         await self._execute([a for a in actions if not isinstance(a, Abort)])
 
 
-def routes(runtime: Runtime) -> list[BaseRoute]:
+class WebSocketHub:
+    """The open agent sockets: counted for `/metrics`, drained at shutdown."""
+
+    def __init__(self) -> None:
+        self._connections: set[_Connection] = set()
+        self._none_open = asyncio.Event()
+        self._none_open.set()
+        self._draining = False
+
+    def __len__(self) -> int:
+        return len(self._connections)
+
+    async def serve(self, connection: _Connection) -> None:
+        if self._draining:  # the server is going away: no new sockets
+            await connection.websocket.accept()
+            await connection.websocket.close(1001, "the server is shutting down")
+            return
+        self._connections.add(connection)
+        self._none_open.clear()
+        try:
+            await connection.serve()
+        finally:
+            self._connections.discard(connection)
+            if not self._connections:
+                self._none_open.set()
+
+    async def drain(self) -> None:
+        """Ask every socket to finish its contexts and close (`_Connection.drain`); refuse new ones."""
+        self._draining = True
+        for connection in list(self._connections):
+            await connection.drain()
+
+    async def wait_closed(self) -> None:
+        await self._none_open.wait()
+
+    async def abort(self) -> None:
+        """Cancel and close every socket still open."""
+        for connection in list(self._connections):
+            await connection.abort()
+
+
+def routes(runtime: Runtime, hub: WebSocketHub) -> list[BaseRoute]:
     """The websocket endpoints: the native protocol and the Cartesia and ElevenLabs dialects."""
 
     def endpoint(make_dialect: Callable[[WebSocket], Dialect]) -> Callable[[WebSocket], Awaitable[None]]:
@@ -390,7 +448,7 @@ def routes(runtime: Runtime) -> list[BaseRoute]:
                 await websocket.send_text(json.dumps({"error": exc.code, "message": exc.message}))
                 await websocket.close(1008)
                 return
-            await _Connection(websocket, runtime, dialect).serve()
+            await hub.serve(_Connection(websocket, runtime, dialect))
 
         return serve
 

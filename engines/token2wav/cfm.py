@@ -3,9 +3,10 @@
 Each step evaluates the estimator once on a batch of 2B: the conditional half (x, mu, spks, cond) and the
 unconditional half (x, 0, 0, 0); the velocity is (1 + r)·v_cond − r·v_uncond with r = `cfg_rate`.
 
-The starting noise comes from one fixed Gaussian buffer per instance, drawn from a seeded generator, and
-frame f of an utterance (prompt included) always uses column f (mod the buffer length): offline and
-streaming runs start from the same noise, and runs are reproducible.
+The starting noise comes from one fixed Gaussian buffer per instance, drawn from a seeded generator, so
+runs are reproducible. A solve reads the columns from the offset its caller gives (mod the buffer
+length): offline frame f uses column f; a streaming chunk's offset follows the estimator-cache rule
+(dit_cache.py: the reference's cache length, which stops growing once the cache is trimmed).
 
 `solve_ragged` solves the chunks of many streams at once (`RaggedInputs`, built by batching.py): all 10
 steps, no host synchronisation and no shape that depends on tensor values, so one call can be captured
@@ -77,8 +78,8 @@ class RaggedEstimator(Protocol):
 class RaggedInputs:
     """Chunks of B streams, right-padded to T frames (cond = 0: the prompts condition via the caches).
 
-    mu (B, 80, T); spks (B, 80); offsets (B,) int64: utterance frame of each row's first frame (its
-    noise column); lengths (B,) int64: real frames per row (≥ 1);
+    mu (B, 80, T); spks (B, 80); offsets (B,) int64: each row's first noise column; lengths (B,) int64:
+    real frames per row (≥ 1);
     cnn_cache (steps, depth, 2B, 2·hidden, 2); prompt_kv (steps, depth, 2, heads, K_p, 2·hd): the voices'
     prompt caches side by side; own_kv (steps, depth, 2B, heads, T_own, 2·hd): each row's own cached
     frames at the end (left padding); mask (2B, K_p + T_own + T) bool over [prompt, own, chunk] keys;
@@ -182,7 +183,7 @@ class ConditionalCFM(nn.Module):
         prefix_kv: torch.Tensor | None,
         own_kv: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Mel (B, 80, T) of one chunk starting at utterance frame `offset`, after cached frames.
+        """Mel (B, 80, T) of one chunk whose noise starts at column `offset`, after cached frames.
 
         The caches have one entry per Euler step and the guidance batch 2B (conditional rows first):
         cnn_cache (steps, depth, 2B, 2·hidden, 2); step s attends to prefix_kv[s] ⧺ own_kv[s], each

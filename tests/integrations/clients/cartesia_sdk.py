@@ -88,7 +88,7 @@ async def main() -> None:
     rate = args.sample_rate or 24000
     base = f"{args.http_url}/cartesia"
     client = AsyncCartesia(
-        api_key="not-checked", base_url=base, websocket_base_url=base.replace("http", "ws", 1)
+        api_key=args.api_key, base_url=base, websocket_base_url=base.replace("http", "ws", 1)
     )
     if args.mode == "websocket":
         await websocket(client, args.voice, rate, args.interrupt)

@@ -29,6 +29,7 @@ def parse_args(*modes: str) -> argparse.Namespace:
     parser.add_argument("--sample-rate", type=int, default=None)
     parser.add_argument("--interrupt", action="store_true", help="stop mid-utterance")
     parser.add_argument("--voice", default="default")
+    parser.add_argument("--api-key", default="not-checked", help="the key the client is configured with")
     return parser.parse_args()
 
 

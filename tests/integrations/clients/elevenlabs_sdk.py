@@ -26,17 +26,18 @@ def main() -> None:
     parser.add_argument("--mode", choices=("convert", "stream", "timestamps", "realtime"), required=True)
     parser.add_argument("--output-format", default=None)
     parser.add_argument("--voice", default="default")
+    parser.add_argument("--api-key", default="unused", help="the key the client is configured with")
     args = parser.parse_args()
     fmt = {"output_format": args.output_format} if args.output_format else {}
     if args.mode == "realtime":
         os.environ["SSL_CERT_FILE"] = args.ca  # trust the TLS front, as one trusts a deployment's CA
-        client = ElevenLabs(api_key="unused", base_url=args.https_url)
+        client = ElevenLabs(api_key=args.api_key, base_url=args.https_url)
         audio = b"".join(
             client.text_to_speech.convert_realtime(args.voice, text=llm_tokens(TURN), model_id=MODEL, **fmt)
         )
         report(audio_b64=base64.b64encode(audio).decode("ascii"))
         return
-    client = ElevenLabs(api_key="unused", base_url=args.http_url)
+    client = ElevenLabs(api_key=args.api_key, base_url=args.http_url)
     tts = client.text_to_speech
     if args.mode == "convert":
         audio = b"".join(tts.convert(args.voice, text=TEXT, model_id=MODEL, **fmt))

@@ -54,7 +54,7 @@ async def main() -> None:
             from livekit.plugins import cartesia
 
             tts: agents_tts.TTS = cartesia.TTS(
-                api_key="not-checked",
+                api_key=args.api_key,
                 base_url=f"{args.http_url}/cartesia",
                 voice=args.voice,
                 sample_rate=rate,
@@ -64,7 +64,7 @@ async def main() -> None:
             import openai as openai_sdk
             from livekit.plugins import openai
 
-            client = openai_sdk.AsyncClient(api_key="not-checked", base_url=f"{args.http_url}/v1")
+            client = openai_sdk.AsyncClient(api_key=args.api_key, base_url=f"{args.http_url}/v1")
             tts = openai.TTS(client=client)
 
         @tts.on("error")

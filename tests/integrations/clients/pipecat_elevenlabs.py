@@ -60,17 +60,18 @@ async def main() -> None:
     parser.add_argument("--sample-rate", type=int, default=16000)
     parser.add_argument("--interrupt", action="store_true")
     parser.add_argument("--voice", default="default")
+    parser.add_argument("--api-key", default="unused", help="the key the client is configured with")
     args = parser.parse_args()
     async with aiohttp.ClientSession() as session:
         if args.mode == "websocket":
             tts: FrameProcessor = ElevenLabsTTSService(
-                api_key="unused",
+                api_key=args.api_key,
                 url=args.http_url.replace("http://", "ws://"),
                 settings=ElevenLabsTTSService.Settings(voice=args.voice),
             )
         else:
             tts = ElevenLabsHttpTTSService(
-                api_key="unused",
+                api_key=args.api_key,
                 aiohttp_session=session,
                 base_url=args.http_url,
                 settings=ElevenLabsHttpTTSService.Settings(voice=args.voice),

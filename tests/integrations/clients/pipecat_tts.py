@@ -58,12 +58,12 @@ class Collector(FrameProcessor):
 STOP_FRAME_TIMEOUT_S = 30.0
 
 
-def make_service(mode: str, http_url: str, voice: str) -> FrameProcessor:
+def make_service(mode: str, http_url: str, voice: str, api_key: str) -> FrameProcessor:
     if mode == "cartesia":
         from pipecat.services.cartesia.tts import CartesiaTTSService
 
         return CartesiaTTSService(
-            api_key="not-checked",
+            api_key=api_key,
             url=f"{http_url.replace('http', 'ws', 1)}/cartesia/tts/websocket",
             settings=CartesiaTTSService.Settings(voice=voice),
             stop_frame_timeout_s=STOP_FRAME_TIMEOUT_S,
@@ -72,7 +72,7 @@ def make_service(mode: str, http_url: str, voice: str) -> FrameProcessor:
         from pipecat.services.cartesia.tts import CartesiaHttpTTSService
 
         return CartesiaHttpTTSService(
-            api_key="not-checked",
+            api_key=api_key,
             base_url=f"{http_url}/cartesia",
             settings=CartesiaHttpTTSService.Settings(voice=voice),
             stop_frame_timeout_s=STOP_FRAME_TIMEOUT_S,
@@ -80,14 +80,14 @@ def make_service(mode: str, http_url: str, voice: str) -> FrameProcessor:
     from pipecat.services.openai.tts import OpenAITTSService
 
     return OpenAITTSService(
-        api_key="not-checked", base_url=f"{http_url}/v1", stop_frame_timeout_s=STOP_FRAME_TIMEOUT_S
+        api_key=api_key, base_url=f"{http_url}/v1", stop_frame_timeout_s=STOP_FRAME_TIMEOUT_S
     )
 
 
 async def main() -> None:
     args = parse_args("cartesia", "cartesia-http", "openai")
     rate = args.sample_rate or 24000
-    tts = make_service(args.mode, args.http_url, args.voice)
+    tts = make_service(args.mode, args.http_url, args.voice, args.api_key)
     upstream, downstream = Collector(FrameDirection.UPSTREAM), Collector(FrameDirection.DOWNSTREAM)
     worker = PipelineWorker(
         Pipeline([upstream, tts, downstream]),

@@ -3,7 +3,9 @@ server, driven the way Pipecat's own tests drive a service: a pipeline of [recor
 PipelineWorker, fed an LLM turn token by token; the pipeline's output sample rate picks the format.
 
 Only the URL changes: `url="ws://HOST:PORT"` for the websocket service, `base_url="http://HOST:PORT"`
-for the HTTP one.
+for the HTTP one. `stop_frame_timeout_s` (Pipecat's wait for a context's next audio, 3 s by default,
+after which it drops the context) is raised: the tiny CPU models on a shared test machine may take
+longer than that to a first chunk; a GPU server answers in well under a second.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from pipecat.pipeline.worker import PipelineParams, PipelineWorker
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 from pipecat.services.elevenlabs.tts import ElevenLabsHttpTTSService, ElevenLabsTTSService
 from pipecat.workers.runner import WorkerRunner
+
+STOP_FRAME_TIMEOUT_S = 15.0
 
 
 class Recorder(FrameProcessor):
@@ -68,6 +72,7 @@ async def main() -> None:
                 api_key=args.api_key,
                 url=args.http_url.replace("http://", "ws://"),
                 settings=ElevenLabsTTSService.Settings(voice=args.voice),
+                stop_frame_timeout_s=STOP_FRAME_TIMEOUT_S,
             )
         else:
             tts = ElevenLabsHttpTTSService(
@@ -75,6 +80,7 @@ async def main() -> None:
                 aiohttp_session=session,
                 base_url=args.http_url,
                 settings=ElevenLabsHttpTTSService.Settings(voice=args.voice),
+                stop_frame_timeout_s=STOP_FRAME_TIMEOUT_S,
             )
         upstream, downstream = Recorder(FrameDirection.UPSTREAM), Recorder(FrameDirection.DOWNSTREAM)
         worker = PipelineWorker(

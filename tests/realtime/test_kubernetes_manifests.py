@@ -14,6 +14,7 @@ import pytest
 import yaml
 from testing import LiveServer
 
+from realtime.access import KEYS_ENV
 from realtime.cli import _config, build_parser
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
@@ -56,6 +57,8 @@ def test_the_deployment_runs_our_cli_and_outlasts_its_drain() -> None:
     config = _config(build_parser().parse_args(container["args"]))
     assert (config.host, config.port) == ("0.0.0.0", container["ports"][0]["containerPort"])
     assert str(config.voice_store) == "/voices"
+    keys = {variable["name"]: variable for variable in container["env"]}
+    assert keys[KEYS_ENV]["valueFrom"]["secretKeyRef"]["name"]  # the service's keys come from a Secret
     pod = one("Deployment")["spec"]["template"]["spec"]
     assert pod["terminationGracePeriodSeconds"] > config.drain_timeout_s
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1

@@ -158,7 +158,7 @@ class FlowConfig:
     unet: UNetConfig = field(default_factory=UNetConfig)
     # Streaming DiT estimator cache (token2wav/dit_cache.py): the rule, and R, the frames it keeps
     # beyond the prompt's count. "reference" = Step-Audio2's driver; "prompt_recent" = an option.
-    att_cache_rule: Literal["reference", "prompt_recent"] = "reference"
+    att_cache_rule: Literal["reference", "prompt_recent"] = "reference"  # = dit_cache.CacheRule
     att_cache_recent_frames: int = 100
 
     def __post_init__(self) -> None:

@@ -15,6 +15,7 @@ from typing import Any, get_args
 
 from engines.llm.auto import LLMBackend
 from engines.token2wav.auto import Token2WavBackend
+from engines.token2wav.dit_cache import CACHE_RULES
 from realtime.access import KEYS_ENV, read_keys
 from realtime.config import (
     DEFAULT_CACHE_DIR,
@@ -85,6 +86,7 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         flow=args.flow,
         llm_backend=args.llm_backend,
         token2wav_backend=args.token2wav_backend,
+        dit_cache_rule=args.dit_cache_rule,
         device=args.device,
         placement=PlacementKind(args.placement),
         llm_devices=args.llm_device,
@@ -279,6 +281,13 @@ def build_parser() -> argparse.ArgumentParser:
             choices=get_args(Token2WavBackend),
             default="auto",
             help="token2wav backend (auto: TensorRT when its plans are built and runnable, else PyTorch)",
+        )
+        sub.add_argument(
+            "--dit-cache-rule",
+            choices=CACHE_RULES,
+            default="reference",
+            help="DiT streaming cache: reference (Step-Audio2's trim and noise offset) or prompt_recent "
+                 "(prompt + 100 newest frames: less memory per stream; see docs/fidelity.md)",
         )
         sub.add_argument("--device", default="auto",
                          help="torch device of every engine (cpu, cuda, cuda:1, ...), or auto: every visible "

@@ -11,6 +11,7 @@ from typing import Literal, get_args
 
 from engines.llm.auto import LLMBackend
 from engines.token2wav.auto import Token2WavBackend
+from engines.token2wav.dit_cache import CACHE_RULES, CacheRule
 from realtime.placement import DevicePlan, PlacementKind, plan_devices
 from realtime.schedule import ScheduleKind
 from realtime.voice_aliases import DEFAULT_VOICE_ALIASES
@@ -177,6 +178,8 @@ class ServiceConfig:
         models directory and can run here, PyTorch otherwise (engines/llm/auto.py).
     token2wav_backend: `tensorrt`, `torch`, or `auto`: TensorRT when the DiT plans were built and can run
         here, PyTorch otherwise (engines/token2wav/auto.py).
+    dit_cache_rule: the DiT flow's streaming estimator cache: `reference` (Step-Audio2's trim and noise
+        offset) or `prompt_recent` (prompt + 100 newest frames per stream: less memory; docs/fidelity.md).
     llm_slots: requests the LLM decodes together (None: `max_streams`; 1 serves one at a time).
     token2wav_batch: most chunks a token2wav worker thread runs in one call.
     token2wav_workers: token2wav threads (each on its own CUDA stream); a stream stays on the thread
@@ -203,6 +206,7 @@ class ServiceConfig:
     flow: FlowKind = "dit"
     llm_backend: LLMBackend = "auto"
     token2wav_backend: Token2WavBackend = "auto"
+    dit_cache_rule: CacheRule = "reference"
     device: str = "auto"
     placement: PlacementKind = PlacementKind.DISAGGREGATED
     llm_devices: tuple[str, ...] | None = None
@@ -235,6 +239,8 @@ class ServiceConfig:
         for name, choices in (("llm_backend", LLMBackend), ("token2wav_backend", Token2WavBackend)):
             if getattr(self, name) not in get_args(choices):
                 raise ValueError(f"{name} must be one of {get_args(choices)}, got {getattr(self, name)!r}")
+        if self.dit_cache_rule not in CACHE_RULES:
+            raise ValueError(f"dit_cache_rule must be one of {CACHE_RULES}, got {self.dit_cache_rule!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         for name in (

@@ -97,6 +97,7 @@ def load_engines(config: ServiceConfig) -> LoadedEngines:
             pool_size=max(4, config.token2wav_workers),
             # CUDA graphs replay from shared buffers: only one thread may run the backend with them.
             cuda_graphs=config.token2wav_workers == 1,
+            dit_cache_rule=config.dit_cache_rule,
         )
         for device in plan.token2wav_devices
     )

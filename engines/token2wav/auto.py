@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     import torch
 
     from engines.token2wav.base import Token2Wav
+    from engines.token2wav.dit_cache import CacheRule
     from engines.token2wav.torch_backend import FlowVariant
     from engines.token2wav.trt_pool import Precision
 
@@ -52,12 +53,14 @@ def select_token2wav(
     pool_size: int = 4,
     torch_dtype: torch.dtype | None = None,
     cuda_graphs: bool = True,
+    dit_cache_rule: CacheRule = "reference",
 ) -> Token2Wav:
     """The token2wav backend for `models_dir`: `tensorrt` or `torch` as asked, `auto` prefers TensorRT.
 
     torch_dtype: the PyTorch flow's dtype (None: the backend's default, fp16 on CUDA).
     cuda_graphs: let the PyTorch backend run the DiT solver and HiFT from CUDA graphs. Graphs replay
         from shared static buffers, so a backend called from several threads at once runs without them.
+    dit_cache_rule: the DiT flow's streaming estimator-cache rule (dit_cache.py; "reference" default).
     Asking for `tensorrt` where it cannot run raises RuntimeError with the reason.
     """
     reason = None if backend == "torch" else tensorrt_unavailable(models_dir, flow, device, precision)
@@ -67,8 +70,8 @@ def select_token2wav(
         from engines.token2wav.trt_pool import load_trt_token2wav
 
         logger.info("token2wav backend: TensorRT (%s plans, %d contexts)", precision, pool_size)
-        return load_trt_token2wav(models_dir, precision, pool_size, device)
+        return load_trt_token2wav(models_dir, precision, pool_size, device, dit_cache_rule)
     from engines.token2wav.torch_backend import TorchToken2Wav
 
     logger.info("token2wav backend: PyTorch %s flow (%s)", flow, reason or "requested")
-    return TorchToken2Wav.from_models_dir(models_dir, flow, device, torch_dtype, cuda_graphs)
+    return TorchToken2Wav.from_models_dir(models_dir, flow, device, torch_dtype, cuda_graphs, dit_cache_rule)

@@ -20,10 +20,10 @@ matters, not their order; the order is tracked only because the reference's trim
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 CacheRule = Literal["reference", "prompt_recent"]
-CACHE_RULES: tuple[CacheRule, ...] = ("reference", "prompt_recent")
+CACHE_RULES: tuple[CacheRule, ...] = get_args(CacheRule)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ graphs for the chunk lengths of `graph_hops`). `warmup` captures the usual shape
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch
 
 from engines.config import PRE_LOOKAHEAD, TOKEN_MEL_RATIO, ModelPaths, configs_for_models_dir
 from engines.token2wav.base import ChunkJob, SpeakerState, Token2Wav, Token2WavStream
+from engines.token2wav.dit_cache import CacheRule
 from engines.token2wav.flow_base import FlowModel, FlowSpeaker, FlowStream
 from engines.token2wav.flow_dit import DiTFlow, load_dit_flow
 from engines.token2wav.graphs import GraphedVocoder
@@ -95,12 +97,13 @@ class TorchToken2Wav(Token2Wav):
         device: torch.device | str,
         dtype: torch.dtype | None = None,
         cuda_graphs: bool = True,
+        dit_cache_rule: CacheRule = "reference",
     ) -> TorchToken2Wav:
         """Load the `variant` flow of a models directory with its HiFT (Step-Audio2's for the DiT flow,
         CosyVoice2's for the UNet flow); the architecture comes from the directory's manifest.
 
         dtype: the flow's (None: fp16 on CUDA as the reference runs it, fp32 elsewhere); HiFT is fp32.
-        cuda_graphs: as for the constructor.
+        cuda_graphs: as for the constructor. dit_cache_rule: the DiT flow's (dit_cache.py).
         """
         if dtype is None:
             dtype = torch.float16 if torch.device(device).type == "cuda" else torch.float32
@@ -108,7 +111,8 @@ class TorchToken2Wav(Token2Wav):
         configs = configs_for_models_dir(paths.root)
         flow: FlowModel
         if variant == "dit":
-            flow = load_dit_flow(paths.dit_flow, configs.dit_flow, device, dtype)
+            flow_cfg = dataclasses.replace(configs.dit_flow, att_cache_rule=dit_cache_rule)
+            flow = load_dit_flow(paths.dit_flow, flow_cfg, device, dtype)
             hift_path = paths.hift
         elif variant == "unet":
             # Imported here: the UNet flow is optional for DiT deployments.

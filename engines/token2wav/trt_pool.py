@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import threading
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
@@ -35,6 +36,7 @@ from torch import nn
 from engines.config import DiTConfig, ModelPaths, configs_for_models_dir
 from engines.token2wav.base import ChunkJob
 from engines.token2wav.dit import DiT
+from engines.token2wav.dit_cache import CacheRule
 from engines.token2wav.flow_dit import DiTFlow, load_dit_flow
 from engines.token2wav.hift import HiFTGenerator, load_hift
 from engines.token2wav.onnx_export import EstimatorShapes
@@ -375,16 +377,18 @@ def load_trt_token2wav(
     precision: Precision = "fp16",
     pool_size: int = 4,
     device: torch.device | str = "cuda",
+    dit_cache_rule: CacheRule = "reference",
 ) -> TrtToken2Wav:
     """The DiT token2wav of `models_dir` with the estimator on its TensorRT plans.
 
     The conformer encoder and HiFT stay in PyTorch (fp32 HiFT as in the reference); the flow's own
-    tensors use fp16 for fp16/bf16 plans and fp32 otherwise.
+    tensors use fp16 for fp16/bf16 plans and fp32 otherwise. dit_cache_rule: see dit_cache.py.
     """
     artifacts, paths = TrtArtifacts(Path(models_dir)), ModelPaths(Path(models_dir))
     configs = configs_for_models_dir(paths.root)
     flow_dtype = torch.float32 if precision == "fp32" else torch.float16
-    flow = load_dit_flow(paths.dit_flow, configs.dit_flow, device, flow_dtype)
+    flow_cfg = dataclasses.replace(configs.dit_flow, att_cache_rule=dit_cache_rule)
+    flow = load_dit_flow(paths.dit_flow, flow_cfg, device, flow_dtype)
     chunk = TrtContextPool(artifacts.dit_chunk_plan(precision), pool_size, device)
     offline_plan = artifacts.dit_offline_plan(precision)
     offline = TrtContextPool(offline_plan, 1, device) if offline_plan.is_file() else None

@@ -3,6 +3,7 @@ a backend asked for by name that cannot run stops the start with the reason."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -59,3 +60,19 @@ def test_cli_backend_names_are_the_config_names(tiny_models: Path) -> None:
         build_parser().parse_args(["serve", "--llm-backend", "trtllm"])
     with pytest.raises(ValueError, match="token2wav_backend must be one of"):
         config(tiny_models, token2wav_backend="trt")
+
+
+def test_dit_cache_rule_reaches_the_flow(tiny_models: Path) -> None:
+    """`--dit-cache-rule` (default: the reference's) selects the flow's estimator-cache rule."""
+    default = _config(build_parser().parse_args(["serve", "--models", str(tiny_models)]))
+    assert default.dit_cache_rule == "reference"
+    flags = ["serve", "--models", str(tiny_models), "--dit-cache-rule", "prompt_recent"]
+    args = build_parser().parse_args(flags)
+    engines = load_engines(dataclasses.replace(_config(args), device="cpu", max_streams=2))
+    (token2wav,) = engines.token2wavs
+    assert isinstance(token2wav, TorchToken2Wav)
+    assert token2wav.flow.cfg.att_cache_rule == "prompt_recent"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--dit-cache-rule", "newest"])
+    with pytest.raises(ValueError, match="dit_cache_rule must be one of"):
+        config(tiny_models, dit_cache_rule="newest")

@@ -12,7 +12,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8080
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: install install-test client-envs chromium serve test lint
+.PHONY: install install-test client-envs chromium serve test test-gpu lint
 
 # torch first: an explicit pin keeps pip from replacing an installed build with another one.
 install: $(if $(filter $(VENV)/bin/python,$(PYTHON)),$(VENV)/bin/python)
@@ -48,6 +48,11 @@ serve: install
 test: install-test client-envs
 	$(PYTHON) -m ruff check engines realtime scripts tests
 	$(PYTHON) -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests ran" >&2; exit 1; fi; exit $$rc
+
+# The GPU-marked tests alone (graphs vs eager on CUDA), under the same pytest configuration; needs a CUDA
+# device. On a GPU machine without this package's dependencies: benchmarks/on_device.sh make test-gpu.
+test-gpu:
+	$(PYTHON) -m pytest -q -m gpu tests/engines; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests ran" >&2; exit 1; fi; exit $$rc
 
 lint:
 	$(PYTHON) -m ruff check engines realtime scripts tests

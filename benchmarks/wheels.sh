@@ -11,5 +11,5 @@ done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${platforms[@]}" -d .whl \
     aiortc aioice av cryptography google-crc32c pyee pylibsrtp pyopenssl dnspython ifaddr cffi pycparser \
-    websockets starlette uvicorn python-multipart soundfile
+    websockets starlette uvicorn python-multipart soundfile pytest-asyncio
 du -sh .whl

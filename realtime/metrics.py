@@ -86,6 +86,26 @@ class Metrics:
         """
         self.registry.register(_PeakMemoryCollector(read_peak_bytes))
 
+    def track_gpu_memory(self, read_allocated_bytes: Callable[[], int],
+                         read_free_total_bytes: Callable[[], tuple[int, int]]) -> None:
+        """Report, read at every scrape, `realtime_gpu_memory_allocated_bytes` (PyTorch tensors outside
+        CUDA-graph pools: what streams add), `realtime_gpu_memory_used_bytes` (the device's memory in use
+        by anyone: graph pools, allocator cache and CUDA context included) and
+        `realtime_gpu_memory_total_bytes`: the benchmark's bytes per stream and headroom."""
+        self.registry.register(_GaugeCollector(
+            "realtime_gpu_memory_allocated_bytes", "GPU memory held by PyTorch tensors outside graph pools",
+            lambda: float(read_allocated_bytes())))
+
+        def used() -> float:
+            free, total = read_free_total_bytes()
+            return float(total - free)
+
+        self.registry.register(_GaugeCollector(
+            "realtime_gpu_memory_used_bytes", "GPU memory in use on the device", used))
+        self.registry.register(_GaugeCollector(
+            "realtime_gpu_memory_total_bytes", "Memory of the GPU",
+            lambda: float(read_free_total_bytes()[1])))
+
     def track_llm(self, read_stats: Callable[[], list[LLMStats]]) -> None:
         """Report the LLM engines' requests, cache use and steps (summed over engines), read at every
         scrape."""
@@ -141,6 +161,19 @@ class _PeakMemoryCollector(Collector):
         )
 
 
+class _GaugeCollector(Collector):
+    """One gauge, read when scraped."""
+
+    def __init__(self, name: str, documentation: str, read: Callable[[], float]) -> None:
+        self._name, self._documentation, self._read = name, documentation, read
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return [GaugeMetricFamily(self._name, self._documentation)]
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(self._name, self._documentation, value=self._read())
+
+
 class _LLMCollector(Collector):
     """The LLM engine's figures, read from its stats when scraped."""
 
@@ -155,6 +188,7 @@ class _LLMCollector(Collector):
             max_slots=sum(s.max_slots for s in engines),
             kv_tokens_used=sum(s.kv_tokens_used for s in engines),
             kv_tokens_total=sum(s.kv_tokens_total for s in engines),
+            kv_bytes_total=sum(s.kv_bytes_total for s in engines),
             steps=sum(s.steps for s in engines),
             step_seconds=sum(s.step_seconds for s in engines),
         )
@@ -165,6 +199,10 @@ class _LLMCollector(Collector):
                                 value=stats.kv_tokens_used)
         yield GaugeMetricFamily("tts_llm_kv_tokens_total", "KV cache positions the engine holds",
                                 value=stats.kv_tokens_total)
+        yield GaugeMetricFamily("tts_llm_slots", "Requests the LLM engines batch at most",
+                                value=stats.max_slots)
+        yield GaugeMetricFamily("tts_llm_kv_bytes_total", "Device memory of the KV caches (all slots)",
+                                value=stats.kv_bytes_total)
         yield CounterMetricFamily("tts_llm_steps", "LLM engine steps (batched decode and/or prefill)",
                                   value=stats.steps)
         yield CounterMetricFamily("tts_llm_step_seconds", "Wall time of the LLM engine's steps",

@@ -16,12 +16,13 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from engines.compilation import compile_cache_dir, keep_compiled_artifacts, use_tf32_matmuls
 from engines.config import ModelPaths
 from engines.llm.auto import select_llm
 from engines.llm.base import (
@@ -88,6 +89,12 @@ def load_engines(config: ServiceConfig) -> LoadedEngines:
     engines/*/auto.py (blocking: call it off the event loop). RuntimeError says why a backend asked for
     by name cannot run."""
     plan = config.device_plan
+    gpus = [torch.device(name) for name in (*plan.llm_devices, *plan.token2wav_devices)
+            if torch.device(name).type == "cuda"]
+    if gpus:
+        use_tf32_matmuls()
+        cache = keep_compiled_artifacts(compile_cache_dir(config.models_dir, gpus[0]))
+        logger.info("compiled kernels cached in %s", cache or "Inductor's default folder")
     token2wavs = tuple(
         select_token2wav(
             config.models_dir,
@@ -201,6 +208,10 @@ class Runtime:
         if gpus:
             self.metrics.track_gpu_memory_peak(
                 lambda: {str(device): torch.cuda.max_memory_allocated(device) for device in gpus}
+            )
+            self.metrics.track_gpu_memory(
+                lambda: sum(torch.cuda.memory_allocated(device) for device in gpus),
+                lambda: _summed(torch.cuda.mem_get_info(device) for device in gpus),
             )
         self.metrics.track_llm(lambda: [llm.stats() for llm in engines.llms])
         await asyncio.to_thread(self.voices.load)
@@ -572,6 +583,14 @@ class Runtime:
         ]
         if self._prompts is not None:
             self._prompts.forget(voice_id)
+
+
+def _summed(pairs: Iterable[tuple[int, int]]) -> tuple[int, int]:
+    """(free, total) device memory over several GPUs."""
+    free = total = 0
+    for device_free, device_total in pairs:
+        free, total = free + device_free, total + device_total
+    return free, total
 
 
 def _stored_bytes(prompt: VoicePrompt) -> int:

@@ -4,17 +4,36 @@ engine threads change. The service's end-to-end fixtures are in tests/realtime/c
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+
+from engines.compilation import use_tf32_matmuls
 
 
 def pytest_configure(config: pytest.Config) -> None:
     # The engines' threads and the event loop already share the CI machine's two cores; intra-op
     # threads on top of them only contend (measured on 2 cores: tests/realtime 5-10% faster).
     torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def service_precision(request: pytest.FixtureRequest) -> Iterator[None]:
+    """GPU tests run float32 work at the precision the service sets on CUDA (TF32 matmuls, which
+    Inductor also compiles float32 graphs for); the setting is restored afterwards."""
+    if request.node.get_closest_marker("gpu") is None or not torch.cuda.is_available():
+        yield
+        return
+    matmul = torch.backends.cuda.matmul.fp32_precision
+    conv = torch.backends.cudnn.conv.fp32_precision  # type: ignore[attr-defined]
+    use_tf32_matmuls()
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = matmul
+        torch.backends.cudnn.conv.fp32_precision = conv  # type: ignore[attr-defined]
 
 
 @pytest.fixture(scope="session")

@@ -142,6 +142,7 @@ class LLMStats:
     waiting: int
     kv_tokens_used: int = 0
     kv_tokens_total: int = 0
+    kv_bytes_total: int = 0  # device memory of the KV cache (0 where the engine does not know it)
     steps: int = 0  # engine steps since the start (0 where the engine does not count them)
     step_seconds: float = 0.0  # wall time spent in those steps
 

@@ -84,6 +84,9 @@ class TorchLLMConfig:
     fused_elementwise: bool = True  # only used on CUDA: rope and SwiGLU compiled into one kernel each
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     min_kv_bucket: int = 256  # attended cache lengths: doubling from here up to max_context
+    # Prefill calls attending to at most this many positions replay graphs; longer prompts (rare: a
+    # voice prompt and its text fit 512) prefill eagerly, where launches hide behind the matmuls.
+    prefill_graph_kv: int = 512
     prefill_length_step: int = 64  # prefill chunk lengths: multiples of this up to prefill_chunk
     ras_history: int = 32  # longest RAS window a request may ask for
     # Prompt modes served: all three by default; a models directory whose LLM was fine-tuned for one
@@ -94,7 +97,7 @@ class TorchLLMConfig:
         if not self.modes:
             raise ValueError("TorchLLMConfig.modes must name at least one prompt mode")
         sizes = ("max_slots", "max_context", "max_waiting", "prefill_chunk", "prefill_tokens",
-                 "min_kv_bucket", "prefill_length_step", "ras_history")
+                 "min_kv_bucket", "prefill_graph_kv", "prefill_length_step", "ras_history")
         for name in sizes:
             if getattr(self, name) < 1:
                 raise ValueError(f"TorchLLMConfig.{name} must be positive, got {getattr(self, name)}")
@@ -275,6 +278,8 @@ class _ModelRunner:
         for kv_len in reversed(self.config.kv_lengths):
             for size in reversed(self.config.batch_sizes):
                 self.decode_graphs[size, kv_len] = capture(partial(self._decode_step, size, kv_len))
+            if kv_len > self.config.prefill_graph_kv:
+                continue
             for rows, length in reversed(self.config.prefill_shapes):
                 self.prefill_graphs[rows, length, kv_len] = capture(
                     partial(self._prefill_step, rows, length, kv_len))
@@ -471,6 +476,7 @@ class TorchLLMEngine(LLMEngine):
             waiting=len(self._waiting),
             kv_tokens_used=sum(seq.kv_tokens for seq in held),
             kv_tokens_total=self.config.max_slots * self.config.max_context,
+            kv_bytes_total=0 if self._runner is None else self._runner.cache.kv.nbytes,
             steps=self._steps,
             step_seconds=self._step_seconds,
         )

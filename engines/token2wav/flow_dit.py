@@ -25,14 +25,22 @@ estimator's `forward_chunk`, which exported estimators (TensorRT) implement.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from engines.config import MEL_BINS, FlowConfig
-from engines.token2wav.batching import Buckets, EncodeShape, RowSpec, SolveShape, plan_batches, span_mask
+from engines.token2wav.batching import (
+    Buckets,
+    EncodeShape,
+    RowSpec,
+    SolveShape,
+    plan_batches,
+    round_up,
+    span_mask,
+)
 from engines.token2wav.cfm import ConditionalCFM, RaggedEstimator
 from engines.token2wav.conformer import ConformerCache, blocks_attention_mask
 from engines.token2wav.dit import DiT
@@ -255,6 +263,30 @@ class DiTFlow(ConformerFlow):
             encoder = GraphedEncoder(self._encode_inputs, self._encoder_layout)
         self.use_bucketed_solver(graphs, buckets, encoder)
         return graphs
+
+    @torch.inference_mode()
+    def capture_encoder_graphs(self, batches: Iterable[int]) -> None:
+        """Capture the encoder graph of every chunk-token bucket at each of `batches` rows and each
+        history bucket captured so far: an utterance's last chunk may have any length, so running
+        streams through the schedule (the warm-up) does not meet them all. Longer histories are left
+        out: their graphs' working memory grows with the history (at 64 rows, GiBs), and they only
+        come after ~20 s of one utterance, where an eager encoder call is a small part of the chunk."""
+        encoder = self._bucketed_encoder
+        if not isinstance(encoder, GraphedEncoder) or not encoder.shapes:
+            return
+        stride, buckets = self.cfg.encoder.up_stride, self.buckets
+        sizes = {round_up(b, buckets.batch) for b in batches}
+        rows = sorted((size for size in sizes if size is not None), reverse=True)
+        tokens = sorted((f // stride for f in buckets.frames if f % stride == 0), reverse=True)
+        reached = max(shape.history for shape in encoder.shapes)
+        history = sorted((h for h in buckets.history_tokens if h <= reached), reverse=True)
+        encoder.capture(EncodeShape(b, t, h) for b in rows for t in tokens for h in history)
+
+    def seal_graphs(self) -> None:
+        """From now on capture no graph: shapes without one run eagerly (see graphs.py)."""
+        for graphs in (self.graphs, self._bucketed_encoder):
+            if isinstance(graphs, GraphedSolver | GraphedEncoder):
+                graphs.seal()
 
     @property
     def _encoder_layout(self) -> EncoderLayout:

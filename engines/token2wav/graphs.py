@@ -180,24 +180,60 @@ class _Graph(Generic[InputsT, OutputsT]):
 
 class _ShapeGraphs(Generic[ShapeT, InputsT, OutputsT]):
     """One CUDA graph per shape, captured (by `_capture`) on its first use, then replayed. The graphs
-    share one memory pool and one arena of static inputs and outputs."""
+    share one memory pool and one arena of static inputs and outputs.
 
-    def __init__(self, device: torch.device) -> None:
+    Once `seal`ed (after the warm-up), nothing more is captured: a capture takes the engine thread, and
+    every stream waiting on it, for tens to hundreds of milliseconds. A shape without a graph then runs
+    through `eager` at the same (bucket) shape, and is logged once."""
+
+    def __init__(self, device: torch.device,
+                 eager: _EagerCalls[ShapeT, InputsT, OutputsT] | None = None) -> None:
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
         self.device = device
         self._pool = torch.cuda.graph_pool_handle()
         self._arena = _Arena(device)
         self._graphs: dict[ShapeT, _Graph[InputsT, OutputsT]] = {}
+        self._eager = eager
+        self._sealed = False
+        self._uncaptured: set[ShapeT] = set()
 
     @property
     def shapes(self) -> list[ShapeT]:
         return list(self._graphs)
 
+    @property
+    def uncaptured(self) -> list[ShapeT]:
+        """Shapes met after `seal` without a graph (run eagerly)."""
+        return list(self._uncaptured)
+
+    def seal(self) -> None:
+        """Capture nothing more (see the class docstring)."""
+        self._sealed = True
+
+    def covers(self, shape: ShapeT) -> bool:
+        """Whether `shape` runs from a graph (captured, or to be captured before `seal`)."""
+        if shape in self._graphs or not self._sealed:
+            return True
+        if shape not in self._uncaptured:
+            self._uncaptured.add(shape)
+            logger.warning("%s %s has no CUDA graph (the warm-up did not meet it): it runs eagerly",
+                           type(self).__name__, shape)
+        return False
+
+    def capture(self, shapes: Iterable[ShapeT]) -> None:
+        """Capture the graphs of `shapes` ahead of their first use."""
+        for shape in shapes:
+            self._graph(shape)
+
     def buffers(self, shape: ShapeT) -> InputsT:
+        if self._eager is not None and not self.covers(shape):
+            return self._eager.buffers(shape)
         return self._graph(shape).inputs
 
     def run(self, shape: ShapeT) -> OutputsT:
+        if self._eager is not None and not self.covers(shape):
+            return self._eager.run(shape)
         entry = self._graph(shape)
         entry.graph.replay()
         return entry.outputs
@@ -217,7 +253,7 @@ class GraphedSolver(_ShapeGraphs[SolveShape, RaggedInputs, RaggedOutputs]):
     """The CFM solve from one CUDA graph per `SolveShape`."""
 
     def __init__(self, cfm: ConditionalCFM, layout: SolverLayout) -> None:
-        super().__init__(layout.device)
+        super().__init__(layout.device, EagerSolver(cfm, layout))
         self.cfm = cfm
         self.layout = layout
         if isinstance(cfm.estimator, DiT):
@@ -343,7 +379,7 @@ class GraphedEncoder(_ShapeGraphs[EncodeShape, EncoderInputs, EncoderOutputs]):
     """The encoder from one CUDA graph per `EncodeShape`; outputs are valid until the next `run`."""
 
     def __init__(self, encode: EncodeFn, layout: EncoderLayout) -> None:
-        super().__init__(layout.device)
+        super().__init__(layout.device, EagerEncoder(encode, layout))
         self.encode = encode
         self.layout = layout
 
@@ -406,6 +442,8 @@ class GraphedVocoder(_ShapeGraphs[VocodeShape, _VocoderInputs, Vocoded]):
         if batch is None or (frames, cached) not in self.chunks:
             return self.hift.vocode_with_noise(mel, cache_source, noise)
         shape = VocodeShape(batch, frames, cached)
+        if not self.covers(shape):
+            return self.hift.vocode_with_noise(mel, cache_source, noise)
         inputs = self.buffers(shape)
         inputs.mel[:rows].copy_(mel)
         inputs.noise[:rows].copy_(noise)

@@ -31,7 +31,12 @@ from engines.voice import VoicePrompt
 
 FlowVariant = Literal["dit", "unet"]
 GRAPH_HOPS = (15, 25, 50, 100)  # the exponential schedule's hops before the 200-token ones
+STEADY_HOP = 200  # the schedule's hop from then on (its flow graphs are captured; HiFT runs it eagerly)
 WARMUP_BATCHES = (64, 32, 16, 8, 4, 2, 1)
+# Flow graphs from two rows up: one row is a shape class of its own for the compiled DiT blocks (a dim of
+# size 1 specialises), which cost ~29 s of a cold and ~14 s of a warm start on an H100 to compile and
+# capture, while a lone chunk's solve is launch-bound at one row or two.
+FLOW_GRAPH_BATCHES = (2, 4, 8, 16, 32, 64)
 # HiFT graphs up to the largest token2wav batch: eagerly, a 64-row HiFT call launches ~1000 kernels
 # from Python, which under load costs more than its GPU time. Their shared pool holds a few GiB.
 VOCODER_GRAPH_BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -83,7 +88,7 @@ class TorchToken2Wav(Token2Wav):
         self.vocoder_graphs: GraphedVocoder | None = None
         if cuda_graphs and self.device.type == "cuda":
             if isinstance(flow, DiTFlow) and flow.batches_streams:
-                flow.enable_cuda_graphs()
+                flow.enable_cuda_graphs(dataclasses.replace(flow.buckets, batch=FLOW_GRAPH_BATCHES))
             cfg = hift.cfg
             frames = [TOKEN_MEL_RATIO * hop for hop in self.graph_hops]
             chunks = [(f, 0) for f in frames] + [(f + cfg.mel_cache_frames, cfg.source_cache_samples)
@@ -164,18 +169,29 @@ class TorchToken2Wav(Token2Wav):
 
     def warmup(self, speaker: SpeakerState, batches: Iterable[int] = WARMUP_BATCHES) -> None:
         """Before traffic: for each batch size, that many streams of `speaker` run the chunks of
-        `graph_hops` in step, then a final chunk. That captures the graphs of these shapes (for voices
-        with prompts up to this one's bucket) and runs every kernel once. Largest batches first, so that
-        the graphs' shared buffers are allocated at their final size."""
-        tokens = torch.zeros(sum(self.graph_hops) + PRE_LOOKAHEAD, dtype=torch.int64)
-        for batch in sorted(batches, reverse=True):
+        `graph_hops` and one steady-state hop in step, then a final chunk; then the encoder's graphs of
+        every chunk-token bucket at the history buckets those streams reached are captured. That
+        compiles and captures the shapes the schedule produces (for voices with prompts up to this
+        one's bucket) and runs every kernel once.
+        Largest batches first, so that the graphs' shared buffers are allocated at their final size.
+        Afterwards no graph is captured: a shape the warm-up did not meet (a longer prompt, several
+        voices in one batch) runs eagerly, logged, rather than stalling every stream for a capture."""
+        hops = (*self.graph_hops, STEADY_HOP)
+        tokens = torch.zeros(sum(hops) + PRE_LOOKAHEAD, dtype=torch.int64)
+        batches = sorted(batches, reverse=True)
+        for batch in batches:
             streams = [self.open_stream(speaker) for _ in range(batch)]
             start = 0
-            for hop in self.graph_hops:
+            for hop in hops:
                 piece = tokens[start : start + hop + PRE_LOOKAHEAD]
                 self.run_chunks([ChunkJob(stream, piece, last=False) for stream in streams])
                 start += hop
             self.run_chunks([ChunkJob(stream, tokens[start:], last=True) for stream in streams])
+        if isinstance(self.flow, DiTFlow):
+            self.flow.capture_encoder_graphs(batches)
+            self.flow.seal_graphs()
+        if self.vocoder_graphs is not None:
+            self.vocoder_graphs.seal()
 
     @torch.inference_mode()
     def offline(self, speaker: SpeakerState, tokens: torch.Tensor) -> torch.Tensor:

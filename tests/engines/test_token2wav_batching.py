@@ -29,6 +29,10 @@ from engines.voice import VoicePrompt
 
 CONFIGS = ModelConfigs.tiny()
 ATOL = RTOL = 1e-4
+# On CUDA float32 matmuls run on TF32 tensor cores (the service's setting, tests/conftest.py): eager and
+# compiled kernels round differently, by ~2e-3 at most over a whole solve on an H100 (the tolerance of
+# 1e-4 failed there with 2.1e-3); a wrong buffer or a stale graph input is off by O(1).
+TF32_ATOL = TF32_RTOL = 5e-3
 
 
 
@@ -346,8 +350,8 @@ def test_plan_batches_groups_by_frames_and_bounds_batch_and_prompts() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graphs_equal_the_eager_solve() -> None:
-    """Graph replays (fp32 here, to compare tightly) equal eager batched runs on the same device, with
-    caches trimmed (kept-frame gathers inside the graphs)."""
+    """Graph replays of Inductor-compiled blocks (fp32, TF32 matmuls) equal eager batched runs on the same
+    device, with caches trimmed (kept-frame gathers inside the graphs)."""
     device = torch.device("cuda")
     streams = plans()
     results = []
@@ -364,7 +368,7 @@ def test_cuda_graphs_equal_the_eager_solve() -> None:
             assert flow.graphs is not None and flow.graphs.shapes
     for eager, graphed in zip(*results, strict=True):
         for e, g in zip(eager, graphed, strict=True):
-            torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
+            torch.testing.assert_close(g, e, atol=TF32_ATOL, rtol=TF32_RTOL)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,106 @@
+"""Start-up time of the server: process start → /readyz answering 200, cold and then warm.
+
+    python3 benchmarks/startup.py --models /tmp/m --json startup.json -- --device cuda --max-streams 320
+
+The first start runs without any compiled artifacts (the models' compile cache is removed first); each
+later start reuses what the previous ones left beside the models, as a restart on the same machine (or
+with the same models volume) does. Each start's server log is kept next to the JSON; the table lists
+the log lines that mark the phases (LLM engine ready, token2wav warmed up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+PHASES = {
+    "first_log": re.compile(r"compiled kernels cached|token2wav backend"),
+    "token2wav_loaded": re.compile(r"LLM engine: "),
+    "llm": re.compile(r"torch LLM engine on .* cuda graphs: (\d+)"),
+    "token2wav": re.compile(r"token2wav warmed up for batches .* in ([\d.]+) s"),
+    "ready": re.compile(r"runtime ready"),
+}
+STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def one_start(models: Path, serve_args: list[str], log: Path, timeout_s: float) -> dict[str, object]:
+    """Start a server, time /readyz, read the phase marks off its log, stop it."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "realtime", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--models", str(models), *serve_args]
+    started = time.time()
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        ready_s = None
+        try:
+            while time.time() - started < timeout_s and proc.poll() is None:
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                        ready_s = time.time() - started
+                        break
+                time.sleep(0.2)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    marks: dict[str, float] = {}
+    for line in log.read_text(errors="replace").splitlines():
+        stamp = STAMP.match(line)
+        if stamp is None:
+            continue
+        at = time.mktime(time.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S")) + int(stamp.group(2)) / 1000
+        for name, pattern in PHASES.items():
+            if name not in marks and pattern.search(line):
+                marks[name] = round(at - started, 1)
+    return {"ready_s": None if ready_s is None else round(ready_s, 1), "marks_s": marks, "log": log.name}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", type=Path, required=True)
+    parser.add_argument("--starts", type=int, default=2, help="starts in a row (the first one cold)")
+    parser.add_argument("--keep-cache", action="store_true", help="do not clear the compile cache first")
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--json", type=Path, default=Path("startup.json"))
+    parser.add_argument("serve_args", nargs="*", help="after --: arguments of `realtime serve`")
+    args = parser.parse_args()
+    cache = args.models / "compile-cache"
+    if not args.keep_cache:
+        shutil.rmtree(cache, ignore_errors=True)
+    results = []
+    for index in range(args.starts):
+        log = args.json.with_name(f"{args.json.stem}-start{index + 1}.log")
+        result = one_start(args.models, args.serve_args, log, args.timeout)
+        result["cache_before"] = "none" if index == 0 and not args.keep_cache else "kept"
+        results.append(result)
+        print(f"start {index + 1} ({result['cache_before']} cache): ready in {result['ready_s']} s; "
+              f"phases {result['marks_s']}", flush=True)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "serve_args": args.serve_args, "starts": results}
+    args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

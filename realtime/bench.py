@@ -20,6 +20,7 @@ import contextlib
 import json
 import math
 import os
+import random
 import signal
 import socket
 import statistics
@@ -70,12 +71,53 @@ class LevelResult:
     rtf_p50: float  # processing time / audio duration; < 1 is faster than real time
     underrun_streams: int
     underruns: int
+    stall_max_ms: float  # the longest total wait of one stream's player
     throughput_audio_s_per_s: float
     wall_s: float
     peak_gpu_memory_gib: float | None = None
     error_codes: dict[str, int] = field(default_factory=dict)
     server: ServerFigures | None = None
     gpus: list[GpuFigures] = field(default_factory=list)  # per GPU while the level ran (nvidia-smi)
+    memory: MemoryFigures | None = None
+
+
+@dataclass
+class MemoryFigures:
+    """GPU memory of one level, from the server's gauges sampled while it ran.
+
+    stream_bytes: tensors allocated (outside CUDA-graph pools) at the level's busiest sample beyond
+    those held before it, per stream (the token2wav streams' caches and the batches' working memory;
+    the LLM's KV cache is allocated for every slot at start, `llm_kv_bytes_per_slot`). used_max_bytes:
+    the device's memory in use at the busiest sample (graph pools, allocator cache, CUDA context);
+    headroom_bytes: the rest of the device; headroom_streams: how many more streams that holds at
+    stream_bytes + llm_kv_bytes_per_slot each (an estimate: samples are 0.25 s apart, and transient
+    working memory between them is not seen).
+    """
+
+    allocated_before_bytes: int
+    allocated_max_bytes: int
+    stream_bytes: int
+    llm_kv_bytes_per_slot: int
+    total_bytes: int
+    used_max_bytes: int
+    headroom_bytes: int
+    headroom_streams: int
+
+    @staticmethod
+    def of(streams: int, before: dict[str, float], samples: Sequence[dict[str, float]],
+           after: dict[str, float]) -> MemoryFigures | None:
+        name = "realtime_gpu_memory_allocated_bytes"
+        if name not in before or "realtime_gpu_memory_total_bytes" not in after:
+            return None
+        busiest = max((s.get(name, 0.0) for s in samples), default=before[name])
+        per_stream = max(0, int((busiest - before[name]) / max(streams, 1)))
+        slots = after.get("tts_llm_slots", 0.0)
+        kv_per_slot = int(after.get("tts_llm_kv_bytes_total", 0.0) / slots) if slots else 0
+        total = int(after["realtime_gpu_memory_total_bytes"])
+        used = int(max((s.get("realtime_gpu_memory_used_bytes", 0.0) for s in [*samples, after]), default=0))
+        headroom = max(0, total - used)
+        return MemoryFigures(int(before[name]), int(busiest), per_stream, kv_per_slot, total, used, headroom,
+                             headroom // max(per_stream + kv_per_slot, 1))
 
 
 @dataclass
@@ -218,12 +260,30 @@ async def scrape(http_url: str) -> dict[str, float]:
             for sample in family.samples if not sample.labels}
 
 
+def http_base(url: str) -> str:
+    return url.replace("ws://", "http://").replace("wss://", "https://").rsplit("/v1/", 1)[0]
+
+
+async def sample_metrics(http_url: str, into: list[dict[str, float]], period_s: float = 0.25) -> None:
+    """Scrape /metrics every `period_s` into `into` until cancelled (the GPU memory gauges)."""
+    while True:
+        into.append(await scrape(http_url))
+        await asyncio.sleep(period_s)
+
+
 async def run_level(url: str, streams: int, tokens: int, voice: str) -> LevelResult:
-    http_url = url.replace("ws://", "http://").replace("wss://", "https://").rsplit("/v1/", 1)[0]
+    http_url = http_base(url)
     before = await scrape(http_url)
+    samples: list[dict[str, float]] = []
+    sampler = asyncio.create_task(sample_metrics(http_url, samples))
     start = time.perf_counter()
-    async with GpuSampler() as gpus:
-        results = await run_streams(url, streams, tokens, voice)
+    try:
+        async with GpuSampler() as gpus:
+            results = await run_streams(url, streams, tokens, voice)
+    finally:
+        sampler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sampler
     wall = time.perf_counter() - start
     ok = [r for r in results if r.error is None and not math.isnan(r.total_s)]
     firsts = [r.first_chunk_s * 1000 for r in ok]
@@ -244,13 +304,110 @@ async def run_level(url: str, streams: int, tokens: int, voice: str) -> LevelRes
         rtf_p50=statistics.median([r.total_s / r.audio_s for r in ok if r.audio_s > 0]) if ok else math.nan,
         underrun_streams=sum(1 for r in ok if r.underruns),
         underruns=sum(r.underruns for r in ok),
+        stall_max_ms=max((r.stall_s * 1000 for r in ok), default=0.0),
         throughput_audio_s_per_s=sum(r.audio_s for r in ok) / wall,
         wall_s=wall,
         peak_gpu_memory_gib=None if peak is None else peak / 2**30,
         error_codes=errors,
         server=ServerFigures.between(before, after) if after else None,
         gpus=gpus.figures,
+        memory=MemoryFigures.of(streams, before, samples, after) if after else None,
     )
+
+
+@dataclass
+class StaggeredResult:
+    """Streams arriving as a Poisson process for `duration_s`, each one sentence of the bench.
+
+    offered_streams: rate × audio seconds per request, the listeners served at once on average (Little's
+    law); `fraction` of the burst capacity it was derived from.
+    """
+
+    fraction: float
+    rate_per_s: float
+    offered_streams: float
+    duration_s: float
+    arrivals: int
+    ok: int
+    errors: int
+    first_chunk_p50_ms: float
+    first_chunk_p90_ms: float
+    first_chunk_p99_ms: float
+    underrun_streams: int
+    max_in_flight: int  # most requests between sent and done at once, as the client saw them
+    error_codes: dict[str, int] = field(default_factory=dict)
+
+
+async def run_staggered(url: str, fraction: float, capacity: int, duration_s: float, tokens: int,
+                        voice: str, seed: int = 0) -> StaggeredResult:
+    """Poisson arrivals at `fraction` × `capacity` concurrent listeners for `duration_s`; each arrival
+    opens its own socket (timed from its request, as in `run_stream`) and closes it when done."""
+    audio_s = tokens / 25
+    rate = fraction * capacity / audio_s
+    rng = random.Random(seed)
+    in_flight = 0
+    most = 0
+
+    async def arrival(index: int) -> StreamResult:
+        nonlocal in_flight, most
+        try:
+            async with websockets.connect(url, max_size=None, open_timeout=30) as ws:
+                in_flight += 1
+                most = max(most, in_flight)
+                try:
+                    return await run_stream(ws, index, tokens, voice)
+                finally:
+                    in_flight -= 1
+        except (TimeoutError, OSError, websockets.WebSocketException) as exc:
+            return StreamResult(error=type(exc).__name__)
+
+    tasks: list[asyncio.Task[StreamResult]] = []
+    start = time.perf_counter()
+    at = rng.expovariate(rate)
+    while at < duration_s:
+        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+        tasks.append(asyncio.create_task(arrival(len(tasks))))
+        at += rng.expovariate(rate)
+    results = await asyncio.gather(*tasks)
+    ok = [r for r in results if r.error is None and not math.isnan(r.total_s)]
+    firsts = [r.first_chunk_s * 1000 for r in ok]
+    errors: dict[str, int] = {}
+    for r in results:
+        if r.error is not None:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    return StaggeredResult(
+        fraction=fraction, rate_per_s=rate, offered_streams=rate * audio_s, duration_s=duration_s,
+        arrivals=len(results), ok=len(ok), errors=len(results) - len(ok),
+        first_chunk_p50_ms=percentile(firsts, 0.5), first_chunk_p90_ms=percentile(firsts, 0.9),
+        first_chunk_p99_ms=percentile(firsts, 0.99), underrun_streams=sum(1 for r in ok if r.underruns),
+        max_in_flight=most, error_codes=errors,
+    )
+
+
+def format_staggered(title: str, levels: Sequence[StaggeredResult]) -> str:
+    head = (f"{'load':>5} {'rate/s':>7} {'offered':>8} {'arrivals':>8} {'err':>4} {'p50 first':>10} "
+            f"{'p90 first':>10} {'p99 first':>10} {'underrun':>9} {'in flight':>9}")
+    rows = [f"{lv.fraction:>5.0%} {lv.rate_per_s:>7.2f} {lv.offered_streams:>8.1f} {lv.arrivals:>8} "
+            f"{lv.errors:>4} {lv.first_chunk_p50_ms:>8.0f}ms {lv.first_chunk_p90_ms:>8.0f}ms "
+            f"{lv.first_chunk_p99_ms:>8.0f}ms {lv.underrun_streams:>9} {lv.max_in_flight:>9}"
+            for lv in levels]
+    return "\n".join([title, head, *rows])
+
+
+def format_memory(levels: Sequence[LevelResult]) -> str:
+    lines = ["GPU memory per level",
+             f"{'streams':>7} {'before GiB':>10} {'busiest GiB':>11} {'MiB/stream':>10} {'KV MiB/slot':>11} "
+             f"{'used GiB':>8} {'total GiB':>9} {'headroom GiB':>12} {'+streams':>8}"]
+    gib, mib = 2**30, 2**20
+    for lv in levels:
+        m = lv.memory
+        if m is None:
+            continue
+        lines.append(f"{lv.streams:>7} {m.allocated_before_bytes / gib:>10.2f} "
+                     f"{m.allocated_max_bytes / gib:>11.2f} {m.stream_bytes / mib:>10.1f} "
+                     f"{m.llm_kv_bytes_per_slot / mib:>11.1f} {m.used_max_bytes / gib:>8.2f} "
+                     f"{m.total_bytes / gib:>9.2f} {m.headroom_bytes / gib:>12.2f} {m.headroom_streams:>8}")
+    return "\n".join(lines)
 
 
 async def largest_without_underrun(url: str, tokens: int, voice: str, low: int, high: int) -> int:
@@ -289,7 +446,8 @@ def format_level(lv: LevelResult) -> list[str]:
             f"{'':>7} server: {sv.llm_steps} LLM steps of {sv.llm_step_ms:.2f} ms; "
             f"{sv.token2wav_batches} token2wav calls of {sv.token2wav_chunks_per_batch:.1f} chunks, "
             f"{sv.token2wav_batch_ms:.1f} ms each, chunks waited {sv.token2wav_wait_ms:.1f} ms; "
-            f"first chunk: tokens at {sv.first_tokens_ms:.0f} ms, audio at {sv.first_chunk_ms:.0f} ms"
+            f"first chunk: tokens at {sv.first_tokens_ms:.0f} ms, audio at {sv.first_chunk_ms:.0f} ms; "
+            f"longest stall {lv.stall_max_ms:.0f} ms"
         )
     if lv.gpus:
         lines.append(f"{'':>7} {format_gpus(lv.gpus)}")
@@ -299,7 +457,11 @@ def format_level(lv: LevelResult) -> list[str]:
 def format_ratio(ours: Sequence[LevelResult], base: Sequence[LevelResult]) -> str:
     lines = ["baseline / ours (higher = we are better)",
              f"{'streams':>7} {'p50 first':>10} {'p99 first':>10} {'throughput':>11}"]
-    for a, b in zip(ours, base, strict=True):
+    by_streams = {b.streams: b for b in base}
+    for a in ours:
+        b = by_streams.get(a.streams)
+        if b is None:
+            continue
         lines.append(f"{a.streams:>7} {b.first_chunk_p50_ms / a.first_chunk_p50_ms:>9.1f}x "
                      f"{b.first_chunk_p99_ms / a.first_chunk_p99_ms:>9.1f}x "
                      f"{a.throughput_audio_s_per_s / max(b.throughput_audio_s_per_s, 1e-9):>10.1f}x")
@@ -340,22 +502,43 @@ def spawned_server(models: Path | None, extra: Sequence[str]) -> Iterator[str]:
             proc.kill()
 
 
+@dataclass
+class Measured:
+    """One server's results: the burst levels, the burst capacity found, the staggered loads."""
+
+    levels: list[LevelResult]
+    best: int | None = None
+    staggered: list[StaggeredResult] = field(default_factory=list)
+
+    def report(self) -> dict[str, object]:
+        return {"levels": [asdict(r) for r in self.levels], "max_streams_without_underrun": self.best,
+                "staggered": [asdict(r) for r in self.staggered]}
+
+
 async def run_levels(url: str, levels: Sequence[int], tokens: int, voice: str, search: bool,
-                     search_max: int) -> tuple[list[LevelResult], int | None]:
+                     search_max: int, staggered: Sequence[float] = (), staggered_s: float = 30.0,
+                     capacity: int | None = None) -> Measured:
     await run_level(url, 1, tokens, voice)  # warm-up: first requests pay for lazy initialisation
-    results = []
+    measured = Measured([])
     for n in levels:
         result = await run_level(url, n, tokens, voice)
         print("\n".join(format_level(result)), flush=True)
-        results.append(result)
-    best = None
+        measured.levels.append(result)
     if search:
+        results = measured.levels
         clean = [r.streams for r in results if r.underrun_streams == 0 and r.errors == 0]
         dirty = [r.streams for r in results if r.underrun_streams or r.errors]
         low = max(clean, default=1)
         high = min(dirty, default=search_max) - (1 if dirty else 0)
-        best = await largest_without_underrun(url, tokens, voice, low, max(low, high))
-    return results, best
+        measured.best = await largest_without_underrun(url, tokens, voice, low, max(low, high))
+        print(f"  largest burst with no underrun: {measured.best}", flush=True)
+    base = capacity or measured.best
+    for fraction in staggered if base else ():
+        assert base is not None
+        load = await run_staggered(url, fraction, base, staggered_s, tokens, voice)
+        print(format_staggered("", [load]).splitlines()[-1], flush=True)
+        measured.staggered.append(load)
+    return measured
 
 
 @dataclass(frozen=True)
@@ -369,15 +552,28 @@ class BenchOptions:
     models: Path | None = None
     server_args: tuple[str, ...] = ()
     baseline: bool = True
+    baseline_streams: tuple[int, ...] | None = None  # the baseline's levels (default: `streams`)
     search: bool = True
-    search_max: int = 256
+    search_max: int = 320
+    staggered: tuple[float, ...] = ()  # Poisson loads, as fractions of the burst capacity
+    staggered_s: float = 30.0  # arrivals per staggered load
+    capacity: int | None = None  # the capacity staggered loads refer to (default: the search's)
     json_path: Path = Path("bench-results/bench.json")
 
     def __post_init__(self) -> None:
         if not self.streams or min(self.streams) < 1:
             raise ValueError(f"stream counts must be positive, got {self.streams}")
+        baseline = self.baseline_streams
+        if baseline is not None and (not baseline or min(baseline) < 1):
+            raise ValueError(f"baseline stream counts must be positive, got {self.baseline_streams}")
         if self.tokens < 1:
             raise ValueError(f"tokens must be positive, got {self.tokens}")
+        if any(not 0 < f <= 4 for f in self.staggered):
+            raise ValueError(f"staggered loads are fractions of capacity in (0, 4], got {self.staggered}")
+        if self.staggered and not self.search and self.capacity is None:
+            raise ValueError("staggered loads need the capacity: search for it or give --capacity")
+        if self.staggered_s <= 0:
+            raise ValueError(f"staggered_s must be positive, got {self.staggered_s}")
 
 
 def run(options: BenchOptions) -> int:
@@ -385,10 +581,15 @@ def run(options: BenchOptions) -> int:
     o = options
     report: dict[str, object] = {"tokens_per_request": o.tokens, "audio_s_per_request": o.tokens / 25,
                                  "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+    def measure(url: str) -> Measured:
+        return asyncio.run(run_levels(url, o.streams, o.tokens, o.voice, o.search, o.search_max,
+                                      o.staggered, o.staggered_s, o.capacity))
+
     if o.url:
-        ours, best = asyncio.run(run_levels(o.url, o.streams, o.tokens, o.voice, o.search, o.search_max))
-        print(format_table("\nserver", ours))
-        report["server"] = {"levels": [asdict(r) for r in ours], "max_streams_without_underrun": best}
+        ours = measure(o.url)
+        report["server"] = ours.report()
+        print(format_table("\nserver", ours.levels))
     else:
         # Every stream is one socket from this one client: the spawned server's per-client limits must
         # admit them all at once (the level's streams connect together).
@@ -396,17 +597,21 @@ def run(options: BenchOptions) -> int:
         room = ("--max-connections-per-client", sockets, "--rate-burst", sockets, "--rate-limit", sockets)
         server_args = (*room, *o.server_args)
         with spawned_server(o.models, server_args) as url:
-            ours, best = asyncio.run(run_levels(url, o.streams, o.tokens, o.voice, o.search, o.search_max))
-        report["ours"] = {"levels": [asdict(r) for r in ours], "max_streams_without_underrun": best}
-        print(format_table("\nours", ours))
+            ours = measure(url)
+        report["ours"] = ours.report()
+        print(format_table("\nours", ours.levels))
         if o.baseline:
             with spawned_server(o.models, (*server_args, "--baseline")) as url:
-                base, _ = asyncio.run(run_levels(url, o.streams, o.tokens, o.voice, False, o.search_max))
-            report["baseline"] = {"levels": [asdict(r) for r in base]}
-            print(format_table("\nbaseline (no cross-request batching)", base))
-            print(format_ratio(ours, base))
-    if best is not None:
-        print(f"largest concurrency with no underrun: {best}")
+                base = asyncio.run(run_levels(url, o.baseline_streams or o.streams, o.tokens, o.voice, False,
+                                              o.search_max))
+            report["baseline"] = base.report()
+            print(format_table("\nbaseline (no cross-request batching)", base.levels))
+            print(format_ratio(ours.levels, base.levels))
+    print(format_memory(ours.levels))
+    if ours.staggered:
+        print(format_staggered("\nstaggered arrivals (Poisson)", ours.staggered))
+    if ours.best is not None:
+        print(f"largest concurrency with no underrun: {ours.best}")
     o.json_path.parent.mkdir(parents=True, exist_ok=True)
     o.json_path.write_text(json.dumps(report, indent=2))
     print(f"\nwrote {o.json_path}")

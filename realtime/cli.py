@@ -69,6 +69,13 @@ def _voice_alias(text: str) -> tuple[str, str]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _fractions(spec: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(f) for f in spec.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {spec!r}") from None
+
+
 def _config(args: argparse.Namespace) -> ServiceConfig:
     webrtc = WebRTCConfig(
         max_sessions=args.max_streams,
@@ -377,7 +384,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--no-baseline", action="store_true", help="skip the baseline server")
     bench.add_argument("--no-search", action="store_true", help="skip the max-concurrency search")
-    bench.add_argument("--search-max", type=int, default=256)
+    bench.add_argument("--search-max", type=int, default=320,
+                       help="upper end of the capacity search (serve's --max-streams must reach it)")
+    bench.add_argument("--baseline-streams", type=_levels, help="the baseline's levels (default: --streams)")
+    bench.add_argument("--staggered", type=_fractions, default=(),
+                       help="Poisson-arrival loads as fractions of the burst capacity, e.g. 0.5,0.8,1")
+    bench.add_argument("--staggered-s", type=float, default=30.0, help="seconds of arrivals per load")
+    bench.add_argument("--capacity", type=int, help="the capacity --staggered refers to (default: searched)")
     bench.add_argument("--json", type=Path, default=Path("bench-results/bench.json"))
     paced = bench.add_argument_group("token-paced turns (realtime/bench_tokens.py)")
     paced.add_argument("--token-paced", action="store_true",
@@ -406,6 +419,10 @@ def bench(args: argparse.Namespace) -> int:
             baseline=not args.no_baseline,
             search=not args.no_search,
             search_max=args.search_max,
+            baseline_streams=args.baseline_streams,
+            staggered=args.staggered,
+            staggered_s=args.staggered_s,
+            capacity=args.capacity,
             json_path=args.json,
         )
     )

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from testing import LiveServer, serve, service_config
 
-from realtime.bench import run_level, scrape
+from realtime.bench import run_level, run_staggered, scrape
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 GIB = 2**30
@@ -45,3 +45,30 @@ async def test_a_bench_level_reports_the_engines_work(live_server: LiveServer) -
     assert figures.token2wav_batch_ms > 0 and figures.token2wav_wait_ms >= 0
     assert 0 < figures.first_tokens_ms < figures.first_chunk_ms
     assert (await scrape(live_server.http_url))["tts_llm_active_requests"] == 0
+
+
+async def test_a_bench_level_reports_memory_per_stream(tiny_models: Path, tmp_path: Path) -> None:
+    """The gauges the bench samples: streams' tensors beyond those held before, the device's use."""
+    allocated = [GIB]
+    async with serve(service_config(tiny_models, tmp_path)) as server:
+        server.runtime.metrics.track_gpu_memory(lambda: allocated[0], lambda: (5 * GIB, 8 * GIB))
+        metrics = await scrape(server.http_url)
+        assert metrics["realtime_gpu_memory_allocated_bytes"] == GIB
+        assert metrics["realtime_gpu_memory_used_bytes"] == 3 * GIB
+        assert metrics["realtime_gpu_memory_total_bytes"] == 8 * GIB
+        assert metrics["tts_llm_slots"] >= 1
+        level = await run_level(f"{server.ws_url}/v1/ws", streams=2, tokens=30, voice="default")
+    assert level.errors == 0 and level.memory is not None
+    assert level.memory.total_bytes == 8 * GIB and level.memory.headroom_bytes == 5 * GIB
+    assert level.memory.allocated_before_bytes == GIB and level.memory.stream_bytes == 0
+
+
+async def test_staggered_arrivals_are_measured(live_server: LiveServer) -> None:
+    """Poisson arrivals at a fraction of a given capacity: each one a full stream on its own socket."""
+    # 2 arrivals a second of 1 s of audio each (3 with this seed): within the server's 4 streams.
+    load = await run_staggered(f"{live_server.ws_url}/v1/ws", fraction=0.5, capacity=4, duration_s=1.0,
+                               tokens=25, voice="default", seed=3)
+    assert load.rate_per_s == pytest.approx(2.0) and load.offered_streams == pytest.approx(2.0)
+    assert load.arrivals >= 1 and load.errors == 0, load.error_codes
+    assert load.ok == load.arrivals and 1 <= load.max_in_flight <= load.arrivals
+    assert 0 < load.first_chunk_p50_ms <= load.first_chunk_p99_ms

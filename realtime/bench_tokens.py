@@ -7,10 +7,14 @@ over a fresh socket, then the turn is ended, as each client sends it:
 - `cartesia`: `/cartesia/tts/websocket` transcripts with `continue: true` and no buffering hint (the
   Cartesia SDK's `push`, Pipecat's token mode);
 - `cartesia-sentences`: Pipecat's default: its own sentence aggregation, each sentence sent whole,
-  without a trailing space, with `max_buffer_delay_ms: 0`.
+  without a trailing space, with `max_buffer_delay_ms: 0`;
+- `elevenlabs`, `elevenlabs-sentences`, `elevenlabs-livekit`: the multi-context ElevenLabs websocket
+  fed tokens without `auto_mode`, Pipecat's default (sentences without a trailing space, `auto_mode`)
+  and LiveKit's default (sentences with a trailing space and `flush`, `auto_mode`).
 
 The figure is the time from sending the first sentence's last token (for `cartesia-sentences`, the
 first sentence) to the first audio byte, per turn; the context is cancelled at the first audio.
+
 `realtime bench --token-paced` runs it (other dialects add their shapes to `CLIENTS`).
 """
 
@@ -78,6 +82,19 @@ def _cartesia_audio(frame: str | bytes) -> bool:
     return isinstance(frame, str) and json.loads(frame).get("type") == "chunk"
 
 
+def _elevenlabs_path(auto_mode: bool) -> str:
+    query = "output_format=pcm_24000" + ("&auto_mode=true" if auto_mode else "")
+    return f"/v1/text-to-speech/default/multi-stream-input?{query}"
+
+
+def _elevenlabs_text(cid: str, text: str, **extra: object) -> str:
+    return json.dumps({"text": text, "context_id": cid, **extra})
+
+
+def _elevenlabs_audio(frame: str | bytes) -> bool:
+    return isinstance(frame, str) and bool(json.loads(frame).get("audio"))
+
+
 CLIENTS: dict[str, ClientShape] = {
     "native": ClientShape(
         "/v1/ws", turn_tokens, _first_sentence_ends, _native_start,
@@ -92,6 +109,23 @@ CLIENTS: dict[str, ClientShape] = {
     "cartesia-sentences": ClientShape(
         "/cartesia/tts/websocket", turn_sentences, lambda index, piece: index == 0, lambda cid: [],
         lambda cid, text: _cartesia_message(cid, text, max_buffer_delay_ms=0), _cartesia_end, _cartesia_audio,
+    ),
+    # ElevenLabs' multi-context websocket: a context opened with " ", ended by a flush.
+    "elevenlabs": ClientShape(  # tokens, no auto_mode (Pipecat's token mode, LiveKit with a schedule)
+        _elevenlabs_path(False), turn_tokens, _first_sentence_ends,
+        lambda cid: [_elevenlabs_text(cid, " ")], _elevenlabs_text,
+        lambda cid: _elevenlabs_text(cid, "", flush=True), _elevenlabs_audio,
+    ),
+    "elevenlabs-sentences": ClientShape(  # Pipecat's default: auto_mode, sentences without a trailing space
+        _elevenlabs_path(True), turn_sentences, lambda index, piece: index == 0,
+        lambda cid: [_elevenlabs_text(cid, " ")], _elevenlabs_text,
+        lambda cid: _elevenlabs_text(cid, "", flush=True), _elevenlabs_audio,
+    ),
+    "elevenlabs-livekit": ClientShape(  # LiveKit's default: auto_mode, each sentence + " " with flush
+        _elevenlabs_path(True), turn_sentences, lambda index, piece: index == 0,
+        lambda cid: [_elevenlabs_text(cid, " ")],
+        lambda cid, text: _elevenlabs_text(cid, text + " ", flush=True),
+        lambda cid: _elevenlabs_text(cid, "", flush=True), _elevenlabs_audio,
     ),
 }
 

@@ -395,7 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
     paced = bench.add_argument_group("token-paced turns (realtime/bench_tokens.py)")
     paced.add_argument("--token-paced", action="store_true",
                        help="measure first audio after the first sentence's last token of an LLM-paced turn")
-    paced.add_argument("--clients", default="native,cartesia,cartesia-sentences",
+    paced.add_argument("--clients",
+                       default="native,cartesia,cartesia-sentences,elevenlabs,elevenlabs-sentences,elevenlabs-livekit",
                        help="comma-separated client shapes to drive")
     paced.add_argument("--turns", type=int, default=5, help="turns per client")
     paced.add_argument("--token-interval-ms", type=float, default=30.0, help="time between LLM tokens")

@@ -49,29 +49,32 @@ def client_python() -> Callable[[str], Path]:
 
 
 @pytest.fixture
-def run_client(client_python: Callable[[str], Path]) -> ClientRunner:
+def run_client(client_python: Callable[[str], Path], tmp_path: Path) -> ClientRunner:
     """`await run_client(env, "script.py", *args)`: the script's JSON result (its last stdout line).
 
-    The subprocess is awaited without blocking the event loop the live server runs in."""
+    The subprocess is awaited without blocking the event loop the live server runs in; its output goes
+    to files, so a client that hangs still shows what it logged."""
 
     async def run(env: str, script: str, *args: str, timeout_s: float = CLIENT_TIMEOUT_S) -> dict[str, Any]:
         python = client_python(env)
-        process = await asyncio.create_subprocess_exec(
-            str(python), str(CLIENTS_DIR / script), *args,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )
-        try:
-            async with asyncio.timeout(timeout_s):
-                stdout, stderr = await process.communicate()
-        except TimeoutError:
-            process.kill()
-            await process.wait()
-            pytest.fail(f"{script} did not finish within {timeout_s:.0f} s")
-        out, err = stdout.decode(errors="replace"), stderr.decode(errors="replace")
+        out_path, err_path = tmp_path / f"{script}.out", tmp_path / f"{script}.err"
+        with out_path.open("wb") as stdout, err_path.open("wb") as stderr:
+            process = await asyncio.create_subprocess_exec(
+                str(python), str(CLIENTS_DIR / script), *args, stdout=stdout, stderr=stderr
+            )
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await process.wait()
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+        out = out_path.read_text(errors="replace")
+        err = err_path.read_text(errors="replace")
         lines = out.strip().splitlines()
         if process.returncode != 0 or not lines:
             pytest.fail(
-                f"{script} exited {process.returncode}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-6000:]}"
+                f"{script} exited {process.returncode} (killed after {timeout_s:.0f} s if negative)\n"
+                f"stdout:\n{out[-3000:]}\nstderr:\n{err[-6000:]}"
             )
         try:
             result = json.loads(lines[-1])

@@ -263,6 +263,62 @@ def synth(config: ServiceConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    """The options only `serve` has (network, WebRTC, drain)."""
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=10.0,
+        help="seconds running streams get to finish at shutdown",
+    )
+    parser.add_argument(
+        "--voice-sync",
+        type=float,
+        default=2.0,
+        help="seconds between re-reads of the voices directory, for replicas sharing it",
+    )
+    parser.add_argument(
+        "--advertise-address",
+        action="append",
+        default=[],
+        help="WebRTC: IP address to advertise as a host candidate (repeatable; default: all)",
+    )
+    parser.add_argument(
+        "--ice-server",
+        action="append",
+        default=[],
+        help="WebRTC: STUN/TURN server, URL or URL,USERNAME,CREDENTIAL (repeatable)",
+    )
+    parser.add_argument(
+        "--voice-alias",
+        type=_voice_alias,
+        action="append",
+        default=[],
+        metavar="NAME=VOICE",
+        help="speak VOICE for requests naming NAME when no voice NAME exists (repeatable; by default "
+        "every OpenAI voice name speaks 'default')",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8080, help="port to listen on")
+    parser.add_argument(
+        "--baseline",
+        action="store_true",
+        help="benchmark baseline: one LLM request at a time, batch-1 token2wav on "
+        f"{BASELINE_TOKEN2WAV_WORKERS} threads",
+    )
+
+
+class _HelpWithDefaults(argparse.HelpFormatter):
+    """Help that shows each option's default where it has one worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        shown = "default" in text or not action.option_strings
+        if shown or action.default in (None, False, [], (), argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="realtime", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -270,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("serve", "run the HTTP/websocket/WebRTC server"),
         ("synth", "speak a text or a JSON Lines file of texts into audio files"),
     ):
-        sub = commands.add_parser(name, help=help_text)
+        sub = commands.add_parser(name, help=help_text, formatter_class=_HelpWithDefaults)
         sub.add_argument(
             "--models",
             help=f"models directory (default: tiny synthetic models, built once into {DEFAULT_CACHE_DIR})",
@@ -316,49 +372,13 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument(
             "--batch", type=int, default=64, help="most chunks per token2wav call (synth: utterances)"
         )
-        sub.add_argument(
-            "--drain-timeout",
-            type=float,
-            default=10.0,
-            help="seconds running streams get to finish at shutdown",
-        )
-        sub.add_argument(
-            "--voice-sync",
-            type=float,
-            default=2.0,
-            help="seconds between re-reads of the voices directory, for replicas sharing it",
-        )
-        sub.add_argument(
-            "--advertise-address",
-            action="append",
-            default=[],
-            help="WebRTC: IP address to advertise as a host candidate (repeatable; default: all)",
-        )
-        sub.add_argument(
-            "--ice-server",
-            action="append",
-            default=[],
-            help="WebRTC: STUN/TURN server, URL or URL,USERNAME,CREDENTIAL (repeatable)",
-        )
-        sub.add_argument(
-            "--voice-alias",
-            type=_voice_alias,
-            action="append",
-            default=[],
-            metavar="NAME=VOICE",
-            help="speak VOICE for requests naming NAME when no voice NAME exists (repeatable; by default "
-            "every OpenAI voice name speaks 'default')",
-        )
-        sub.add_argument("--host", default="127.0.0.1")
-        sub.add_argument("--port", type=int, default=8080)
-        sub.add_argument(
-            "--baseline",
-            action="store_true",
-            help="benchmark baseline: one LLM request at a time, batch-1 token2wav on "
-            f"{BASELINE_TOKEN2WAV_WORKERS} threads",
-        )
         if name == "serve":
+            _add_serve_flags(sub)
             _add_access_flags(sub)
+        else:  # the serve-only settings `_config` reads, at their defaults
+            serve_only = argparse.ArgumentParser(add_help=False)
+            _add_serve_flags(serve_only)
+            sub.set_defaults(**vars(serve_only.parse_args([])))
         if name == "synth":
             source = sub.add_mutually_exclusive_group(required=True)
             source.add_argument("text", nargs="?", help="one text to speak into --out")
@@ -371,7 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
                 "--fixed-length", type=int, help="benchmarks: exactly this many speech tokens per LLM request"
             )
             sub.add_argument("--seed", type=int, help="sampling seed (default: random)")
-    bench = commands.add_parser("bench", help="load-test a server over the agents' websocket")
+    bench = commands.add_parser(
+        "bench", help="load-test a server over the agents' websocket", formatter_class=_HelpWithDefaults
+    )
     bench.add_argument("--url", help="websocket URL of a running server (default: spawn one)")
     bench.add_argument("--models", type=Path, help="models directory for the spawned server")
     bench.add_argument(

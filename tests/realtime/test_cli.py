@@ -1,0 +1,63 @@
+"""The command line as a user meets it: help with defaults, each command's own options, and start-up
+errors as one line and a non-zero exit before any engine loads."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from realtime.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def help_of(command: str, capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exited:
+        main([command, "--help"])
+    assert exited.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_shows_defaults_and_synth_lists_only_its_own_options(capsys):
+    serve = help_of("serve", capsys)
+    assert "(default: 8080)" in serve and "(default: 127.0.0.1)" in serve and "--drain-timeout" in serve
+    synth = help_of("synth", capsys)
+    assert "(default: speech.wav)" in synth
+    serve_only = ("--port", "--host", "--drain-timeout", "--advertise-address", "--ice-server", "--api-key")
+    assert not [option for option in serve_only if option in synth]
+
+
+def serve_fails(*args: str) -> str:
+    """stderr of `realtime serve ARGS`, which must fail at once with exit code 2 and no traceback."""
+    result = subprocess.run(
+        [sys.executable, "-m", "realtime", "serve", *args],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    return lines[0]
+
+
+def test_missing_models_directory_is_one_line():
+    assert "/nonexistent is not a directory" in serve_fails("--models", "/nonexistent")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_is_one_line(tiny_models):
+    assert "try --device cpu" in serve_fails("--models", str(tiny_models), "--device", "cuda")
+
+
+def test_a_taken_port_is_found_before_the_engines_load(tiny_models):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = serve_fails("--models", str(tiny_models), "--port", str(port))
+    assert f"cannot listen on 127.0.0.1:{port}" in line

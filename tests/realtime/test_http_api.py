@@ -5,12 +5,14 @@ from __future__ import annotations
 import base64
 import io
 import json
+import wave
 
 import av
 import httpx
 import numpy as np
 import openai
 import pytest
+import soundfile
 
 from realtime.transports.http import MAX_JSON_BYTES
 
@@ -63,6 +65,21 @@ async def test_every_container_format_decodes(live_server, response_format):
     assert abs(samples.size / rate - expected_s) < 0.1
     if response_format in ("wav", "flac"):
         assert samples.size == FIXED * SAMPLES_PER_TOKEN and rate == 24000
+
+
+async def test_a_streamed_wav_says_its_length_is_unknown_and_reads_whole(live_server):
+    """The documented header of a streamed WAV: the streaming convention's 0xFFFFFFFF sizes, with which
+    soundfile (libsndfile) reads exactly the samples sent, and Python's `wave` (which trusts the
+    header) reports 2^31 frames while reading the same samples."""
+    async with httpx.AsyncClient(base_url=live_server.http_url, timeout=60) as http:
+        body = {"input": "A streamed file.", "response_format": "wav", "fixed_length": FIXED}
+        data = (await http.post("/v1/audio/speech", json=body)).content
+    assert data[:4] == b"RIFF" and data[4:8] == b"\xff\xff\xff\xff" and data[40:44] == b"\xff\xff\xff\xff"
+    samples, rate = soundfile.read(io.BytesIO(data), dtype="int16")
+    assert rate == 24000 and samples.size == FIXED * SAMPLES_PER_TOKEN
+    with wave.open(io.BytesIO(data)) as reader:
+        assert reader.getnframes() == 0xFFFFFFFF // 2
+        assert len(reader.readframes(reader.getnframes())) == FIXED * SAMPLES_PER_TOKEN * 2
 
 
 async def test_sse_stream_carries_base64_deltas_then_done(live_server):

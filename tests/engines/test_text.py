@@ -145,3 +145,25 @@ def test_streaming_splitter_bounds_text_without_punctuation() -> None:
     out = splitter.feed(text)
     assert out and all(len(s) <= 30 for s in out)
     assert _words("".join(out + splitter.flush())) == _words(text)
+
+
+def test_streaming_splitter_cuts_where_a_piece_starts_a_new_sentence_without_a_space():
+    splitter = StreamingSentenceSplitter()
+    assert splitter.feed("It is sunny today.") == []
+    assert splitter.ends_with_sentence_end
+    assert splitter.feed("Shall we go?") == ["It is sunny today."]
+    assert splitter.feed("no") == []  # lower case: the same sentence goes on ("go?no")
+    assert splitter.flush() == ["Shall we go?no"]
+    assert splitter.feed("Pi is 3.") == [] and splitter.feed("14 exactly") == []
+    assert splitter.flush() == ["Pi is 3.14 exactly"]
+
+
+def test_streaming_splitter_offers_clause_and_word_cuts_of_the_pending_text():
+    splitter = StreamingSentenceSplitter()
+    assert splitter.feed("Well, I think that the weather, all things consid") == []
+    assert splitter.whole_words() == 8 and splitter.clause_words() == 6
+    assert splitter.take_clause() == ["Well, I think that the weather,"]
+    assert splitter.take_words(2) == ["all things"]
+    assert splitter.take_words() == []  # only the growing word is left
+    assert splitter.pending == " consid"
+    assert splitter.take_all() == ["consid"] and splitter.pending == ""

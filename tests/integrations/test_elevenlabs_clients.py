@@ -149,19 +149,21 @@ async def test_sdk_convert_realtime(
     await slots_freed()
 
 
-@pytest.mark.parametrize("mode", ["websocket", "http"])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        ["--mode", "websocket"],  # Pipecat's default: sentences, auto_mode
+        ["--mode", "websocket", "--tokens"],  # TextAggregationMode.TOKEN: raw tokens, no auto_mode
+        ["--mode", "http"],
+    ],
+    ids=["websocket", "websocket-tokens", "http"],
+)
 async def test_pipecat_service_speaks_a_token_paced_turn(
-    live_server: LiveServer, run_client: ClientRunner, slots_freed: SlotsFreed, mode: str
+    live_server: LiveServer, run_client: ClientRunner, slots_freed: SlotsFreed, mode: list[str]
 ) -> None:
     result = await run_client(
-        "pipecat",
-        "pipecat_elevenlabs.py",
-        "--http-url",
-        live_server.http_url,
-        "--mode",
-        mode,
-        "--sample-rate",
-        "16000",
+        "pipecat", "pipecat_elevenlabs.py", "--http-url", live_server.http_url, "--sample-rate", "16000",
+        *mode,
     )
     assert result["errors"] == []
     assert result["sample_rates"] == [16000] and result["audio_bytes"] > 16000 * 2

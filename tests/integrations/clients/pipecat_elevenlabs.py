@@ -31,6 +31,7 @@ from pipecat.pipeline.pipeline import Pipeline
 from pipecat.pipeline.worker import PipelineParams, PipelineWorker
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 from pipecat.services.elevenlabs.tts import ElevenLabsHttpTTSService, ElevenLabsTTSService
+from pipecat.services.tts_service import TextAggregationMode
 from pipecat.workers.runner import WorkerRunner
 
 STOP_FRAME_TIMEOUT_S = 15.0
@@ -64,6 +65,7 @@ async def main() -> None:
     parser.add_argument("--sample-rate", type=int, default=16000)
     parser.add_argument("--interrupt", action="store_true")
     parser.add_argument("--voice", default="default")
+    parser.add_argument("--tokens", action="store_true", help="TextAggregationMode.TOKEN (no auto_mode)")
     parser.add_argument("--api-key", default="unused", help="the key the client is configured with")
     args = parser.parse_args()
     async with aiohttp.ClientSession() as session:
@@ -73,6 +75,7 @@ async def main() -> None:
                 url=args.http_url.replace("http://", "ws://"),
                 settings=ElevenLabsTTSService.Settings(voice=args.voice),
                 stop_frame_timeout_s=STOP_FRAME_TIMEOUT_S,
+                text_aggregation_mode=TextAggregationMode.TOKEN if args.tokens else None,
             )
         else:
             tts = ElevenLabsHttpTTSService(

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Downloads into .whl/ the wheels (Python 3.12, x86-64 Linux) of the service's packages that the lent GPU
-# machine's image lacks; benchmarks/on_device.sh installs them there. .whl/ is git-ignored (~42 MB).
+# machine's image lacks; benchmarks/on_device.sh installs them there. .whl/ is git-ignored (~51 MB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 platforms=()
@@ -11,5 +11,7 @@ done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${platforms[@]}" -d .whl \
     aiortc aioice av cryptography google-crc32c pyee pylibsrtp pyopenssl dnspython ifaddr cffi pycparser \
-    websockets starlette uvicorn python-multipart soundfile pytest-asyncio
+    websockets starlette uvicorn httptools python-multipart soundfile pytest-asyncio \
+    wetext kaldifst contractions textsearch anyascii pyahocorasick inflect typeguard more-itertools \
+    jaraco.functools
 du -sh .whl

@@ -12,7 +12,12 @@ const rt = {
   level: 0,
   events: [],
   webrtc: { connectionState: "new", sessionId: null, packetsReceived: 0, bytesReceived: 0 },
-  ws: { state: "closed", bytesReceived: 0, framesReceived: 0, samplesPlayed: 0, samplesDropped: 0 },
+  // samplesPosted: sent to the player; samplesPlayed/Dropped/Cleared: what became of them. serverDone: the
+  // server has sent all of the current utterance, which still plays until buffered reaches 0.
+  ws: {
+    state: "closed", bytesReceived: 0, framesReceived: 0, samplesPosted: 0, samplesPlayed: 0, samplesDropped: 0,
+    samplesCleared: 0, buffered: 0, serverDone: false,
+  },
 };
 window.__rt = rt;
 
@@ -317,6 +322,9 @@ class WebSocketClient {
     player.port.onmessage = (event) => {
       rt.ws.samplesPlayed = event.data.played;
       rt.ws.samplesDropped = event.data.dropped;
+      rt.ws.samplesCleared = event.data.cleared;
+      rt.ws.buffered = event.data.buffered;
+      this.onPlayout();
     };
     const analyser = context.createAnalyser();
     player.connect(analyser).connect(context.destination);
@@ -340,12 +348,27 @@ class WebSocketClient {
     setSpeaking(true);
   }
 
+  // Stop: cancel the context if the server is still on it (its late events are ignored: the page no
+  // longer follows that context), drop whatever the player holds, and say so at once.
   cancel() {
-    if (this.current && this.socket) {
-      this.socket.send(JSON.stringify({ type: "cancel", context_id: this.current.id }));
+    const stopped = this.current;
+    if (stopped && !stopped.serverDone && this.socket) {
+      this.socket.send(JSON.stringify({ type: "cancel", context_id: stopped.id }));
     }
     this.current = null;
+    rt.ws.serverDone = false;
     this.player?.port.postMessage({ type: "clear" });
+    if (stopped) showDone(true);
+  }
+
+  // The utterance is over once the server is done and the player has used up every sample posted.
+  onPlayout() {
+    const ws = rt.ws;
+    if (!this.current?.serverDone) return;
+    if (ws.samplesPlayed + ws.samplesDropped + ws.samplesCleared < ws.samplesPosted) return;
+    this.current = null;
+    ws.serverDone = false;
+    showDone(false);
   }
 
   onAudio(buffer) {
@@ -366,6 +389,7 @@ class WebSocketClient {
     }
     const samples = new Float32Array(payload.byteLength >> 1);
     for (let i = 0; i < samples.length; i++) samples[i] = payload.getInt16(2 * i, true) / 32768;
+    rt.ws.samplesPosted += samples.length;
     this.player.port.postMessage({ type: "pcm", samples }, [samples.buffer]);
   }
 
@@ -373,8 +397,16 @@ class WebSocketClient {
     switch (event.type) {
       case "done":
         if (event.context_id !== this.current?.id) return;
-        this.current = null; // the server has closed this context: nothing left to cancel
-        showDone(event.cancelled);
+        if (event.cancelled) {
+          this.current = null;
+          showDone(true);
+          break;
+        }
+        // The server has closed this context; Stop stays live while its buffered audio plays.
+        this.current.serverDone = true;
+        rt.ws.serverDone = true;
+        log("all audio received; playing the rest");
+        this.onPlayout();
         break;
       case "error":
         if (event.context_id && event.context_id !== this.current?.id) return;

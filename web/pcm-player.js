@@ -1,7 +1,8 @@
 // AudioWorklet processor: plays mono float32 PCM posted from the main thread, silence on underrun.
 //
 // Messages in:  {type: "pcm", samples: Float32Array} (at the AudioContext's rate), {type: "clear"}.
-// Messages out: {type: "progress", played, buffered, dropped} about every 50 ms, counted in samples.
+// Messages out: {type: "progress", played, buffered, dropped, cleared} about every 50 ms, counted in
+// samples (cleared: buffered samples a "clear" dropped).
 // The buffer is a fixed ring; samples that do not fit are dropped and counted, never reallocated.
 
 const REPORT_EVERY_BLOCKS = 10;
@@ -15,12 +16,14 @@ class PcmPlayer extends AudioWorkletProcessor {
     this.buffered = 0;
     this.played = 0;
     this.dropped = 0;
+    this.cleared = 0;
     this.blocks = 0;
     this.port.onmessage = (event) => this.receive(event.data);
   }
 
   receive(message) {
     if (message.type === "clear") {
+      this.cleared += this.buffered;
       this.readAt = 0;
       this.buffered = 0;
     } else if (message.type === "pcm") {
@@ -52,7 +55,9 @@ class PcmPlayer extends AudioWorkletProcessor {
     this.buffered -= count;
     this.played += count;
     if (++this.blocks % REPORT_EVERY_BLOCKS === 0) {
-      this.port.postMessage({ type: "progress", played: this.played, buffered: this.buffered, dropped: this.dropped });
+      this.port.postMessage({
+        type: "progress", played: this.played, buffered: this.buffered, dropped: this.dropped, cleared: this.cleared,
+      });
     }
     return true;
   }

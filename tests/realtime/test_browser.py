@@ -250,6 +250,33 @@ async def test_page_plays_speech_over_webrtc_and_websocket(live: LiveServer, tmp
         shot = await page.call("Page.captureScreenshot", {"format": "png"}, page=True)
         await asyncio.to_thread(SCREENSHOT.write_bytes, base64.b64decode(shot["data"]))
         await page.evaluate("document.getElementById('stop').click()")
+        await page.wait_for("__rt.events.at(-1) === 'cancelled'")
+
+        # The server sends faster than real time: once it is done, seconds of audio still play. Until
+        # they have, the page is still speaking and Stop works; Stop then silences the player.
+        long_text = " ".join(["This sentence is here to make the utterance last a good while."] * 6)
+        await page.evaluate(f"document.getElementById('text').value = {json.dumps(long_text)}")
+        await page.evaluate("document.getElementById('speak').click()")
+        await page.wait_for("__rt.ws.serverDone && __rt.ws.buffered > 0")
+        assert await page.evaluate("__rt.state") == "speaking"
+        assert await page.evaluate("document.getElementById('stop').disabled") is False
+        assert await page.evaluate("__rt.events.at(-1)") == "all audio received; playing the rest"
+        await page.evaluate("document.getElementById('stop').click()")
+        await page.wait_for("__rt.events.at(-1) === 'cancelled' && __rt.ws.samplesCleared > 0")
+        await page.wait_for("__rt.ws.buffered === 0")
+        played = await page.evaluate("__rt.ws.samplesPlayed")
+        await asyncio.sleep(0.5)  # several of the player's progress reports
+        assert await page.evaluate("__rt.ws.samplesPlayed") == played
+        assert await page.evaluate("document.getElementById('stop').disabled") is True
+
+        # Left to play out, an utterance is done only once its last sample has played.
+        await page.evaluate("document.getElementById('text').value = 'Short one.'")
+        await page.evaluate("document.getElementById('speak').click()")
+        await page.wait_for("__rt.events.at(-1) === 'done'")
+        ws_state = await page.evaluate("JSON.stringify(__rt.ws)")
+        assert await page.evaluate(
+            "__rt.ws.samplesPlayed + __rt.ws.samplesDropped + __rt.ws.samplesCleared >= __rt.ws.samplesPosted"
+        ), ws_state
 
         # An error from the server ends the utterance on the page and says why.
         await page.evaluate(

@@ -25,12 +25,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
+from realtime import validation
 from realtime.audio import CodecStreamEncoder, Encoding, Resampler, encode_samples, wav_header
 from realtime.protocol.cartesia import emotion_instruction, output_format_of, speed_of, voice_of
 from realtime.protocol.core import ProtocolError, field_of
 from realtime.runtime import Runtime
 from realtime.session import AudioChunk, ServiceError, Session, SpeechRequest
 from realtime.transports.body import BodyTooLarge, read_body
+from realtime.validation import InvalidInput
 
 logger = logging.getLogger(__name__)
 
@@ -151,9 +153,9 @@ def routes(runtime: Runtime) -> list[BaseRoute]:
         try:
             raw = await read_body(request, MAX_JSON_BYTES)
             try:
-                body = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise ProtocolError("invalid_json", "the body is not valid JSON") from None
+                body = validation.parse_json(raw)
+            except InvalidInput as exc:
+                raise ProtocolError(exc.code, exc.message) from None
             speech = parse_body(body)
             if sse and speech.container != "raw":
                 message = "server-sent events carry the 'raw' container only"

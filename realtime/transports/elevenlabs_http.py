@@ -31,12 +31,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from engines.llm.base import SamplingParams
+from realtime import validation
 from realtime.audio import RAW_ENCODINGS, Resampler, StreamEncoder, chunk_encoder
 from realtime.protocol.core import ProtocolError
 from realtime.protocol.elevenlabs import DEFAULT_OUTPUT_FORMAT, OutputFormat, parse_output_format
 from realtime.runtime import Runtime
 from realtime.session import AudioChunk, ServiceError, Session, SpeechRequest, WordTiming
 from realtime.transports.body import BodyTooLarge, read_body
+from realtime.validation import InvalidInput
 
 MAX_JSON_BYTES = 256 * 1024
 
@@ -51,23 +53,26 @@ def parse_body(body: Any, voice_id: str) -> SpeechRequest:
     if not isinstance(body, dict):
         raise ServiceError("invalid_json", "the body must be a JSON object")
     text = body.get("text")
-    if not isinstance(text, str):
-        raise ServiceError("invalid_text", "'text' must be a string")
+    if not isinstance(text, str) or not validation.is_valid_text(text):
+        raise ServiceError("invalid_text", "'text' must be a string of valid Unicode")
     settings = body.get("voice_settings") or {}
     if not isinstance(settings, dict):
         raise ServiceError("invalid_voice_settings", "'voice_settings' must be an object")
     speed = settings.get("speed", 1.0)
     if speed is None:
         speed = 1.0
-    if isinstance(speed, bool) or not isinstance(speed, int | float):
-        raise ServiceError("invalid_voice_settings", "'voice_settings.speed' must be a number")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ServiceError("invalid_seed", "'seed' must be an integer")
+    try:
+        speed = validation.speed(speed, "voice_settings.speed")
+    except InvalidInput as exc:
+        raise ServiceError("invalid_voice_settings", exc.message) from None
+    try:
+        seed = validation.seed(body.get("seed"))
+    except InvalidInput as exc:
+        raise ServiceError("invalid_seed", exc.message) from None
     language = body.get("language_code")
     if language is not None and not isinstance(language, str):
         raise ServiceError("invalid_language", "'language_code' must be a string")
-    return SpeechRequest(text=text, voice=voice_id, sampling=SamplingParams(seed=seed), speed=float(speed),
+    return SpeechRequest(text=text, voice=voice_id, sampling=SamplingParams(seed=seed), speed=speed,
                          language=language)
 
 
@@ -155,9 +160,9 @@ def routes(runtime: Runtime) -> list[BaseRoute]:
             output = parse_output_format(request.query_params.get("output_format", DEFAULT_OUTPUT_FORMAT))
             raw = await read_body(request, MAX_JSON_BYTES)
             try:
-                body = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise ServiceError("invalid_json", "the body is not valid JSON") from None
+                body = validation.parse_json(raw)
+            except InvalidInput as exc:
+                raise ServiceError(exc.code, exc.message) from None
             return await runtime.open_session(parse_body(body, voice_id)), output
         except ProtocolError as exc:
             runtime.metrics.error(exc.code)

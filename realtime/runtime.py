@@ -331,9 +331,14 @@ class Runtime:
 
     async def open_session(self, request: SpeechRequest, continuing: bool = False) -> Session:
         """`speak`, once the request's voice is usable here: a voice another replica just stored in the
-        shared directory is loaded first (`ensure_voice`). What transports call."""
+        shared directory is loaded first (`ensure_voice`). What transports call. Returns once the text is
+        cut into segments (raising its ServiceError, such as `empty_text`), except for `continuing`
+        work, whose errors come from the iteration like any other."""
         await self.ensure_voice(request.voice)
-        return self.speak(request, continuing)
+        session = self.speak(request, continuing)
+        if not continuing:
+            await session.prepare()
+        return session
 
     def speak(self, request: SpeechRequest, continuing: bool = False) -> Session:
         """A session for `request`, admitted now; raises ServiceError when it cannot be served.

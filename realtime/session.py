@@ -261,6 +261,8 @@ class Session:
         self._on_close: Callable[[], None] | None = on_close
         self._out: asyncio.Queue[object] = asyncio.Queue(maxsize=chunk_queue)
         self._task: asyncio.Task[None] | None = None
+        self._prepared = asyncio.Event()  # the text is cut into segments (or refused)
+        self._refusal: ServiceError | None = None  # why the text was refused, if it was
         self._done = False
         self._created = clock()
         # Output bookkeeping (producer side).
@@ -278,6 +280,16 @@ class Session:
     def usage(self) -> Usage:
         """Tokens so far (final once the iteration has ended)."""
         return Usage(sum(len(s.text_ids) for s in self._segments), self._speech_tokens)
+
+    async def prepare(self) -> None:
+        """Start, and return once the text is normalised and cut into segments; raises the text's
+        ServiceError (`empty_text`, ...) instead, having closed the session. For transports that answer
+        with a status code: the front end's refusal is still a 4xx, not a 200 with no audio."""
+        self.start()
+        await self._prepared.wait()
+        if self._refusal is not None:
+            await self.aclose()
+            raise self._refusal
 
     def start(self) -> None:
         """Begin synthesis now rather than at the first iteration (to have audio ready sooner)."""
@@ -337,6 +349,7 @@ class Session:
             self._segments = list(await asyncio.to_thread(self._prepare_segments))
             if not self._segments:
                 raise ServiceError("empty_text", "text is empty or only whitespace")
+            self._prepared.set()
             for index, segment in enumerate(self._segments):
                 token_stream, self._upcoming = self._upcoming or self._submit(index), None
                 await self._speak_segment(segment, token_stream, index + 1)
@@ -357,17 +370,24 @@ class Session:
         except ServiceError as exc:
             logger.warning("[%s] failed: %s", self.session_id, exc.code)
             self._metrics.error(exc.code)
-            await self._out.put(exc)
+            await self._fail(exc)
         except Exception as exc:
             logger.exception("[%s] synthesis failed", self.session_id)
             self._metrics.error("internal_error")
-            await self._out.put(
-                ServiceError("internal_error", f"synthesis failed: {type(exc).__name__}", 500)
-            )
+            await self._fail(ServiceError("internal_error", f"synthesis failed: {type(exc).__name__}", 500))
         finally:
+            self._prepared.set()
             if self._upcoming is not None:
                 self._upcoming.cancel()
                 self._upcoming = None
+
+    async def _fail(self, error: ServiceError) -> None:
+        """Hand `error` to the consumer: to `prepare` if the text never got cut, else to the iteration
+        (after the chunks before it)."""
+        if not self._prepared.is_set():
+            self._refusal = error
+            self._prepared.set()
+        await self._out.put(error)
 
     def _submit(self, index: int) -> TokenStream:
         """Start the LLM request of segment `index`."""

@@ -184,3 +184,11 @@ async def test_http_with_timestamps_and_errors(live_server):
         assert bad_format.json()["detail"]["status"] == "unsupported_output_format"
         mp3 = await client.post(f"{base}/default", json={"text": "Hi."})
         assert mp3.status_code == 200 and mp3.headers["content-type"] == "audio/mpeg" and mp3.content
+
+
+async def test_text_the_front_end_refuses_is_a_400_not_an_empty_200(live_server):
+    """The text is cut into segments after admission; its refusal still comes back as a status code."""
+    async with httpx.AsyncClient(base_url=live_server.http_url, timeout=60) as http:
+        response = await http.post("/v1/text-to-speech/default/stream", json={"text": "<|endofprompt|>"})
+    assert response.status_code == 400, response.content
+    assert response.json()["detail"]["status"] == "empty_text"

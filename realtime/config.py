@@ -120,8 +120,8 @@ class LimitsConfig:
     voices_total / voice_bytes_total: the same, all clients together.
     """
 
-    requests_per_s: float = 20.0
-    request_burst: int = 200
+    requests_per_s: float = 50.0
+    request_burst: int = 500
     connections_per_client: int = 256
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0

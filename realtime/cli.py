@@ -370,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
         sub.add_argument("--max-streams", type=int, default=16, help="concurrent utterances before 'busy'")
         sub.add_argument(
-            "--batch", type=int, default=64, help="most chunks per token2wav call (synth: utterances)"
+            "--batch", type=int, default=32, help="most chunks per token2wav call (synth: utterances)"
         )
         if name == "serve":
             _add_serve_flags(sub)

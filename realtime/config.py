@@ -181,7 +181,9 @@ class ServiceConfig:
     dit_cache_rule: the DiT flow's streaming estimator cache: `reference` (Step-Audio2's trim and noise
         offset) or `prompt_recent` (prompt + 100 newest frames per stream: less memory; docs/fidelity.md).
     llm_slots: requests the LLM decodes together (None: `max_streams`; 1 serves one at a time).
-    token2wav_batch: most chunks a token2wav worker thread runs in one call.
+    token2wav_batch: most chunks a token2wav worker thread runs in one call. 32 by default: under the
+        reference DiT cache rule the CUDA graphs of 64-row batches do not fit an 80 GB H100 beside the
+        engines at 128 streams (docs/benchmarks.md, issue #13's main run).
     token2wav_workers: token2wav threads (each on its own CUDA stream); a stream stays on the thread
         that opened it. More than one turns the PyTorch backend's CUDA graphs off.
     chunk_queue: chunks (per stream) synthesised ahead of a slow consumer before the stream waits.
@@ -218,7 +220,7 @@ class ServiceConfig:
     max_voice_upload_bytes: int = 16 * 1024 * 1024
     max_contexts_per_socket: int = 8
     llm_slots: int | None = None
-    token2wav_batch: int = 64
+    token2wav_batch: int = 32
     token2wav_workers: int = 1
     chunk_queue: int = 4
     llm_pacing: bool = True

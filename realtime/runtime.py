@@ -84,6 +84,17 @@ class LoadedEngines:
             raise ValueError("one LLM engine per LLM device and one token2wav backend per token2wav device")
 
 
+def warmup_batches(max_batch: int, max_rows: int) -> list[int]:
+    """The batch sizes (powers of two: the row buckets) a warm-up runs for a token2wav worker that runs
+    at most `max_batch` chunks per call and serves at most `max_rows` streams at once. A stream has at
+    most one chunk in flight, so no call has more rows than streams: warming larger buckets would only
+    take GPU memory (under the reference DiT cache rule the 64-row graphs alone exhaust an 80 GB H100
+    at 128 streams, docs/benchmarks.md)."""
+    rows = max(1, min(max_batch, max_rows))
+    top = 1 << (rows - 1).bit_length()  # the bucket that holds `rows`
+    return [1 << i for i in range(top.bit_length())]
+
+
 def load_engines(config: ServiceConfig) -> LoadedEngines:
     """The engines over `config.models_dir` on the devices of `config.device_plan`, backends picked by
     engines/*/auto.py (blocking: call it off the event loop). RuntimeError says why a backend asked for
@@ -231,18 +242,19 @@ class Runtime:
         )
 
     async def _warm_up(self, voice: list[PreparedVoice]) -> None:
-        """Run the schedule's chunk shapes at every batch size up to the configured one on every CUDA
-        token2wav worker (at once: each has its own thread and GPU), so that the first requests do not
-        pay for CUDA-graph capture or compilation. Then the process stops compiling: a shape the warm-up
-        did not meet (a voice with a longer prompt, say) runs uncompiled rather than stalling every
-        stream of the engine thread for the seconds Inductor takes."""
-        batches = [1 << i for i in range(self.config.token2wav_batch.bit_length())]
+        """Run the schedule's chunk shapes at every batch size a CUDA token2wav worker can meet
+        (`warmup_batches`), on every one at once (each has its own thread and GPU), so that the first
+        requests do not pay for CUDA-graph capture or compilation. Then the process stops compiling: a
+        shape the warm-up did not meet (a voice with a longer prompt, say) runs uncompiled rather than
+        stalling every stream of the engine thread for the seconds Inductor takes."""
         started = time.perf_counter()
+        plans = [warmup_batches(self.config.token2wav_batch, capacity) for capacity in self._capacity]
         await asyncio.gather(*(
             worker.warmup(prepared.speaker, batches)
-            for worker, prepared in zip(self._workers, voice, strict=True)
+            for worker, prepared, batches in zip(self._workers, voice, plans, strict=True)
             if worker.device.type == "cuda"
         ))
+        batches = max(plans, key=len)
         torch.compiler.set_stance("eager_on_recompile")
         logger.info("token2wav warmed up for batches %s in %.1f s; compilation closed", batches,
                     time.perf_counter() - started)

@@ -123,7 +123,8 @@ def run(config: ServiceConfig, items: Sequence[SynthItem], sampling: SamplingPar
     """Load the engines of `config`, synthesise `items`, and stop."""
 
     async def main() -> SynthReport:
-        runtime = Runtime(config)
+        # Offline, `token2wav_batch` utterances run at once (no admission): size the engines for them.
+        runtime = Runtime(config.replace(max_streams=max(config.max_streams, config.token2wav_batch)))
         await runtime.start()
         try:
             return await synthesize(runtime, items, sampling)

@@ -27,6 +27,7 @@ from realtime.placement import (
     plan_devices,
     split_capacity,
 )
+from realtime.runtime import warmup_batches
 from realtime.session import ServiceError, Session, SpeechRequest
 
 TOKENS = 70  # three chunks under the exponential schedule
@@ -43,6 +44,13 @@ def test_least_loaded_prefers_the_emptiest_live_worker_with_room() -> None:
     assert least_loaded([WorkerLoad(0, 2, alive=False), WorkerLoad(1, 2)]) == 1
     assert least_loaded([WorkerLoad(2, 2), WorkerLoad(0, 2, alive=False)]) is None
     assert least_loaded([]) is None
+
+
+def test_warm_up_stops_at_the_bucket_of_the_most_rows_a_worker_can_meet() -> None:
+    assert warmup_batches(64, 160) == [1, 2, 4, 8, 16, 32, 64]
+    assert warmup_batches(64, 16) == [1, 2, 4, 8, 16]  # 16 streams never make a batch of 17
+    assert warmup_batches(32, 20) == [1, 2, 4, 8, 16, 32]  # 20 rows run in the 32-row bucket
+    assert warmup_batches(1, 8) == [1]
 
 
 def test_capacity_is_shared_out_evenly() -> None:

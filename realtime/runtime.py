@@ -1,9 +1,17 @@
 """The runtime owns the engines, their threads and the asyncio bridge to them.
 
-- The LLM engine runs its own loop (its thread); sessions submit requests and iterate token streams.
-- token2wav runs on dedicated worker threads (`Token2WavWorker`, realtime/token2wav_worker.py; one by
-  default, a small pool in the benchmark's baseline).
-- `speak` validates a request, asks the admission policy, and returns a `Session` (session.py).
+- The engines come from `load_engines` (realtime/engine_loader.py); `start()` starts them, warms them
+  up and prepares every voice.
+- Each LLM engine runs its own loop (its thread); sessions submit requests and iterate token streams.
+- token2wav runs on one `Token2WavWorker` per token2wav device (realtime/token2wav_worker.py; one
+  thread each, a small pool in the benchmark's baseline); a new session is placed on the worker with the
+  most room.
+- `open_session` (what transports call) loads a voice another replica stored in the shared directory,
+  then `speak` validates the request, asks the admission policy and returns a `Session` (session.py),
+  whose text is cut into segments before `open_session` returns.
+- Voices: uploads, deletes and a periodic sync with the voices directory (`--voice-sync`).
+- Shutdown: `begin_drain` refuses new work (`shutting_down`) while accepted work finishes; `stop`
+  cancels what is left after the drain timeout and stops the engines.
 """
 
 from __future__ import annotations
@@ -22,9 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engines.compilation import compile_cache_dir, keep_compiled_artifacts, use_tf32_matmuls
 from engines.config import ModelPaths
-from engines.llm.auto import select_llm
 from engines.llm.base import (
     LLMEngine,
     LLMError,
@@ -34,17 +40,16 @@ from engines.llm.base import (
     SamplingParams,
     TokenStream,
 )
-from engines.normalize import ReferenceNormalizer
-from engines.text import TextError, TextFrontend
-from engines.token2wav.auto import select_token2wav
-from engines.token2wav.base import SpeakerState, Token2Wav, Token2WavStream
+from engines.text import TextError
+from engines.token2wav.base import SpeakerState, Token2WavStream
 from engines.voice import VoicePrompt
-from engines.voice_encoder import VoiceEncoder, VoiceError, VoiceLimits
+from engines.voice_encoder import VoiceError
 from realtime.access import OPERATOR
 from realtime.admission import AdmissionPolicy, Load, Refuse
 from realtime.config import ServiceConfig
+from realtime.engine_loader import LoadedEngines, load_engines
 from realtime.metrics import Metrics
-from realtime.placement import DevicePlan, WorkerLoad, least_loaded, split_capacity
+from realtime.placement import WorkerLoad, least_loaded, split_capacity
 from realtime.prompts import PromptCache, choose_mode
 from realtime.session import PreparedVoice, Segment, ServiceError, Session, SpeechRequest, language_code
 from realtime.token2wav_worker import Token2WavWorker
@@ -67,23 +72,6 @@ class RuntimeStats:
     token2wav_queue: int
 
 
-@dataclass(frozen=True)
-class LoadedEngines:
-    """The engines of one models directory, constructed but not started: one LLM engine per device of
-    `plan.llm_devices` and one token2wav backend per device of `plan.token2wav_devices`, in that order."""
-
-    llms: tuple[LLMEngine, ...]
-    token2wavs: tuple[Token2Wav, ...]
-    text: TextFrontend
-    voice_encoder: VoiceEncoder
-    plan: DevicePlan
-
-    def __post_init__(self) -> None:
-        if (len(self.llms), len(self.token2wavs)) != (len(self.plan.llm_devices),
-                                                      len(self.plan.token2wav_devices)):
-            raise ValueError("one LLM engine per LLM device and one token2wav backend per token2wav device")
-
-
 def warmup_batches(max_batch: int, max_rows: int) -> list[int]:
     """The batch sizes (powers of two: the row buckets) a warm-up runs for a token2wav worker that runs
     at most `max_batch` chunks per call and serves at most `max_rows` streams at once. A stream has at
@@ -95,52 +83,8 @@ def warmup_batches(max_batch: int, max_rows: int) -> list[int]:
     return [1 << i for i in range(top.bit_length())]
 
 
-def load_engines(config: ServiceConfig) -> LoadedEngines:
-    """The engines over `config.models_dir` on the devices of `config.device_plan`, backends picked by
-    engines/*/auto.py (blocking: call it off the event loop). RuntimeError says why a backend asked for
-    by name cannot run."""
-    plan = config.device_plan
-    gpus = [torch.device(name) for name in (*plan.llm_devices, *plan.token2wav_devices)
-            if torch.device(name).type == "cuda"]
-    if gpus:
-        use_tf32_matmuls()
-        cache = keep_compiled_artifacts(compile_cache_dir(config.models_dir, gpus[0]))
-        logger.info("compiled kernels cached in %s", cache or "Inductor's default folder")
-    token2wavs = tuple(
-        select_token2wav(
-            config.models_dir,
-            config.token2wav_backend,
-            config.flow,
-            device,
-            pool_size=max(4, config.token2wav_workers),
-            # CUDA graphs replay from shared buffers: only one thread may run the backend with them.
-            cuda_graphs=config.token2wav_workers == 1,
-            dit_cache_rule=config.dit_cache_rule,
-        )
-        for device in plan.token2wav_devices
-    )
-    slots = config.llm_slots or config.max_streams
-    llms = tuple(
-        select_llm(config.models_dir, config.llm_backend, device, max_slots=slots)
-        for device in plan.llm_devices
-    )
-    for llm in llms:
-        if llm.stats().max_slots != slots:
-            logger.warning("the %s LLM engine batches up to %d requests, not %d", llm.name,
-                           llm.stats().max_slots, slots)
-    paths = ModelPaths(config.models_dir)
-    text = TextFrontend(paths.text_tokenizer, ReferenceNormalizer(), max_text_chars=config.max_text_chars)
-    encoder = VoiceEncoder(
-        paths.speech_tokenizer,
-        paths.campplus,
-        device="cpu" if all(device == "cpu" for device in plan.llm_devices) else "auto",
-        limits=VoiceLimits(max_seconds=config.max_voice_upload_s),
-    )
-    return LoadedEngines(llms, token2wavs, text, encoder, plan)
-
-
 class Runtime:
-    """Owns the engines; `speak` turns a `SpeechRequest` into a `Session` of audio chunks.
+    """Owns the engines; `open_session` / `speak` turn a `SpeechRequest` into a `Session` of audio chunks.
 
     Constructing it is cheap; `start()` loads the engines (through `loader`) and the voices.
     """

@@ -2,13 +2,16 @@
 
 Contract (transports code against this):
 
-- `Runtime.speak(SpeechRequest) -> Session` makes the cheap checks and admits at once (raises
-  `ServiceError`: `busy`, `voice_not_found`, `empty_text`, `text_too_long`, ...). The `Session` is an
-  async iterator of `AudioChunk`s: float32 mono PCM at 24000 Hz whose concatenation is the utterance;
-  the last one has `final=True`. Its text is normalised and cut into segments first, on a worker
-  thread (seconds for long runs of numbers); errors from then on (text the front end refuses, a
-  length the engine cannot hold) are raised from the iteration as `ServiceError`, so an HTTP handler
-  that wants a status code for them awaits the first chunk before answering.
+- `Runtime.open_session(SpeechRequest) -> Session` (what transports call) makes the cheap checks and
+  admits at once (`Runtime.speak`; raises `ServiceError`: `busy`, `voice_not_found`, `text_too_long`,
+  ...), then returns once the text is normalised and cut into segments on a worker thread
+  (`Session.prepare`; seconds for long runs of numbers), raising the front end's refusal (`empty_text`,
+  ...) there. The `Session` is an async iterator of `AudioChunk`s: float32 mono PCM at 24000 Hz whose
+  concatenation is the utterance; the last one has `final=True`. Errors from then on (a length the
+  engine cannot hold, an engine failure) are raised from the iteration as `ServiceError`, so an HTTP
+  handler that wants a status code for them awaits the first chunk before answering. A `continuing`
+  session (a websocket context's next sentence) is not prepared first: all its errors come from the
+  iteration.
 - Always end a session with `await session.aclose()` (or `async with session:`); that (or cancelling
   the task iterating it) stops synthesis within one chunk and frees the LLM slot and the token2wav
   stream at once. Synthesis starts at the first iteration (or at `session.start()`, to prepare audio

@@ -2,8 +2,11 @@
 
 One receive loop feeds frames through the dialect into `AgentProtocol` and executes its actions at
 once, so control (cancel, close) never waits behind audio. Each context has one task that speaks its
-texts in order: it drains a runtime `Session`, resamples and encodes the audio and sends it. Sends are
-serialised per socket; a slow client slows only its own socket's streams.
+texts in order: it drains a runtime `Session`, resamples and encodes the audio and sends it, and ends
+with the context (done, cancel, error). Sends are serialised per socket; a slow client slows only its
+own socket's streams. Timers the socket owns: the input-streaming policy's rechecks (`Wake`), the idle
+socket and idle context timeouts. On drain (SIGTERM) contexts finish their accepted text, then the
+socket closes with 1001.
 """
 
 from __future__ import annotations

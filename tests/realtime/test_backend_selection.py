@@ -12,7 +12,8 @@ import pytest
 from engines.token2wav.torch_backend import TorchToken2Wav
 from realtime.cli import _config, build_parser
 from realtime.config import ServiceConfig
-from realtime.runtime import Runtime, load_engines
+from realtime.engine_loader import load_engines
+from realtime.runtime import Runtime
 
 
 def config(models: Path, **overrides: object) -> ServiceConfig:

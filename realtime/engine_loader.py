@@ -1,0 +1,88 @@
+"""The engines a `ServiceConfig` asks for, constructed but not started.
+
+`load_engines` picks each backend through engines/*/auto.py, puts one LLM engine on every LLM device
+and one token2wav backend on every token2wav device of the config's `DevicePlan`, and sets the CUDA
+process options (TF32, Inductor's compile cache beside the models) first. The `Runtime` starts them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engines.compilation import compile_cache_dir, keep_compiled_artifacts, use_tf32_matmuls
+from engines.config import ModelPaths
+from engines.llm.auto import select_llm
+from engines.llm.base import LLMEngine
+from engines.normalize import ReferenceNormalizer
+from engines.text import TextFrontend
+from engines.token2wav.auto import select_token2wav
+from engines.token2wav.base import Token2Wav
+from engines.voice_encoder import VoiceEncoder, VoiceLimits
+from realtime.config import ServiceConfig
+from realtime.placement import DevicePlan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadedEngines:
+    """The engines of one models directory, constructed but not started: one LLM engine per device of
+    `plan.llm_devices` and one token2wav backend per device of `plan.token2wav_devices`, in that order."""
+
+    llms: tuple[LLMEngine, ...]
+    token2wavs: tuple[Token2Wav, ...]
+    text: TextFrontend
+    voice_encoder: VoiceEncoder
+    plan: DevicePlan
+
+    def __post_init__(self) -> None:
+        if (len(self.llms), len(self.token2wavs)) != (len(self.plan.llm_devices),
+                                                      len(self.plan.token2wav_devices)):
+            raise ValueError("one LLM engine per LLM device and one token2wav backend per token2wav device")
+
+
+def load_engines(config: ServiceConfig) -> LoadedEngines:
+    """The engines over `config.models_dir` on the devices of `config.device_plan`, backends picked by
+    engines/*/auto.py (blocking: call it off the event loop). RuntimeError says why a backend asked for
+    by name cannot run."""
+    plan = config.device_plan
+    gpus = [torch.device(name) for name in (*plan.llm_devices, *plan.token2wav_devices)
+            if torch.device(name).type == "cuda"]
+    if gpus:
+        use_tf32_matmuls()
+        cache = keep_compiled_artifacts(compile_cache_dir(config.models_dir, gpus[0]))
+        logger.info("compiled kernels cached in %s", cache or "Inductor's default folder")
+    token2wavs = tuple(
+        select_token2wav(
+            config.models_dir,
+            config.token2wav_backend,
+            config.flow,
+            device,
+            pool_size=max(4, config.token2wav_workers),
+            # CUDA graphs replay from shared buffers: only one thread may run the backend with them.
+            cuda_graphs=config.token2wav_workers == 1,
+            dit_cache_rule=config.dit_cache_rule,
+        )
+        for device in plan.token2wav_devices
+    )
+    slots = config.llm_slots or config.max_streams
+    llms = tuple(
+        select_llm(config.models_dir, config.llm_backend, device, max_slots=slots)
+        for device in plan.llm_devices
+    )
+    for llm in llms:
+        if llm.stats().max_slots != slots:
+            logger.warning("the %s LLM engine batches up to %d requests, not %d", llm.name,
+                           llm.stats().max_slots, slots)
+    paths = ModelPaths(config.models_dir)
+    text = TextFrontend(paths.text_tokenizer, ReferenceNormalizer(), max_text_chars=config.max_text_chars)
+    encoder = VoiceEncoder(
+        paths.speech_tokenizer,
+        paths.campplus,
+        device="cpu" if all(device == "cpu" for device in plan.llm_devices) else "auto",
+        limits=VoiceLimits(max_seconds=config.max_voice_upload_s),
+    )
+    return LoadedEngines(llms, token2wavs, text, encoder, plan)

@@ -30,10 +30,12 @@ a first clause early, nothing held longer than a few seconds). `voice_settings.s
 `output_format` (URL parameter, default `mp3_44100_128`): `pcm_<rate>` (16-bit PCM at 8000, 16000,
 22050, 24000, 32000, 44100 or 48000 Hz), `ulaw_8000`, `alaw_8000`, `mp3_<rate>_<kbps>` and
 `opus_48000_<kbps>` (Ogg Opus). Out, per audio chunk: `{"audio": base64, "alignment": {"chars",
-"charStartTimesMs", "charDurationsMs"}, "normalizedAlignment": (the same)}`: the characters spoken
-in this chunk, a space before every word but the first, times in ms from the chunk's start, each
-chunk's characters covering its audio; then `{"audio": null, "isFinal": true}` when the context is
-done. On the multi-context endpoint every message also carries `contextId`. Errors:
+"charStartTimesMs", "charDurationsMs"}, "normalizedAlignment": (the same)}`: the characters that
+start in this chunk, a space before every word but the first (all chunks together spell the text
+exactly), times in ms from the end of the previous alignment (the chunk's start, unless chunks
+before it had none), the last character lasting to the chunk's end; both are `null` on a chunk
+where no character starts (a long word, a pause, the tail); then `{"audio": null, "isFinal": true}`
+when the context is done. On the multi-context endpoint every message also carries `contextId`. Errors:
 `{"error": code, "message": sentence}` (with `contextId` where it applies).
 """
 
@@ -114,28 +116,28 @@ def parse_output_format(name: str) -> OutputFormat:
 class CharAligner:
     """ElevenLabs' character alignment of one context's chunks, from the words the session timed.
 
-    Each word's characters are spread evenly over the word, a space (spanning the pause) goes before
-    every word but the first, and every character is reported in the chunk where it starts, with
-    times relative to that chunk. A word timed before the chunk it arrives with starts at 0 (never a
-    negative time). Every chunk's characters cover its audio exactly (the last one lasts to the
-    chunk's end; a chunk where nothing starts gets a space, or the next character of a word spoken
-    across it), so a client that advances its clock by each chunk's alignment stays in step.
+    Each word's characters are spread evenly over the word and a space (spanning the pause) goes before
+    every word but the first, so the chunks' characters spell the words exactly, one space between
+    them. Every character is reported in the chunk where it starts (a word timed before the chunk it
+    arrives with starts at 0, never a negative time). A chunk where no character starts has no
+    alignment (`None`): the next alignment's times count from the end of the last one reported, and
+    its last character lasts to its chunk's end, so a client that advances its clock by each
+    alignment's extent (Pipecat) stays in step with the audio. Times are rounded to ms on the
+    context's clock, so those extents add up without drift.
     """
 
     def __init__(self) -> None:
         self._pending: deque[tuple[str, float]] = deque()  # (char, start seconds), not yet reported
         self._words = 0
         self._last_word_end = 0.0
-        self._last_char = ""
-        self._space_sent = False  # a filler space already separates the last word from the next
+        self._covered_ms = 0  # the context's audio up to here is covered by alignments already sent
 
     def chunk(
         self, words: tuple[WordTiming, ...], start_s: float, duration_s: float, final: bool
-    ) -> dict[str, Any]:
+    ) -> dict[str, Any] | None:
         for word in words:
-            if self._words and not self._space_sent:
+            if self._words:
                 self._pending.append((" ", min(self._last_word_end, word.start_s)))
-            self._space_sent = False
             step = (word.end_s - word.start_s) / max(len(word.word), 1)
             self._pending.extend((char, word.start_s + i * step) for i, char in enumerate(word.word))
             self._last_word_end = word.end_s
@@ -145,21 +147,15 @@ class CharAligner:
         while self._pending and (final or self._pending[0][1] < end_s):
             taken.append(self._pending.popleft())
         if not taken:
-            if self._pending and self._last_char not in ("", " "):
-                taken.append(self._pending.popleft())  # the next letter of a word spoken across the chunk
-            else:
-                taken.append((" ", start_s))
-                if self._pending and self._pending[0][0] == " ":
-                    self._pending.popleft()  # the word's leading space is this one
-                elif not self._pending and self._words:
-                    self._space_sent = True  # and the next word's, when it comes
-        duration_ms = round(duration_s * 1000)
+            return None
+        origin_ms = self._covered_ms
+        extent_ms = max(round(end_s * 1000) - origin_ms, 0)
         starts: list[int] = []
         for _, char_start in taken:
-            relative = min(max(round((char_start - start_s) * 1000), 0), duration_ms)
+            relative = min(max(round(char_start * 1000) - origin_ms, 0), extent_ms)
             starts.append(max(relative, starts[-1]) if starts else relative)
-        durations = [b - a for a, b in zip(starts, [*starts[1:], duration_ms], strict=True)]
-        self._last_char = taken[-1][0]
+        durations = [b - a for a, b in zip(starts, [*starts[1:], extent_ms], strict=True)]
+        self._covered_ms = origin_ms + extent_ms
         return {"chars": [c for c, _ in taken], "charStartTimesMs": starts, "charDurationsMs": durations}
 
 

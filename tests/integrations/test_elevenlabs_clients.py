@@ -193,6 +193,8 @@ async def test_livekit_stream_default_format_with_word_timings(
 ) -> None:
     result = await run_client("livekit", "livekit_elevenlabs.py", "--http-url", live_server.http_url)
     assert result["sample_rates"] == [22050] and result["samples"] > 22050  # mp3_22050_32, decoded by LiveKit
+    # LiveKit's transcript is every aligned character in order: exactly the text, no space doubled.
+    assert "".join(result["words"]) == TURN
     assert [w.strip() for w in result["words"]] == TURN_WORDS
     await slots_freed()
 

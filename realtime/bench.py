@@ -37,7 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import ClientConnection
 
 from realtime.gpu_sampler import GpuFigures, GpuSampler, format_gpus
-from realtime.protocol.core import parse_audio_frame
+from realtime.protocol.native import parse_audio_frame
 
 TEXTS = (
     "Thanks for calling, how can I help you today?",

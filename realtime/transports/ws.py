@@ -44,7 +44,6 @@ from realtime.protocol.core import (
     Dialect,
     ErrorEvent,
     Event,
-    NativeDialect,
     ProtocolError,
     ProtocolLimits,
     Release,
@@ -54,6 +53,7 @@ from realtime.protocol.core import (
     Wake,
 )
 from realtime.protocol.elevenlabs import DEFAULT_OUTPUT_FORMAT, ElevenLabsDialect
+from realtime.protocol.native import NativeDialect
 from realtime.runtime import Runtime
 from realtime.session import AudioChunk, ServiceError, Session, SpeechRequest, WordTiming
 

@@ -19,13 +19,13 @@ from realtime.protocol.core import (
     AgentProtocol,
     AppendText,
     EndContext,
-    NativeDialect,
     ProtocolError,
     ProtocolLimits,
     Speak,
     StartContext,
     Wake,
 )
+from realtime.protocol.native import NativeDialect
 
 DEFAULTS = InputStreamingDefaults(max_buffer_delay_ms=3000, sentence_end_wait_ms=150, clause_min_words=5)
 

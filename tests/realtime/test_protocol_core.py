@@ -20,16 +20,14 @@ from realtime.protocol.core import (
     EndContext,
     ErrorEvent,
     Flush,
-    NativeDialect,
     ProtocolError,
     ProtocolLimits,
     Release,
     Send,
     Speak,
     StartContext,
-    audio_frame,
-    parse_audio_frame,
 )
+from realtime.protocol.native import NativeDialect, audio_frame, parse_audio_frame
 from realtime.session import WordTiming
 
 

@@ -24,7 +24,7 @@ from test_webrtc import Peer
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from realtime.protocol.core import parse_audio_frame
+from realtime.protocol.native import parse_audio_frame
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -12,7 +12,7 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 
 from realtime.audio import decode_mulaw
-from realtime.protocol.core import parse_audio_frame
+from realtime.protocol.native import parse_audio_frame
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

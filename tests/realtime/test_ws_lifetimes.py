@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
 
-from realtime.protocol.core import parse_audio_frame
+from realtime.protocol.native import parse_audio_frame
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

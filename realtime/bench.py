@@ -249,6 +249,16 @@ async def _failed(error: BaseException) -> StreamResult:
     return StreamResult(error=type(error).__name__)
 
 
+def _outcomes(results: Sequence[StreamResult]) -> tuple[list[StreamResult], dict[str, int]]:
+    """The streams that completed, and how many failed with each error code."""
+    ok = [r for r in results if r.error is None and not math.isnan(r.total_s)]
+    errors: dict[str, int] = {}
+    for r in results:
+        if r.error is not None:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    return ok, errors
+
+
 async def scrape(http_url: str) -> dict[str, float]:
     """The server's unlabelled Prometheus samples by name (empty if /metrics does not answer)."""
     try:
@@ -285,12 +295,8 @@ async def run_level(url: str, streams: int, tokens: int, voice: str) -> LevelRes
         with contextlib.suppress(asyncio.CancelledError):
             await sampler
     wall = time.perf_counter() - start
-    ok = [r for r in results if r.error is None and not math.isnan(r.total_s)]
+    ok, errors = _outcomes(results)
     firsts = [r.first_chunk_s * 1000 for r in ok]
-    errors: dict[str, int] = {}
-    for r in results:
-        if r.error is not None:
-            errors[r.error] = errors.get(r.error, 0) + 1
     after = await scrape(http_url)
     peak = after.get("realtime_gpu_memory_peak_bytes")
     return LevelResult(
@@ -369,12 +375,8 @@ async def run_staggered(url: str, fraction: float, capacity: int, duration_s: fl
         tasks.append(asyncio.create_task(arrival(len(tasks))))
         at += rng.expovariate(rate)
     results = await asyncio.gather(*tasks)
-    ok = [r for r in results if r.error is None and not math.isnan(r.total_s)]
+    ok, errors = _outcomes(results)
     firsts = [r.first_chunk_s * 1000 for r in ok]
-    errors: dict[str, int] = {}
-    for r in results:
-        if r.error is not None:
-            errors[r.error] = errors.get(r.error, 0) + 1
     return StaggeredResult(
         fraction=fraction, rate_per_s=rate, offered_streams=rate * audio_s, duration_s=duration_s,
         arrivals=len(results), ok=len(ok), errors=len(results) - len(ok),

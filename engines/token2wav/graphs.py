@@ -202,11 +202,6 @@ class _ShapeGraphs(Generic[ShapeT, InputsT, OutputsT]):
     def shapes(self) -> list[ShapeT]:
         return list(self._graphs)
 
-    @property
-    def uncaptured(self) -> list[ShapeT]:
-        """Shapes met after `seal` without a graph (run eagerly)."""
-        return list(self._uncaptured)
-
     def seal(self) -> None:
         """Capture nothing more (see the class docstring)."""
         self._sealed = True

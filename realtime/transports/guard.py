@@ -157,10 +157,6 @@ class Guard:
             raise Refusal(401, "invalid_api_key", "the API key is not valid")
         return principal
 
-    def check_key(self, key: str) -> str | None:
-        """The principal of a key sent after the handshake (ElevenLabs' first message), or None."""
-        return self._keys.principal(key)
-
     def _count(self, principal: str) -> None:
         wait_s = self._rate.acquire(principal, self._clock())
         if wait_s > 0:

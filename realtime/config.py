@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
@@ -18,6 +18,20 @@ from realtime.voice_aliases import DEFAULT_VOICE_ALIASES
 
 FlowKind = Literal["dit", "unet"]
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "cosyvoice-realtime"
+
+
+def _require_above_zero(config: object, names: Iterable[str], label: str = "") -> None:
+    """ValueError for the first of `names` whose value in `config` is not > 0."""
+    for name in names:
+        if not getattr(config, name) > 0:
+            raise ValueError(f"{label}{name} must be > 0, got {getattr(config, name)}")
+
+
+def _require_at_least_one(config: object, names: Iterable[str]) -> None:
+    """ValueError for the first of `names` whose value in `config` is below 1."""
+    for name in names:
+        if getattr(config, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(config, name)}")
 
 
 _ICE_URL_SCHEMES = ("stun:", "stuns:", "turn:", "turns:")
@@ -60,9 +74,7 @@ class WebRTCConfig:
     def __post_init__(self) -> None:
         if self.max_sessions < 1:
             raise ValueError(f"webrtc max_sessions must be >= 1, got {self.max_sessions}")
-        for name in ("connect_timeout_s", "playout_buffer_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"webrtc {name} must be > 0, got {getattr(self, name)}")
+        _require_above_zero(self, ("connect_timeout_s", "playout_buffer_s"), "webrtc ")
         if self.host_addresses is not None:
             if not self.host_addresses:
                 raise ValueError("webrtc host_addresses is empty: give at least one address, or None for all")
@@ -135,27 +147,29 @@ class LimitsConfig:
     voice_bytes_total: int = 1024 * 1024 * 1024
 
     def __post_init__(self) -> None:
-        for name in (
-            "requests_per_s",
-            "header_timeout_s",
-            "body_timeout_s",
-            "ws_idle_timeout_s",
-            "context_idle_timeout_s",
-        ):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in (
-            "request_burst",
-            "connections_per_client",
-            "queued_sentences",
-            "pending_offers_per_client",
-            "voices_per_client",
-            "voice_bytes_per_client",
-            "voices_total",
-            "voice_bytes_total",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        _require_above_zero(
+            self,
+            (
+                "requests_per_s",
+                "header_timeout_s",
+                "body_timeout_s",
+                "ws_idle_timeout_s",
+                "context_idle_timeout_s",
+            ),
+        )
+        _require_at_least_one(
+            self,
+            (
+                "request_burst",
+                "connections_per_client",
+                "queued_sentences",
+                "pending_offers_per_client",
+                "voices_per_client",
+                "voice_bytes_per_client",
+                "voices_total",
+                "voice_bytes_total",
+            ),
+        )
 
 
 @dataclass(frozen=True)
@@ -245,18 +259,19 @@ class ServiceConfig:
             raise ValueError(f"dit_cache_rule must be one of {CACHE_RULES}, got {self.dit_cache_rule!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        for name in (
-            "max_streams",
-            "max_text_chars",
-            "max_voice_upload_bytes",
-            "max_contexts_per_socket",
-            "token2wav_batch",
-            "token2wav_workers",
-            "chunk_queue",
-            "retry_after_s",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        _require_at_least_one(
+            self,
+            (
+                "max_streams",
+                "max_text_chars",
+                "max_voice_upload_bytes",
+                "max_contexts_per_socket",
+                "token2wav_batch",
+                "token2wav_workers",
+                "chunk_queue",
+                "retry_after_s",
+            ),
+        )
         object.__setattr__(self, "placement", PlacementKind(self.placement))
         DevicePlan(self.llm_devices or ("cpu",), self.token2wav_devices or ("cpu",))  # refuses an empty list
         if self.llm_slots is not None and self.llm_slots < 1:

@@ -349,6 +349,7 @@ class Runtime:
             on_close=release,
             pace_llm=self.config.llm_pacing,
             schedule=self.config.schedule,
+            retry_after_s=self.config.retry_after_s,
         )
         self._sessions.add(session)
         self._placed[index] += 1

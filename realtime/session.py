@@ -249,6 +249,7 @@ class Session:
         clock: Callable[[], float] = time.monotonic,
         pace_llm: bool = True,
         schedule: ScheduleKind = ScheduleKind.EXPONENTIAL,
+        retry_after_s: int = 1,
     ) -> None:
         self.session_id = session_id
         self.request = request
@@ -260,6 +261,7 @@ class Session:
         self._metrics = metrics
         self._clock = clock
         self._pace_llm = pace_llm
+        self._retry_after_s = retry_after_s  # what a `busy` from the LLM engine suggests
         self._policy = make_policy(schedule)  # stateless: one for every segment
         self._on_close: Callable[[], None] | None = on_close
         self._out: asyncio.Queue[object] = asyncio.Queue(maxsize=chunk_queue)
@@ -398,6 +400,8 @@ class Session:
             token_stream = self._engines.submit_llm(self._prompt.request(
                 f"{self.session_id}-{index}", self._segments[index].text_ids, self.request.sampling))
         except LLMError as exc:
+            if exc.code == "busy":  # the engine's waiting line is full: the same answer as admission's
+                raise ServiceError("busy", str(exc), 429, self._retry_after_s) from exc
             raise ServiceError(exc.code, str(exc), 400) from exc
         if self._pace_llm:
             token_stream.want(ChunkScheduler(self._policy).tokens_wanted())

@@ -1,8 +1,20 @@
 """Admission policy: refuse beyond the stream limit or when the engines are backed up."""
 
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
 import pytest
 
+from engines.llm.auto import select_llm
+from engines.llm.base import SamplingParams
 from realtime.admission import AdmissionPolicy, Admit, Load, Refuse
+from realtime.config import ServiceConfig
+from realtime.engine_loader import LoadedEngines, load_engines
+from realtime.runtime import Runtime
+from realtime.session import ServiceError, SpeechRequest
 
 
 def test_admits_below_the_limit_and_refuses_at_it():
@@ -22,3 +34,39 @@ def test_refuses_when_engine_queues_are_too_deep():
 def test_invalid_limits_are_refused():
     with pytest.raises(ValueError):
         AdmissionPolicy(max_streams=0, max_llm_waiting=0, max_token2wav_queue=1)
+
+
+async def test_a_full_llm_waiting_line_is_busy_with_retry_after(
+    tiny_models: Path,
+    tmp_path: Path,
+    eventually: Callable[[Callable[[], bool]], Awaitable[None]],
+) -> None:
+    """Admission let the stream in, but the LLM engine's own waiting line is full when its sentence is
+    submitted: the client gets the same `busy` answer (429, Retry-After) as from admission."""
+
+    def one_slot_one_waiting(config: ServiceConfig) -> LoadedEngines:
+        loaded = load_engines(config)
+        llm = select_llm(config.models_dir, "torch", "cpu", max_slots=1, max_waiting=1)
+        return dataclasses.replace(loaded, llms=(llm,))
+
+    config = ServiceConfig(models_dir=tiny_models, voices_dir=tmp_path, device="cpu", max_streams=4,
+                           retry_after_s=3)
+    runtime = Runtime(config, loader=one_slot_one_waiting)
+    await runtime.start()
+    long = SamplingParams(seed=1, fixed_length=1000)
+    try:
+        holding = await runtime.open_session(SpeechRequest("Hello there.", sampling=long))
+        holding.start()
+        await eventually(lambda: runtime.stats().llm_active == 1)
+        waiting = await runtime.open_session(SpeechRequest("Hello there.", sampling=long))
+        waiting.start()
+        await eventually(lambda: runtime.stats().llm_waiting == 1)
+        refused = await runtime.open_session(SpeechRequest("Hello there."))
+        with pytest.raises(ServiceError) as busy:
+            async for _ in refused:
+                pass
+        assert (busy.value.code, busy.value.http_status, busy.value.retry_after_s) == ("busy", 429, 3)
+        for session in (holding, waiting):
+            await session.aclose()
+    finally:
+        await runtime.stop(config.drain_timeout_s)

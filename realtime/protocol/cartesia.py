@@ -11,11 +11,13 @@ ignored. What is mapped:
   {"container": "raw", "encoding": "pcm_s16le" | "pcm_f32le" | "pcm_mulaw" | "pcm_alaw", "sample_rate"},
   "continue", "add_timestamps", "flush"?, "max_buffer_delay_ms"?, "generation_config": {"speed"}?,
   "model_id", "language"}` opens the context on its first input (voice, format, speed and buffering
-  come from it; `model_id` and `volume` are ignored), appends `transcript`,
-  speaks what is buffered on `"flush": true`, and ends the context on `"continue": false` (the
-  default). Transcripts of one context are joined exactly as sent and spoken as the input-streaming
-  policy decides (`realtime/input_streaming.py`): `max_buffer_delay_ms` 0 speaks each one at once,
-  otherwise sentences are spoken as they end and the rest within `max_buffer_delay_ms` (default 3000).
+  come from it; `model_id` and `volume` are ignored), appends `transcript`, speaks what is buffered on
+  `"flush": true`, and ends the context on `"continue": false` (the default). Flushes are numbered per
+  context from 1 (the core's reported flushes): audio of text sent before the first flush has
+  `flush_id` 1, after it 2, and so on. Transcripts of one context are joined exactly as sent and
+  spoken as the input-streaming policy decides (`realtime/input_streaming.py`): `max_buffer_delay_ms`
+  0 speaks each one at once, otherwise sentences are spoken as they end and the rest within
+  `max_buffer_delay_ms` (default 3000).
   `generation_config.speed` is a tempo multiplier; the older top-level `speed` (-1..1 or
   `slowest`..`fastest`) is mapped onto one.
   `language` other than the voice's speaks cross-lingually. An emotion (`generation_config.emotion`,
@@ -24,8 +26,10 @@ ignored. What is mapped:
   an instruct2 instruction; other emotions and the levels are ignored.
 - `{"context_id", "cancel": true}` cancels the context (its synthesis stops, the slot is freed).
 - Out: `{"type": "chunk", "data": base64 audio, "done": false, "status_code": 206, "step_time",
-  "context_id"}`; with `add_timestamps`, `{"type": "timestamps", "word_timestamps": {"words", "start",
-  "end"}, ...}` before the chunk where those words start (seconds from the context's first audio);
+  "context_id", "flush_id"}`; with `add_timestamps`, `{"type": "timestamps", "word_timestamps":
+  {"words", "start", "end"}, "flush_id", ...}` before the chunk where those words start (seconds from
+  the context's first audio); `{"type": "flush_done", "done": false, "flush_done": true, "flush_id",
+  "status_code": 206, "context_id"}` once the audio of every text sent before that flush is out;
   `{"type": "done", "done": true, "status_code": 206, "context_id"}` after the last audio;
   `{"type": "error", "done": true, "status_code", "error_code", "title", "message", "context_id"}`.
   A cancelled context gets no further messages.
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import base64
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from realtime.audio import MAX_SPEED, MIN_SPEED, SUPPORTED_RATES, Encoding
@@ -48,6 +53,7 @@ from realtime.protocol.core import (
     EndContext,
     Event,
     Flush,
+    FlushDone,
     ProtocolError,
     StartContext,
     field_of,
@@ -152,33 +158,42 @@ def speed_of(message: dict[str, Any], context_id: str | None = None) -> float:
     return float(2.0**legacy)
 
 
+@dataclass
+class _ContextState:
+    """What the dialect remembers of one open context."""
+
+    timestamps: bool  # add_timestamps
+    audio_flush_id: int = 1  # the flush_id of the audio sent now (flushes done + 1)
+
+
 class CartesiaDialect:
-    """Cartesia's message shapes over the core; remembers which contexts asked for timestamps."""
+    """Cartesia's message shapes over the core; remembers per context whether it asked for timestamps
+    and the flush_id of the audio it is sending."""
 
     def __init__(self) -> None:
-        self._timestamps: set[str] = set()
+        self._contexts: dict[str, _ContextState] = {}
 
     def decode(self, frame: str | bytes, protocol: AgentProtocol) -> list[Command]:
         message = parse_json_object(frame)
         context_id = field_of(message, "context_id", str, required=True)
         if field_of(message, "cancel", bool, False):
-            self._timestamps.discard(context_id)
             return [CancelContext(context_id)]
         commands: list[Command] = []
         if not protocol.has_context(context_id):
             commands.append(self._start(message, context_id))
+            # A context the core no longer holds sends no more audio or flush_done: forget it.
+            self._contexts = {cid: s for cid, s in self._contexts.items() if protocol.has_context(cid)}
+            self._contexts[context_id] = _ContextState(field_of(message, "add_timestamps", bool, False))
         transcript = field_of(message, "transcript", str, "")
         if transcript:
             commands.append(AppendText(context_id, transcript))
         if field_of(message, "flush", bool, False):
-            commands.append(Flush(context_id))
+            commands.append(Flush(context_id, report=True))
         if not field_of(message, "continue", bool, False):
             commands.append(EndContext(context_id))
         return commands
 
     def _start(self, message: dict[str, Any], context_id: str) -> StartContext:
-        if field_of(message, "add_timestamps", bool, False):
-            self._timestamps.add(context_id)
         container, encoding, rate = output_format_of(message, context_id)
         if container != "raw":
             raise ProtocolError(
@@ -200,8 +215,10 @@ class CartesiaDialect:
 
     def encode(self, event: Event) -> list[str | bytes]:
         if isinstance(event, AudioOut):
+            state = self._contexts.get(event.context_id)
+            flush_id = state.audio_flush_id if state else 1
             frames: list[str | bytes] = []
-            if event.words and event.context_id in self._timestamps:
+            if event.words and state and state.timestamps:
                 frames.append(
                     json.dumps(
                         {
@@ -209,6 +226,7 @@ class CartesiaDialect:
                             "done": False,
                             "status_code": 206,
                             "context_id": event.context_id,
+                            "flush_id": flush_id,
                             "word_timestamps": {
                                 "words": [w.word for w in event.words],
                                 "start": [round(w.start_s, 3) for w in event.words],
@@ -226,19 +244,30 @@ class CartesiaDialect:
                         "status_code": 206,
                         "step_time": round(event.duration_s * 1000, 1),
                         "context_id": event.context_id,
+                        "flush_id": flush_id,
                     }
                 )
             )
             return frames
+        if isinstance(event, FlushDone):
+            state = self._contexts.get(event.context_id)
+            if state:
+                state.audio_flush_id = event.flush_id + 1
+            message = {
+                "type": "flush_done",
+                "done": False,
+                "flush_done": True,
+                "flush_id": event.flush_id,
+                "status_code": 206,
+                "context_id": event.context_id,
+            }
+            return [json.dumps(message)]
         if isinstance(event, ContextDone):
-            self._timestamps.discard(event.context_id)
             if event.cancelled:
                 return []
             return [
                 json.dumps({"type": "done", "done": True, "status_code": 206, "context_id": event.context_id})
             ]
-        if event.context_id is not None:
-            self._timestamps.discard(event.context_id)
         return [
             json.dumps(
                 {

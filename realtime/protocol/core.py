@@ -63,7 +63,12 @@ class AppendText:
 
 @dataclass(frozen=True)
 class Flush:
+    """Speak what is buffered now. With `report`, the flush is numbered (1, 2, ... among the context's
+    reported flushes) and `FlushDone` with that number is sent once every text appended before it has
+    been spoken (its audio sent), before any later text's audio."""
+
     context_id: str
+    report: bool = False
 
 
 @dataclass(frozen=True)
@@ -118,13 +123,21 @@ class ContextDone:
 
 
 @dataclass(frozen=True)
+class FlushDone:
+    """The audio of everything appended before the context's `flush_id`-th reported `Flush` is sent."""
+
+    context_id: str
+    flush_id: int
+
+
+@dataclass(frozen=True)
 class ErrorEvent:
     code: str
     message: str
     context_id: str | None = None
 
 
-Event = AudioOut | ContextDone | ErrorEvent
+Event = AudioOut | FlushDone | ContextDone | ErrorEvent
 
 
 # -- actions (what the transport must do) ---------------------------------------------------------
@@ -181,6 +194,7 @@ class ProtocolLimits:
     max_pending_chars: int = 4096  # text received and not yet spoken, per context
     sentence_max_chars: int = 300  # a sentence without punctuation is cut here
     max_queued_texts: int = 64  # texts of one context waiting to be spoken (or being spoken)
+    max_flushes_waiting: int = 64  # reported flushes of one context whose text is still being spoken
 
 
 @dataclass
@@ -192,6 +206,8 @@ class _Context:
     oldest_at: float | None = None  # when the oldest text still pending arrived
     newest_at: float = 0.0  # when the last piece arrived
     speaks: int = 0
+    flushes_reported: int = 0
+    flushes_waiting: deque[tuple[int, int]] = field(default_factory=deque)  # (speaks to be done, flush_id)
 
     @property
     def pending_chars(self) -> int:
@@ -253,7 +269,19 @@ class AgentProtocol:
             if sentences:  # what is left arrived with this piece at the earliest
                 context.oldest_at = now if context.splitter.pending.strip() else None
             return self._pace(context, sentences)
+        report = isinstance(command, Flush) and command.report
+        if report and len(context.flushes_waiting) >= self._limits.max_flushes_waiting:
+            raise ProtocolError(
+                "queue_full",
+                f"context {command.context_id!r} already has {self._limits.max_flushes_waiting} flushes "
+                "waiting to be done; wait for them",
+                command.context_id,
+            )
         actions = self._speak(context, context.splitter.flush())
+        if report:
+            context.flushes_reported += 1
+            context.flushes_waiting.append((context.speaks, context.flushes_reported))
+            actions.extend(self._flushes_done(context))
         if isinstance(command, EndContext):
             context.ending = True
             actions.extend(self._finish_if_idle(context))
@@ -273,9 +301,10 @@ class AgentProtocol:
         if context is None:  # cancelled meanwhile
             return []
         context.in_flight.popleft()
+        flushed = self._flushes_done(context)
         if context.ending:
-            return self._finish_if_idle(context)
-        return self._pace(context, [])  # idle now: a clause may be worth speaking
+            return flushed + self._finish_if_idle(context)
+        return flushed + self._pace(context, [])  # idle now: a clause may be worth speaking
 
     def wake(self, context_id: str) -> list[Action]:
         """A `Wake` timer of `context_id` fired: speak what has waited long enough."""
@@ -404,6 +433,14 @@ class AgentProtocol:
         context.in_flight.append(len(text))
         context.speaks += 1
         return [Speak(context.start, text)]
+
+    def _flushes_done(self, context: _Context) -> list[Action]:
+        """`FlushDone` for every reported flush whose texts are all spoken now."""
+        spoken = context.speaks - len(context.in_flight)
+        done: list[Action] = []
+        while context.flushes_waiting and context.flushes_waiting[0][0] <= spoken:
+            done.append(Send(FlushDone(context.start.context_id, context.flushes_waiting.popleft()[1])))
+        return done
 
     def _finish_if_idle(self, context: _Context) -> list[Action]:
         if context.ending and not context.in_flight:

@@ -59,6 +59,7 @@ from realtime.protocol.core import (
     EndContext,
     Event,
     Flush,
+    FlushDone,
     ProtocolError,
     StartContext,
     field_of,
@@ -242,6 +243,8 @@ class ElevenLabsDialect:
                 "normalizedAlignment": alignment,
             }
             return [json.dumps(self._tag(message, event.context_id))]
+        if isinstance(event, FlushDone):  # ElevenLabs' flush is not reported
+            return []
         if event.context_id is not None:
             self._aligners.pop(event.context_id, None)
         if isinstance(event, ContextDone):

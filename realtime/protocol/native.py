@@ -66,6 +66,7 @@ from realtime.protocol.core import (
     EndContext,
     Event,
     Flush,
+    FlushDone,
     ProtocolError,
     StartContext,
     field_of,
@@ -163,6 +164,8 @@ class NativeDialect:
                 "final": event.final,
             }
             return [audio_frame(event.context_id, event.seq, event.payload), json.dumps(meta)]
+        if isinstance(event, FlushDone):  # the native flush is not reported
+            return []
         if isinstance(event, ContextDone):
             return [
                 json.dumps({"type": "done", "context_id": event.context_id, "cancelled": event.cancelled})

@@ -43,6 +43,29 @@ async def test_sdk_websocket_cancel_frees_the_slot(
     await slots_freed()
 
 
+async def test_sdk_websocket_manual_flushes_report_flush_done(
+    live_server: LiveServer, run_client: ClientRunner, slots_freed: SlotsFreed
+) -> None:
+    result = await run_client(
+        "vendor-sdks", "cartesia_sdk.py", "--http-url", live_server.http_url, "--mode", "flush"
+    )
+    assert "error" not in result, result
+    events = result["events"]
+    # The first transcript's audio carries flush_id 1, then its flush_done; the second's carries 2,
+    # then flush_done 2; then done. Each flush_done once, after its last audio.
+    first_done, second_done = events.index("flush_done:1"), events.index("flush_done:2")
+    assert events[-1] == "done" and second_done == len(events) - 2
+    assert {e.split(":")[0] for e in events[:first_done]} == {"chunk", "timestamps"}
+    assert {e.split(":")[1] for e in events[:first_done]} == {"1"}
+    assert {e.split(":")[0] for e in events[first_done + 1 : second_done]} == {"chunk", "timestamps"}
+    assert {e.split(":")[1] for e in events[first_done + 1 : second_done]} == {"2"}
+    assert result["words"] == {
+        "1": ["Hello", "there,", "it", "is", "sunny", "today."],
+        "2": ["Shall", "we", "walk", "to", "the", "park?"],
+    }
+    await slots_freed()
+
+
 @pytest.mark.parametrize("mode", ["bytes", "sse"])
 async def test_sdk_http_routes(
     live_server: LiveServer, run_client: ClientRunner, slots_freed: SlotsFreed, mode: str

@@ -20,6 +20,7 @@ from realtime.protocol.core import (
     EndContext,
     ErrorEvent,
     Flush,
+    FlushDone,
     ProtocolError,
     ProtocolLimits,
     Release,
@@ -47,6 +48,47 @@ def test_sentences_are_spoken_as_soon_as_complete_and_flush_speaks_the_rest():
     assert spoken(p.handle(AppendText("c", " are you? Fine. And"))) == ["How are you? Fine."]
     assert spoken(p.handle(Flush("c"))) == ["And"]
     assert spoken(p.handle(Flush("c"))) == []
+
+
+def sent(actions) -> list:
+    return [a.event for a in actions if isinstance(a, Send)]
+
+
+def test_reported_flushes_are_numbered_and_done_once_their_text_is_spoken():
+    p = protocol()
+    p.handle(StartContext("c"))
+    # Nothing spoken or buffered: done at once.
+    assert sent(p.handle(Flush("c", report=True))) == [FlushDone("c", 1)]
+    assert spoken(p.handle(AppendText("c", "One. Two"))) == ["One."]
+    actions = p.handle(Flush("c", report=True))
+    assert spoken(actions) == ["Two"] and sent(actions) == []
+    assert spoken(p.handle(Flush("c"))) == []  # not reported: not numbered
+    assert spoken(p.handle(AppendText("c", "Three. "))) == ["Three."]
+    assert sent(p.handle(Flush("c", report=True))) == []  # nothing buffered, "Three." still to speak
+    assert sent(p.speech_done("c")) == []  # "One."
+    assert sent(p.speech_done("c")) == [FlushDone("c", 2)]  # "Two", the last text before flush 2
+    p.handle(AppendText("c", "Four"))
+    p.handle(Flush("c", report=True))
+    assert sent(p.handle(EndContext("c"))) == []
+    assert sent(p.speech_done("c")) == [FlushDone("c", 3)]  # "Three."
+    # The last flush is reported before the context is done.
+    assert p.speech_done("c") == [
+        Send(FlushDone("c", 4)), Release("c"), Send(ContextDone("c", cancelled=False))
+    ]
+
+
+def test_reported_flushes_waiting_are_bounded_and_dropped_with_a_cancel():
+    p = protocol(max_flushes_waiting=1)
+    p.handle(StartContext("c"))
+    p.handle(AppendText("c", "One"))
+    assert spoken(p.handle(Flush("c", report=True))) == ["One"]
+    p.handle(AppendText("c", "Two"))
+    with pytest.raises(ProtocolError) as refused:
+        p.handle(Flush("c", report=True))
+    assert refused.value.code == "queue_full"
+    assert spoken(p.handle(Flush("c"))) == ["Two"]  # the refused flush spoke nothing
+    assert sent(p.handle(CancelContext("c"))) == [ContextDone("c", cancelled=True)]
+    assert p.speech_done("c") == []
 
 
 def test_end_finishes_once_every_speak_is_done():

@@ -1,4 +1,5 @@
-"""Cartesia's Python SDK against the server: websocket (token-paced, timestamps, cancel), bytes and SSE.
+"""Cartesia's Python SDK against the server: websocket (token-paced, timestamps, cancel, manual flushes
+with their flush ids), bytes and SSE.
 
 The SDK is pointed at the server the way a user would: `base_url` for HTTP and `websocket_base_url` for
 the websocket (it appends `/tts/bytes`, `/tts/sse` and `/tts/websocket`).
@@ -48,6 +49,40 @@ async def websocket(client: AsyncCartesia, voice: str, rate: int, interrupt: boo
     report(audio_bytes=len(audio), words=words, starts=starts, types=sorted(set(types)))
 
 
+async def flushes(client: AsyncCartesia, voice: str, rate: int) -> None:
+    """Two transcripts each followed by a manual flush (`push("", flush=True)`), as Cartesia's flushing
+    example does: the events in order, as `chunk:<flush_id>`, `timestamps:<flush_id>`,
+    `flush_done:<flush_id>` and `done`, and the words of each flush id."""
+    output_format = {"container": "raw", "encoding": "pcm_s16le", "sample_rate": rate}
+    events: list[str] = []
+    words: dict[int, list[str]] = {}
+    async with client.tts.websocket_connect() as connection:
+        context = connection.context(
+            model_id=MODEL,
+            voice={"mode": "id", "id": voice},
+            output_format=output_format,
+            add_timestamps=True,
+        )
+        for transcript in ("Hello there, it is sunny today.", " Shall we walk to the park?"):
+            await context.push(transcript)
+            await context.push("", flush=True)
+        await context.no_more_inputs()
+        async for response in context.receive():
+            if response.type == "error":
+                report(error=response.error)
+                return
+            if response.type == "done":
+                events.append("done")
+            elif response.type == "flush_done":
+                assert response.flush_done is True
+                events.append(f"flush_done:{response.flush_id}")
+            else:
+                events.append(f"{response.type}:{response.flush_id}")
+                if response.type == "timestamps" and response.word_timestamps is not None:
+                    words.setdefault(response.flush_id or 0, []).extend(response.word_timestamps.words)
+    report(events=events, words=words)
+
+
 async def bytes_(client: AsyncCartesia, voice: str, rate: int) -> None:
     response = await client.tts.generate(
         model_id=MODEL,
@@ -84,7 +119,7 @@ async def sse(client: AsyncCartesia, voice: str, rate: int) -> None:
 
 
 async def main() -> None:
-    args = parse_args("websocket", "bytes", "sse")
+    args = parse_args("websocket", "flush", "bytes", "sse")
     rate = args.sample_rate or 24000
     base = f"{args.http_url}/cartesia"
     client = AsyncCartesia(
@@ -92,6 +127,8 @@ async def main() -> None:
     )
     if args.mode == "websocket":
         await websocket(client, args.voice, rate, args.interrupt)
+    elif args.mode == "flush":
+        await flushes(client, args.voice, rate)
     elif args.mode == "bytes":
         await bytes_(client, args.voice, rate)
     else:

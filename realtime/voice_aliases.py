@@ -2,6 +2,8 @@
 
 OpenAI clients only know OpenAI's voice names (Pipecat's service refuses any other), so each of them
 speaks the voice the alias table names; a voice registered under the same name wins over its alias.
+Only the OpenAI-shaped route (`POST /v1/audio/speech`) resolves them: every other API's clients send
+our voice ids (or, for the vendor dialects, the vendor's ids), never OpenAI's names.
 """
 
 from __future__ import annotations

@@ -219,3 +219,17 @@ async def test_busy_server_refuses_with_429_and_retry_after(live_server, eventua
                 await stream.__aexit__(None, None, None)
     await eventually(lambda: live_server.runtime.stats().active_streams == 0)
     await eventually(lambda: live_server.runtime.stats().token2wav_streams == 0)
+
+
+async def test_openai_voice_names_resolve_on_the_openai_route_only(live_server):
+    # OpenAI's clients know only OpenAI's names, so /v1/audio/speech speaks them (the alias table);
+    # the native socket's clients choose among our voices, and a name that is no voice is refused.
+    async with httpx.AsyncClient(base_url=live_server.http_url, timeout=60) as http:
+        body = {"model": "tts-1", "voice": "alloy", "input": "Hi there.", "response_format": "pcm"}
+        response = await http.post("/v1/audio/speech", json={**body, "fixed_length": FIXED})
+    assert response.status_code == 200 and len(response.content) == FIXED * 960 * 2
+    async with connect(f"{live_server.ws_url}/v1/ws") as ws:
+        await send(ws, type="start", context_id="c", voice="alloy")
+        async with asyncio.timeout(30):
+            event = json.loads(await ws.recv())
+    assert event["type"] == "error" and event["code"] == "voice_not_found"

@@ -72,7 +72,9 @@ def build_random(
         try:
             check_manifest(out, size=size)
         except CheckpointError as exc:
-            logger.info("building %s models in %s (%s)", size, out, exc)
+            # The error tells a service user how to build the models; here they are being built.
+            reason = "none there yet" if not ModelPaths(out).manifest.is_file() else str(exc)
+            logger.info("building %s models in %s (%s)", size, out, reason)
         else:
             logger.info("%s already holds complete %s models: nothing to do", out, size)
             return out

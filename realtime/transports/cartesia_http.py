@@ -32,6 +32,7 @@ from realtime.protocol.core import ProtocolError, field_of
 from realtime.runtime import Runtime
 from realtime.session import AudioChunk, ServiceError, Session, SpeechRequest
 from realtime.transports.body import BodyTooLarge, read_body
+from realtime.transports.first_audio import chunks_from, first_chunk
 from realtime.validation import InvalidInput
 
 logger = logging.getLogger(__name__)
@@ -97,11 +98,12 @@ class _RawAudio:
         return encode_samples(pcm, self._encoding)
 
 
-async def _file_bytes(session: Session, speech: CartesiaSpeech) -> AsyncIterator[bytes]:
+async def _file_bytes(session: Session, chunks: AsyncIterator[AudioChunk],
+                      speech: CartesiaSpeech) -> AsyncIterator[bytes]:
     try:
         if speech.container == "mp3":
             encoder = CodecStreamEncoder("mp3")
-            async for chunk in session:
+            async for chunk in chunks:
                 data = await asyncio.to_thread(encoder.encode, chunk.pcm)
                 if data:
                     yield data
@@ -111,7 +113,7 @@ async def _file_bytes(session: Session, speech: CartesiaSpeech) -> AsyncIterator
         raw = _RawAudio(speech.sample_rate, Encoding.PCM_S16LE if wav else speech.encoding)
         if wav:
             yield wav_header(speech.sample_rate)
-        async for chunk in session:
+        async for chunk in chunks:
             yield raw.convert(chunk)
     except ServiceError as exc:
         # Headers are gone: end the body early; the client sees a truncated file.
@@ -173,10 +175,17 @@ def routes(runtime: Runtime) -> list[BaseRoute]:
         if isinstance(started, Response):
             return started
         session, speech = started
+        # The status waits for the first audio, so an error before it keeps its code (the SSE route
+        # reports errors in-band, as Cartesia's does).
+        try:
+            first = await first_chunk(session)
+        except ServiceError as exc:
+            return _error(exc.code, exc.message, exc.http_status, exc.retry_after_s)
         media_type = {"wav": "audio/wav", "mp3": "audio/mpeg"}.get(
             speech.container, _RAW_CONTENT_TYPES[speech.encoding]
         )
-        return StreamingResponse(_file_bytes(session, speech), media_type=media_type)
+        return StreamingResponse(_file_bytes(session, chunks_from(first, session), speech),
+                                 media_type=media_type)
 
     async def tts_sse(request: Request) -> Response:
         started = await start(request, sse=True)

@@ -38,6 +38,7 @@ from realtime.protocol.elevenlabs import DEFAULT_OUTPUT_FORMAT, OutputFormat, pa
 from realtime.runtime import Runtime
 from realtime.session import AudioChunk, ServiceError, Session, SpeechRequest, WordTiming
 from realtime.transports.body import BodyTooLarge, read_body
+from realtime.transports.first_audio import chunks_from, first_chunk
 from realtime.validation import InvalidInput
 
 MAX_JSON_BYTES = 256 * 1024
@@ -103,13 +104,13 @@ def char_alignment(words: list[WordTiming], first_word: bool) -> dict[str, list[
 
 
 async def _encoded(
-    session: Session, output: OutputFormat
+    session: Session, chunks: AsyncIterator[AudioChunk], output: OutputFormat
 ) -> AsyncIterator[tuple[bytes, AudioChunk]]:
     """Each chunk's audio in `output`, and the chunk; closes the session at the end."""
     resampler = Resampler(output.sample_rate)
     encoder = chunk_encoder(output.encoding, output.sample_rate, output.bit_rate)
     try:
-        async for chunk in session:
+        async for chunk in chunks:
             pcm = resampler.process(chunk.pcm)
             if chunk.final:
                 pcm = np.concatenate([pcm, resampler.flush()])
@@ -126,19 +127,21 @@ def _encode(encoder: StreamEncoder, pcm: np.ndarray, final: bool) -> bytes:
     return encoder.encode(pcm) + (encoder.finish() if final else b"")
 
 
-async def _audio(session: Session, output: OutputFormat) -> AsyncIterator[bytes]:
+async def _audio(session: Session, chunks: AsyncIterator[AudioChunk],
+                 output: OutputFormat) -> AsyncIterator[bytes]:
     try:
-        async for data, _ in _encoded(session, output):
+        async for data, _ in _encoded(session, chunks, output):
             if data:
                 yield data
     except ServiceError:
         return  # headers are gone: the client sees a short body
 
 
-async def _timestamped_lines(session: Session, output: OutputFormat) -> AsyncIterator[bytes]:
+async def _timestamped_lines(session: Session, chunks: AsyncIterator[AudioChunk],
+                             output: OutputFormat) -> AsyncIterator[bytes]:
     first = True
     try:
-        async for data, chunk in _encoded(session, output):
+        async for data, chunk in _encoded(session, chunks, output):
             alignment = char_alignment(list(chunk.words), first) if chunk.words else None
             first = first and not chunk.words
             line = {
@@ -154,7 +157,10 @@ async def _timestamped_lines(session: Session, output: OutputFormat) -> AsyncIte
 def routes(runtime: Runtime) -> list[BaseRoute]:
     """The four ElevenLabs text-to-speech routes over `runtime`."""
 
-    async def open_session(request: Request) -> tuple[Session, OutputFormat] | Response:
+    async def open_session(
+        request: Request,
+    ) -> tuple[Session, AsyncIterator[AudioChunk], OutputFormat] | Response:
+        """The session and its chunks once the first has arrived, or the error response."""
         voice_id = request.path_params["voice_id"]
         try:
             output = parse_output_format(request.query_params.get("output_format", DEFAULT_OUTPUT_FORMAT))
@@ -163,7 +169,9 @@ def routes(runtime: Runtime) -> list[BaseRoute]:
                 body = validation.parse_json(raw)
             except InvalidInput as exc:
                 raise ServiceError(exc.code, exc.message) from None
-            return await runtime.open_session(parse_body(body, voice_id)), output
+            session = await runtime.open_session(parse_body(body, voice_id))
+            first = await first_chunk(session)
+            return session, chunks_from(first, session), output
         except ProtocolError as exc:
             runtime.metrics.error(exc.code)
             return _error(exc.code, exc.message, 400)
@@ -178,18 +186,18 @@ def routes(runtime: Runtime) -> list[BaseRoute]:
         opened = await open_session(request)
         if isinstance(opened, Response):
             return opened
-        session, output = opened
-        return StreamingResponse(_audio(session, output), media_type=output.content_type)
+        session, chunks, output = opened
+        return StreamingResponse(_audio(session, chunks, output), media_type=output.content_type)
 
     async def with_timestamps(request: Request) -> Response:
         opened = await open_session(request)
         if isinstance(opened, Response):
             return opened
-        session, output = opened
+        session, chunks, output = opened
         pieces: list[bytes] = []
         words: list[WordTiming] = []
         try:
-            async for data, chunk in _encoded(session, output):
+            async for data, chunk in _encoded(session, chunks, output):
                 pieces.append(data)
                 words.extend(chunk.words)
         except ServiceError as exc:
@@ -203,8 +211,9 @@ def routes(runtime: Runtime) -> list[BaseRoute]:
         opened = await open_session(request)
         if isinstance(opened, Response):
             return opened
-        session, output = opened
-        return StreamingResponse(_timestamped_lines(session, output), media_type="application/x-ndjson")
+        session, chunks, output = opened
+        return StreamingResponse(_timestamped_lines(session, chunks, output),
+                                 media_type="application/x-ndjson")
 
     base = "/v1/text-to-speech/{voice_id}"
     return [

@@ -41,6 +41,7 @@ from realtime.audio import StreamEncoder, make_stream_encoder
 from realtime.runtime import Runtime
 from realtime.session import AudioChunk, ServiceError, Session, SpeechRequest
 from realtime.transports.body import BodyTooLarge, read_body
+from realtime.transports.first_audio import chunks_from, first_chunk
 from realtime.validation import InvalidInput
 from realtime.voice_aliases import resolve_voice
 from realtime.voices import check_voice_id
@@ -146,24 +147,6 @@ async def _encode(encoder: StreamEncoder, inline: bool, pcm: Any) -> bytes:
     return encoder.encode(pcm) if inline else await asyncio.to_thread(encoder.encode, pcm)
 
 
-async def _first_chunk(session: Session) -> AudioChunk | None:
-    """The session's first chunk (None if it has none); closes the session when it fails."""
-    try:
-        return await anext(session)
-    except StopAsyncIteration:
-        return None
-    except BaseException:
-        await session.aclose()
-        raise
-
-
-async def _chunks(first: AudioChunk | None, session: Session) -> AsyncIterator[AudioChunk]:
-    if first is not None:
-        yield first
-    async for chunk in session:
-        yield chunk
-
-
 async def _audio_bytes(
     session: Session, chunks: AsyncIterator[AudioChunk], encoder: StreamEncoder, inline: bool
 ) -> AsyncIterator[bytes]:
@@ -239,7 +222,7 @@ def routes(runtime: Runtime) -> list[BaseRoute]:
             session = await runtime.open_session(dataclasses.replace(params.request, voice=voice))
             # An error before the first audio (text the front end refuses, a length the engine
             # cannot hold) still gets its status code: the headers wait for the first chunk.
-            first = await _first_chunk(session)
+            first = await first_chunk(session)
         except _ParamError as exc:
             runtime.metrics.error(exc.code)
             return error_response(exc, exc.param)
@@ -250,7 +233,7 @@ def routes(runtime: Runtime) -> list[BaseRoute]:
             return error_response(exc, _PARAM_OF_CODE.get(exc.code))
         encoder = make_stream_encoder(params.response_format)
         inline = params.response_format in _INLINE_FORMATS
-        chunks = _chunks(first, session)
+        chunks = chunks_from(first, session)
         if params.stream_format == "sse":
             return StreamingResponse(
                 _speech_events(session, chunks, encoder, inline),

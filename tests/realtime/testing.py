@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +18,7 @@ import uvicorn
 
 from realtime.app import create_app, server_config
 from realtime.config import ServiceConfig, WebRTCConfig
+from realtime.engine_loader import LoadedEngines, load_engines
 from realtime.runtime import Runtime
 
 LOOPBACK = "127.0.0.1"
@@ -54,9 +55,12 @@ def service_config(models: Path, voices: Path, **overrides: object) -> ServiceCo
 
 
 @contextlib.asynccontextmanager
-async def serve(config: ServiceConfig) -> AsyncIterator[LiveServer]:
-    """Run the app under uvicorn on 127.0.0.1 (port 0) until the block exits, then shut down gracefully."""
-    runtime = Runtime(config)
+async def serve(
+    config: ServiceConfig, loader: Callable[[ServiceConfig], LoadedEngines] = load_engines
+) -> AsyncIterator[LiveServer]:
+    """Run the app under uvicorn on 127.0.0.1 (port 0) until the block exits, then shut down gracefully.
+    `loader` builds the engines (a test may size them differently from the configuration)."""
+    runtime = Runtime(config, loader)
     app = create_app(config, runtime)
     server = uvicorn.Server(server_config(app, config, host=LOOPBACK, port=0, log_level="warning"))
     task = asyncio.create_task(server.serve(sockets=None))

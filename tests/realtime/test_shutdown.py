@@ -2,8 +2,8 @@
 
 While draining the server still answers: /readyz says `draining` (503), new work is refused with
 `shutting_down`, and every utterance already running finishes on every transport (an HTTP stream
-completes, a websocket context gets its `done` and the socket a 1001 close, a WebRTC utterance its
-`done`).
+completes, a websocket context gets its `done` — Cartesia's `done`, ElevenLabs' `isFinal` — and the
+socket a 1001 close, a WebRTC utterance its `done`).
 """
 
 from __future__ import annotations
@@ -86,6 +86,23 @@ async def cartesia_context(ws_url: str, first_audio: asyncio.Event) -> dict:
         return {"messages": messages, "close_code": ws.close_code}
 
 
+async def elevenlabs_context(ws_url: str, first_audio: asyncio.Event) -> dict:
+    messages = []
+    url = f"{ws_url}/v1/text-to-speech/default/multi-stream-input?output_format=pcm_24000"
+    async with connect(url) as ws:
+        await ws.send(json.dumps({"text": " ", "context_id": "e"}))
+        await ws.send(json.dumps({"text": "Talking for a while now. ", "context_id": "e", "flush": True}))
+        try:
+            async for frame in ws:
+                message = json.loads(frame)
+                messages.append(message)
+                if message.get("audio"):
+                    first_audio.set()
+        except ConnectionClosed:
+            pass
+        return {"messages": messages, "close_code": ws.close_code}
+
+
 async def test_sigterm_drains_every_transport_then_exits_0(tiny_models, tmp_path):
     port = free_port()
     url, ws_url = f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}"
@@ -105,9 +122,10 @@ async def test_sigterm_drains_every_transport_then_exits_0(tiny_models, tmp_path
             peer.send(type="speak", text="A WebRTC utterance.", id="w", fixed_length=50)
             await peer.expect("started", "w")
             await peer.expect("first_audio", "w")
-            started = {name: asyncio.Event() for name in ("native", "cartesia")}
+            started = {name: asyncio.Event() for name in ("native", "cartesia", "elevenlabs")}
             native = asyncio.create_task(native_context(ws_url, started["native"]))
             cartesia = asyncio.create_task(cartesia_context(ws_url, started["cartesia"]))
+            elevenlabs = asyncio.create_task(elevenlabs_context(ws_url, started["elevenlabs"]))
             body = {"input": "Finish this sentence please.", "response_format": "pcm", "fixed_length": FIXED}
             async with http.stream("POST", "/v1/audio/speech", json=body) as response:
                 assert response.status_code == 200
@@ -131,7 +149,7 @@ async def test_sigterm_drains_every_transport_then_exits_0(tiny_models, tmp_path
                                 await late.recv()
                             assert late.close_code == 1001
                     pieces.append(piece)
-            native_got, cartesia_got = await native, await cartesia
+            native_got, cartesia_got, elevenlabs_got = await native, await cartesia, await elevenlabs
             done = await peer.expect("done", "w")
         assert await asyncio.wait_for(process.wait(), 120) == 0
     finally:
@@ -151,6 +169,11 @@ async def test_sigterm_drains_every_transport_then_exits_0(tiny_models, tmp_path
     assert kinds[-1] == "done" and "chunk" in kinds, kinds
     assert sum(len(base64.b64decode(m["data"])) for m in cartesia_got["messages"] if m["type"] == "chunk") > 0
     assert cartesia_got["close_code"] == 1001
+    # ElevenLabs multi-context: audio, then the context's isFinal, then 1001.
+    eleven = elevenlabs_got["messages"]
+    assert any(m.get("audio") for m in eleven), eleven[:3]
+    assert eleven[-1] == {"audio": None, "isFinal": True, "contextId": "e"}, eleven[-1]
+    assert elevenlabs_got["close_code"] == 1001
     # WebRTC: the utterance finished rather than being cancelled.
     assert done == {"type": "done", "id": "w", "cancelled": False}
     assert "draining" in stderr and "Application shutdown complete" in stderr

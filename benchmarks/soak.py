@@ -19,18 +19,15 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
 from websockets.asyncio.client import connect
+
+from realtime.bench import spawned_process
 
 TURN_TIMEOUT_S = 60.0
 TEXTS = (
@@ -166,44 +163,6 @@ async def soak(ws_url: str, pid: int | None, args: argparse.Namespace) -> tuple[
     return tally, samples
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@contextlib.contextmanager
-def spawned(models: str | None, extra: list[str], log: Path) -> Iterator[tuple[str, int]]:
-    """A server subprocess on a free loopback port, its output in `log`: (websocket base URL, pid) once
-    /readyz answers."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "realtime", "serve", "--host", "127.0.0.1", "--port", str(port), *extra]
-    if models:
-        cmd += ["--models", models]
-    log.parent.mkdir(parents=True, exist_ok=True)
-    output = log.open("w")
-    proc = subprocess.Popen(
-        cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=output, stderr=subprocess.STDOUT
-    )
-    try:
-        deadline = time.monotonic() + 900
-        while proc.poll() is None and time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
-                    break
-            time.sleep(1)
-        else:
-            raise RuntimeError("the server did not become ready")
-        yield f"ws://127.0.0.1:{port}", proc.pid
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        output.close()
-
-
 def summary(tally: Tally, samples: list[Sample], args: argparse.Namespace) -> dict[str, object]:
     first, last = samples[1] if len(samples) > 2 else samples[0], samples[-1]
     return {
@@ -241,8 +200,8 @@ def main() -> int:
     if args.url:
         tally, samples = asyncio.run(soak(args.url.rstrip("/"), args.pid, args))
     else:
-        with spawned(args.models, args.server_arg, args.server_log) as (url, pid):
-            tally, samples = asyncio.run(soak(url, pid, args))
+        with spawned_process(args.models, args.server_arg, args.server_log) as (port, process):
+            tally, samples = asyncio.run(soak(f"ws://127.0.0.1:{port}", process.pid, args))
     report = summary(tally, samples, args)
     print(json.dumps({k: v for k, v in report.items() if k != "samples"}, indent=1))
     args.json.parent.mkdir(parents=True, exist_ok=True)

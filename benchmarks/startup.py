@@ -23,6 +23,8 @@ from pathlib import Path
 
 import httpx
 
+from realtime.bench import free_port
+
 PHASES = {
     "first_log": re.compile(r"compiled kernels cached|token2wav backend"),
     "token2wav_loaded": re.compile(r"LLM engine: "),
@@ -31,14 +33,6 @@ PHASES = {
     "ready": re.compile(r"runtime ready"),
 }
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def one_start(models: Path, serve_args: list[str], log: Path, timeout_s: float) -> dict[str, object]:

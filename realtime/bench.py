@@ -477,31 +477,47 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def spawned_server(models: Path | None, extra: Sequence[str]) -> Iterator[str]:
-    """A server subprocess on a free loopback port; yields its websocket URL once /readyz answers."""
+def spawned_process(
+    models: Path | str | None, extra: Sequence[str], log: Path | None = None
+) -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
+    """A `realtime serve` subprocess on a free loopback port (its output in `log`, else inherited);
+    yields (port, process) once /readyz answers, and sends SIGTERM (then kills) at the end."""
     port = free_port()
     cmd = [sys.executable, "-m", "realtime", "serve", "--host", "127.0.0.1", "--port", str(port), *extra]
     if models is not None:
         cmd += ["--models", str(models)]
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
-                    break
-            time.sleep(1)
-        else:
-            raise RuntimeError("server was not ready within 15 minutes")
-        yield f"ws://127.0.0.1:{port}/v1/ws"
-    finally:
-        proc.send_signal(signal.SIGTERM)
+    with contextlib.ExitStack() as files:
+        output = None
+        if log is not None:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            output = files.enter_context(log.open("w"))
+        proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=output,
+                                stderr=subprocess.STDOUT if output is not None else None)
         try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            deadline = time.monotonic() + 900
+            while time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
+                        break
+                time.sleep(1)
+            else:
+                raise RuntimeError("server was not ready within 15 minutes")
+            yield port, proc
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@contextlib.contextmanager
+def spawned_server(models: Path | None, extra: Sequence[str]) -> Iterator[str]:
+    """A server subprocess on a free loopback port; yields its websocket URL once /readyz answers."""
+    with spawned_process(models, extra) as (port, _):
+        yield f"ws://127.0.0.1:{port}/v1/ws"
 
 
 @dataclass

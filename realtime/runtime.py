@@ -277,10 +277,7 @@ class Runtime:
             raise ServiceError("busy", "every token2wav worker is at its limit of streams", 429,
                                self.config.retry_after_s)
         same_device = engines.plan.llm_for(index)
-        if same_device is None:
-            llm = min(engines.llms, key=lambda engine: (engine.stats().active + engine.stats().waiting))
-        else:
-            llm = engines.llms[same_device]
+        llm = engines.llms[same_device] if same_device is not None else min(engines.llms, key=_requests_held)
         return index, _Engines(llm, self._workers[index])
 
     # -- synthesis -----------------------------------------------------------------------------
@@ -553,6 +550,12 @@ def _summed(pairs: Iterable[tuple[int, int]]) -> tuple[int, int]:
     for device_free, device_total in pairs:
         free, total = free + device_free, total + device_total
     return free, total
+
+
+def _requests_held(llm: LLMEngine) -> int:
+    """Requests an LLM engine is decoding or holding in its waiting line."""
+    stats = llm.stats()
+    return stats.active + stats.waiting
 
 
 def _stored_bytes(prompt: VoicePrompt) -> int:

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Issue #13's end-to-end figures on one GPU, in one run (through benchmarks/on_device.sh's set-up):
+#
+#   bash benchmarks/on_device.sh bash benchmarks/gpu_speed.sh [STREAMS] [SEARCH_MAX]
+#
+# 1. `realtime bench`: all streams started together at each level (250 tokens each), the no-underrun
+#    ceiling searched up to SEARCH_MAX with --max-streams SEARCH_MAX (so the search is not capped by
+#    admission), staggered Poisson loads at 50/80/100 % of that ceiling, and the baseline server in the
+#    same run at 1 and 16 streams.
+# 2. Offline synthesis (`realtime synth --jsonl`): 64 items of 250 tokens each, token2wav batch 64.
+#
+# Reports land in $OUT (or bench-results/): bench.json, bench.log, offline.log.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+STREAMS=${1:-1,16,64,128,256}
+SEARCH_MAX=${2:-320}
+MODELS=${MODELS:-/tmp/m}
+DEST=${OUT:-bench-results}
+mkdir -p "$DEST"
+
+python3 -m realtime bench --models "$MODELS" --streams "$STREAMS" --tokens 250 --search-max "$SEARCH_MAX" \
+    --staggered 0.5,0.8,1 --staggered-s 30 --baseline-streams 1,16 \
+    --server-arg=--device --server-arg=cuda --server-arg=--max-streams --server-arg="$SEARCH_MAX" \
+    --json "$DEST/bench.json" 2>&1 | tee "$DEST/bench.log"
+
+items=$(mktemp -d)
+python3 - "$items" <<'EOF'
+import json, pathlib, sys
+folder = pathlib.Path(sys.argv[1])
+texts = ["The quick brown fox jumps over the lazy dog.", "Streaming speech should start at once.",
+         "Every listener hears the first words in a blink."]
+lines = [json.dumps({"text": texts[i % 3], "out": f"out/{i:03d}.wav"}) for i in range(64)]
+(folder / "items.jsonl").write_text("\n".join(lines) + "\n")
+EOF
+python3 -m realtime synth --models "$MODELS" --device cuda --jsonl "$items/items.jsonl" --batch 64 \
+    --max-streams 64 --fixed-length 250 --seed 0 2>&1 | tee "$DEST/offline.log"

@@ -5,8 +5,9 @@
 
 Every request has a zero-shot prompt of 100-300 positions and a fixed output length (random weights
 never stop on their own). Reported: batch-1 first token and decode step, first-token latency when
-16 and 64 requests arrive at once, the decode step while 64 run, the replay time of single CUDA graphs
-(device time only, from CUDA events) and the first-audio estimate (first token + 17 steps).
+16 and 64 (`--bursts`) requests arrive at once, the decode step while they run, the replay time of
+single CUDA graphs (device time only, from CUDA events) and the first-audio estimate (first token + 17
+steps).
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def percentile(values: list[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
-async def measure(engine: TorchLLMEngine, tokens: int) -> dict[str, Any]:
+async def measure(engine: TorchLLMEngine, tokens: int, bursts: tuple[int, ...]) -> dict[str, Any]:
     await run_burst(engine, 16, 8)  # warm-up
     await run_burst(engine, 1, 8)
     singles = [(await run_burst(engine, 1, tokens, first_index=100 + i))[0] for i in range(5)]
@@ -102,7 +103,7 @@ async def measure(engine: TorchLLMEngine, tokens: int) -> dict[str, Any]:
     }
     figures["batch1_first_audio_ms"] = (figures["batch1_first_token_ms"]
                                         + (FIRST_AUDIO_TOKENS - 1) * figures["batch1_step_ms"])
-    for count in (16, 64):
+    for count in bursts:
         traces = await run_burst(engine, count, tokens, first_index=1000 * count)
         firsts = [t.first_token_ms for t in traces]
         all_started = max(t.arrivals[0] for t in traces)
@@ -134,7 +135,7 @@ def graph_times(engine: TorchLLMEngine) -> dict[str, float]:
     if runner is None or not runner.decode_graphs:
         return {}
     times = {}
-    for key in ((1, 256), (1, 512), (16, 512), (64, 512), (64, 1024)):
+    for key in ((1, 256), (1, 512), (16, 512), (64, 512), (64, 1024), (128, 512), (128, 1024)):
         if key in runner.decode_graphs:
             times[f"decode{key}"] = replay_ms(runner.decode_graphs[key])
     return times
@@ -168,6 +169,7 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=64)
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--tokens", type=int, default=120, help="speech tokens per request")
+    parser.add_argument("--bursts", default="16,64", help="sizes of the simultaneous-arrival bursts")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", type=Path, help="text file for torch.profiler tables")
     parser.add_argument("--label", default="")
@@ -191,7 +193,8 @@ def main() -> None:
     started = time.perf_counter()
     loop.run_until_complete(engine.start())
     figures: dict[str, Any] = {"label": args.label, "start_s": time.perf_counter() - started}
-    figures.update(loop.run_until_complete(measure(engine, args.tokens)))
+    bursts = tuple(int(count) for count in args.bursts.split(","))
+    figures.update(loop.run_until_complete(measure(engine, args.tokens, bursts)))
     if args.profile is not None:
         profile_tables(loop, engine, 40, args.profile)
     if args.device.startswith("cuda"):

@@ -13,8 +13,10 @@ separate tensors.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -86,13 +88,23 @@ class CacheBatch:
 
 @dataclass(frozen=True)
 class _LayerInputs:
-    """Per-forward tensors (and the elementwise ops) every layer shares."""
+    """Per-forward tensors (and the kernels) every layer shares."""
 
-    ops: ElementwiseOps
+    ops: LayerKernels
     rope: tuple[Tensor, Tensor]
-    mask: Tensor  # [B, 1, group * T, kv_len] additive (0 or -inf), query heads folded as in grouped_attention
+    # [B, 1, group * T, kv_len] additive (0 or -inf), query heads folded as in grouped_attention; None
+    # when the decode attention kernel runs instead
+    mask: Tensor | None
     batch: CacheBatch
     row_index: Tensor
+
+    @property
+    def decode_kernel(self) -> DecodeAttention | None:
+        """The decode attention kernel, if it serves this call: one query per row over consecutive slots."""
+        batch = self.batch
+        if batch.positions.shape[1] == 1 and isinstance(batch.slots, int):
+            return self.ops.decode_attention
+        return None
 
 
 class RMSNorm(nn.Module):
@@ -133,28 +145,38 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+# `engines.llm.decode_attention.decode_attention`: (qkv [B, Hq + 2 Hkv, D], (cos, sin) [B, D], layer cache,
+# first slot, positions [B], kv_len) -> attention output [B, Hq, D], the new keys and values stored.
+DecodeAttention = Callable[[Tensor, tuple[Tensor, Tensor], Tensor, int, Tensor, int], Tensor]
+
+
 @dataclass(frozen=True)
-class ElementwiseOps:
-    """The elementwise steps between a layer's matmuls: eager, or compiled into fused kernels (on CUDA
-    a decode step is launch-bound, and each fused kernel saves a few microseconds per layer)."""
+class LayerKernels:
+    """The steps of a layer besides its matmuls: eager, or fused kernels (on CUDA a decode step is
+    launch-bound, and each fused kernel saves a few microseconds per layer).
+
+    `decode_attention`, when set, replaces rope, the cache write and SDPA of decode calls (one query
+    per row over consecutive slots) by one kernel; other calls take the general path.
+    """
 
     rope_: Callable[[Tensor, Tensor, Tensor], None]
     silu_mul: Callable[[Tensor], Tensor]
+    decode_attention: DecodeAttention | None = None
 
     @staticmethod
-    def compiled() -> ElementwiseOps:
+    def compiled() -> LayerKernels:
         """The same functions through torch.compile (Inductor): one kernel each instead of 3 and 2.
 
         Shapes are dynamic so the batch and length buckets share the compiled code; a call compiles on
         its first shape, so run each shape once before capturing it in a CUDA graph.
         """
-        return ElementwiseOps(
+        return LayerKernels(
             rope_=torch.compile(apply_rope_, dynamic=True, fullgraph=True),
             silu_mul=torch.compile(silu_mul, dynamic=True, fullgraph=True),
         )
 
 
-EAGER_OPS = ElementwiseOps(rope_=apply_rope_, silu_mul=silu_mul)
+EAGER_KERNELS = LayerKernels(rope_=apply_rope_, silu_mul=silu_mul)
 
 
 def add_linear_(residual: Tensor, x: Tensor, layer: nn.Linear) -> Tensor:
@@ -208,9 +230,16 @@ class Qwen2Attention(nn.Module):
         rows, length, _ = x.shape
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(rows, length, -1, self.head_dim)  # [B, T, Hq + 2 Hkv, D]
+        batch, decode_kernel = inputs.batch, inputs.decode_kernel
+        if decode_kernel is not None:
+            cos, sin = inputs.rope
+            out = decode_kernel(qkv[:, 0], (cos[:, 0, 0], sin[:, 0, 0]), layer_cache, cast(int, batch.slots),
+                                batch.positions[:, 0], batch.kv_len)
+            return add_linear_(residual, out.view(rows, length, -1), self.o_proj)
         inputs.ops.rope_(qkv[:, :, : heads + kv_heads], *inputs.rope)  # in place: k and v stay side by side
-        kv = inputs.batch.update(layer_cache, qkv[:, :, heads:], inputs.row_index)
+        kv = batch.update(layer_cache, qkv[:, :, heads:], inputs.row_index)
         keys, values = kv.split(kv_heads, dim=1)
+        assert inputs.mask is not None
         out = grouped_attention(qkv[:, :, :heads].transpose(1, 2), keys, values, inputs.mask)
         return add_linear_(residual, out.transpose(1, 2).reshape(rows, length, -1), self.o_proj)
 
@@ -225,7 +254,7 @@ class Qwen2MLP(nn.Module):
         size = cfg.intermediate_size
         store_as_parts(self, "gate_up_proj", (("gate_proj", size), ("up_proj", size)))
 
-    def forward(self, x: Tensor, ops: ElementwiseOps, residual: Tensor) -> Tensor:
+    def forward(self, x: Tensor, ops: LayerKernels, residual: Tensor) -> Tensor:
         """`residual` + feed-forward output of normalised `x`, added into `residual` in place."""
         return add_linear_(residual, ops.silu_mul(self.gate_up_proj(x)), self.down_proj)
 
@@ -253,7 +282,7 @@ class Qwen2Model(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Qwen2DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.ops = EAGER_OPS
+        self.ops = EAGER_KERNELS
 
     def forward(self, x: Tensor, batch: CacheBatch, cache: KVCache) -> Tensor:
         """Final hidden states [B, T, hidden] of input embeddings `x` [B, T, hidden].
@@ -264,10 +293,13 @@ class Qwen2Model(nn.Module):
         inputs = _LayerInputs(
             ops=self.ops,
             rope=rope_tables(positions, cfg.head_dim, cfg.rope_theta, x.dtype),
-            mask=attention_mask(positions, batch.kv_len, cfg.num_heads // cfg.num_kv_heads, x.dtype),
+            mask=None,
             batch=batch,
             row_index=batch.row_index(),
         )
+        if inputs.decode_kernel is None:
+            mask = attention_mask(positions, batch.kv_len, cfg.num_heads // cfg.num_kv_heads, x.dtype)
+            inputs = dataclasses.replace(inputs, mask=mask)
         x = x.clone(memory_format=torch.contiguous_format)  # the residual stream, updated in place
         for layer, layer_cache in zip(self.layers, cache.kv, strict=True):
             x = layer(x, inputs, layer_cache)

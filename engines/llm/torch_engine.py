@@ -29,7 +29,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -49,7 +49,7 @@ from engines.llm.base import (
     deliver_threadsafe,
 )
 from engines.llm.model import CosyVoice2LM, load_llm, prompt_length
-from engines.llm.qwen2 import ElementwiseOps
+from engines.llm.qwen2 import EAGER_KERNELS, LayerKernels
 from engines.llm.torch_runner import ModelRunner, PrefillChunk, Readback, TorchLLMConfig, bucket
 
 __all__ = ["ModelLoader", "TorchLLMConfig", "TorchLLMEngine"]
@@ -241,12 +241,22 @@ class TorchLLMEngine(LLMEngine):
 
     def _build_runner(self) -> ModelRunner:
         model = self._load_model(self.config.torch_device, self.config.torch_dtype)
-        if self.config.fused_elementwise and self.config.torch_device.type == "cuda":
-            model.backbone.ops = ElementwiseOps.compiled()  # compiled by the first call of each shape
+        if self.config.torch_device.type == "cuda":
+            model.backbone.ops = self._cuda_kernels(model)
         runner = ModelRunner(model, self.config)
         if self.config.cuda_graphs and self.config.torch_device.type == "cuda":
             runner.capture_graphs()
         return runner
+
+    def _cuda_kernels(self, model: CosyVoice2LM) -> LayerKernels:
+        """The layers' fused kernels the configuration asks for (on CUDA)."""
+        kernels = LayerKernels.compiled() if self.config.fused_elementwise else EAGER_KERNELS
+        if self.config.decode_attention_kernel:
+            from engines.llm import decode_attention  # Triton: present with CUDA builds of torch
+
+            if decode_attention.supports(model.cfg.qwen.head_dim, self.config.torch_dtype):
+                kernels = replace(kernels, decode_attention=decode_attention.decode_attention)
+        return kernels
 
     def _run(self) -> None:
         device = self.config.torch_device

@@ -40,6 +40,8 @@ class TorchLLMConfig:
     prefill_rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     cuda_graphs: bool = True  # only used on CUDA
     fused_elementwise: bool = True  # only used on CUDA: rope and SwiGLU compiled into one kernel each
+    # Only used on CUDA (bf16/fp16): decode steps attend through engines/llm/decode_attention.py's kernel
+    decode_attention_kernel: bool = True
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     min_kv_bucket: int = 256  # attended cache lengths: doubling from here up to max_context
     # Prefill calls attending to at most this many positions replay graphs; longer prompts (rare: a

@@ -13,7 +13,7 @@ from engines.checkpoints import CheckpointError, load_strict, read_manifest_tsv
 from engines.config import LLMConfig, ModelConfigs
 from engines.llm.hf_export import qwen2_hf_config
 from engines.llm.model import CosyVoice2LM, load_llm, prompt_length
-from engines.llm.qwen2 import CacheBatch, ElementwiseOps, KVCache, Qwen2Model
+from engines.llm.qwen2 import CacheBatch, KVCache, LayerKernels, Qwen2Model
 
 MANIFEST = "cosyvoice2-0.5b.llm.pt.tsv"
 TINY = ModelConfigs.tiny().llm
@@ -177,7 +177,7 @@ def test_gathered_rows_equal_consecutive_rows_and_padding_is_harmless() -> None:
 def test_compiled_elementwise_ops_equal_eager() -> None:
     """The fused (torch.compile) rope and SwiGLU give the eager model's logits, prefill and decode."""
     eager, fused = tiny_model(), tiny_model()
-    fused.backbone.ops = ElementwiseOps.compiled()
+    fused.backbone.ops = LayerKernels.compiled()
     sequence = torch.randn(9, TINY.qwen.hidden_size)
     caches = cache_for(eager), cache_for(fused)
     prompt, step = sequence[None, :8].expand(2, -1, -1), sequence[None, 8:].expand(2, -1, -1)

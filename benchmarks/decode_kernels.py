@@ -1,0 +1,146 @@
+"""Per-layer pieces of one LLM decode step on CUDA, measured alone: the decode attention kernel against
+the general path (rope, cache write, SDPA over the masked bucket), and RMSNorm eager against compiled.
+
+    python benchmarks/decode_kernels.py --json out.json
+
+Each variant is captured 24 times (once per layer, each layer its own cache like the model's) in one
+CUDA graph; the figure is the graph's replay time over 24 (device time, CUDA events, median of 5 runs
+of 20 replays). Rows sit at random positions in the upper half of the attended bucket. The attention
+check compares the kernel's output and cache with the general path's (relative error, fresh random
+inputs per shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+from engines.llm.decode_attention import decode_attention, split_length  # noqa: E402
+from engines.llm.qwen2 import (  # noqa: E402
+    CacheBatch,
+    LayerKernels,
+    attention_mask,
+    grouped_attention,
+    rope_tables,
+)
+
+LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, HIDDEN, THETA = 24, 14, 2, 64, 896, 1e6
+DTYPE, DEVICE = torch.bfloat16, torch.device("cuda")
+
+
+def graph_us(step: Callable[[int], None], layers: int = LAYERS) -> float:
+    """Device time of one `step(layer)`, from replays of a graph of `layers` of them."""
+    for layer in range(layers):
+        step(layer)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in range(layers):
+            step(layer)
+    graph.replay()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / 20 / layers)
+    return statistics.median(times)
+
+
+def general_attention(kernels: LayerKernels, qkv: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor,
+                      kv_len: int) -> torch.Tensor:
+    """The model's path for a decode row: rope in place, cache write, masked SDPA (mask per call)."""
+    rows = qkv.shape[0]
+    qkv = qkv.unsqueeze(1)
+    cos, sin = rope_tables(positions[:, None], HEAD_DIM, THETA, DTYPE)
+    kernels.rope_(qkv[:, :, : Q_HEADS + KV_HEADS], cos, sin)
+    batch = CacheBatch(0, positions[:, None], kv_len)
+    keys, values = batch.update(cache, qkv[:, :, Q_HEADS:], batch.row_index()).split(KV_HEADS, dim=1)
+    mask = attention_mask(positions[:, None], kv_len, Q_HEADS // KV_HEADS, DTYPE)
+    out = grouped_attention(qkv[:, :, :Q_HEADS].transpose(1, 2), keys, values, mask)
+    return out.transpose(1, 2).reshape(rows, Q_HEADS, HEAD_DIM)
+
+
+def attention_figures(rows: int, kv_len: int, kernels: LayerKernels) -> dict[str, Any]:
+    max_len = max(2560, kv_len + 512)
+    cache = torch.randn(LAYERS, rows, 2 * KV_HEADS, max_len, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+    qkv = torch.randn(rows, Q_HEADS + 2 * KV_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+    positions = torch.randint(kv_len // 2, kv_len, (rows,), device=DEVICE)
+    positions[0] = kv_len - 1
+    cos, sin = rope_tables(positions[:, None], HEAD_DIM, THETA, DTYPE)
+    rope = (cos[:, 0, 0], sin[:, 0, 0])
+
+    # Check: one layer, both paths from the same cache.
+    reference_cache = cache[0].clone()
+    reference = general_attention(kernels, qkv.clone(), reference_cache, positions, kv_len).float()
+    out = decode_attention(qkv, rope, cache[0], 0, positions, kv_len).float()
+    figures: dict[str, Any] = {
+        "rows": rows, "kv_len": kv_len, "auto_split_len": split_length(rows, KV_HEADS, kv_len),
+        "rel_err": ((out - reference).norm() / reference.norm()).item(),
+        "cache_rel_err": ((cache[0].float() - reference_cache.float()).norm()
+                          / reference_cache.float().norm()).item(),
+    }
+    figures["general_us"] = graph_us(lambda layer: general_attention(
+        kernels, qkv.clone(), cache[layer], positions, kv_len))
+    figures["cudnn_sdpa_only_us"] = graph_us(lambda layer: grouped_attention(
+        qkv[:, None, :Q_HEADS].transpose(1, 2), *cache[layer, :, :, :kv_len].split(KV_HEADS, dim=1),
+        attention_mask(positions[:, None], kv_len, Q_HEADS // KV_HEADS, DTYPE)))
+    for split in (None, 64, 128, 256, kv_len):
+        if split is not None and split > kv_len:
+            continue
+        figures[f"kernel_split{split or 'auto'}_us"] = graph_us(
+            lambda layer, split=split: decode_attention(qkv, rope, cache[layer], 0, positions, kv_len, split))
+    return figures
+
+
+def norm_figures(rows: int) -> dict[str, Any]:
+    x = torch.randn(LAYERS, rows, 1, HIDDEN, device=DEVICE, dtype=DTYPE)
+    weight = torch.randn(HIDDEN, device=DEVICE, dtype=DTYPE)
+    compiled = torch.compile(F.rms_norm, dynamic=True, fullgraph=True)
+    eager_out = F.rms_norm(x[0], (HIDDEN,), weight, 1e-6)
+    compiled_out = compiled(x[0], (HIDDEN,), weight, 1e-6)
+    return {
+        "rows": rows,
+        "rel_err": ((compiled_out.float() - eager_out.float()).norm() / eager_out.float().norm()).item(),
+        "eager_us": graph_us(lambda layer: F.rms_norm(x[layer], (HIDDEN,), weight, 1e-6)),
+        "compiled_us": graph_us(lambda layer: compiled(x[layer], (HIDDEN,), weight, 1e-6)),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    kernels = LayerKernels.compiled()
+    results: dict[str, Any] = {"attention": [], "rms_norm": []}
+    with torch.no_grad():
+        for rows, kv_len in ((1, 256), (1, 512), (1, 1024), (16, 512), (16, 1024), (64, 512), (64, 1024),
+                             (128, 512), (128, 1024), (128, 2048)):
+            figures = attention_figures(rows, kv_len, kernels)
+            results["attention"].append(figures)
+            print(json.dumps(figures))
+        for rows in (1, 16, 64, 128):
+            figures = norm_figures(rows)
+            results["rms_norm"].append(figures)
+            print(json.dumps(figures))
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -61,15 +61,15 @@ def graph_us(step: Callable[[int], None], layers: int = LAYERS) -> float:
 
 
 def general_attention(kernels: LayerKernels, qkv: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor,
-                      kv_len: int) -> torch.Tensor:
-    """The model's path for a decode row: rope in place, cache write, masked SDPA (mask per call)."""
+                      kv_len: int, tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The model's path for a decode row: rope in place, cache write, masked SDPA. `tables` are the rope
+    tables and mask, which the model computes once per step for all layers."""
     rows = qkv.shape[0]
     qkv = qkv.unsqueeze(1)
-    cos, sin = rope_tables(positions[:, None], HEAD_DIM, THETA, DTYPE)
+    cos, sin, mask = tables
     kernels.rope_(qkv[:, :, : Q_HEADS + KV_HEADS], cos, sin)
     batch = CacheBatch(0, positions[:, None], kv_len)
     keys, values = batch.update(cache, qkv[:, :, Q_HEADS:], batch.row_index()).split(KV_HEADS, dim=1)
-    mask = attention_mask(positions[:, None], kv_len, Q_HEADS // KV_HEADS, DTYPE)
     out = grouped_attention(qkv[:, :, :Q_HEADS].transpose(1, 2), keys, values, mask)
     return out.transpose(1, 2).reshape(rows, Q_HEADS, HEAD_DIM)
 
@@ -82,10 +82,12 @@ def attention_figures(rows: int, kv_len: int, kernels: LayerKernels) -> dict[str
     positions[0] = kv_len - 1
     cos, sin = rope_tables(positions[:, None], HEAD_DIM, THETA, DTYPE)
     rope = (cos[:, 0, 0], sin[:, 0, 0])
+    tables = (cos, sin, attention_mask(positions[:, None], kv_len, Q_HEADS // KV_HEADS, DTYPE))
+    inputs = qkv.clone()  # the general path rotates its input in place
 
     # Check: one layer, both paths from the same cache.
     reference_cache = cache[0].clone()
-    reference = general_attention(kernels, qkv.clone(), reference_cache, positions, kv_len).float()
+    reference = general_attention(kernels, qkv.clone(), reference_cache, positions, kv_len, tables).float()
     out = decode_attention(qkv, rope, cache[0], 0, positions, kv_len).float()
     figures: dict[str, Any] = {
         "rows": rows, "kv_len": kv_len, "auto_split_len": split_length(rows, KV_HEADS, kv_len),
@@ -94,11 +96,11 @@ def attention_figures(rows: int, kv_len: int, kernels: LayerKernels) -> dict[str
                           / reference_cache.float().norm()).item(),
     }
     figures["general_us"] = graph_us(lambda layer: general_attention(
-        kernels, qkv.clone(), cache[layer], positions, kv_len))
+        kernels, inputs, cache[layer], positions, kv_len, tables))
     figures["cudnn_sdpa_only_us"] = graph_us(lambda layer: grouped_attention(
         qkv[:, None, :Q_HEADS].transpose(1, 2), *cache[layer, :, :, :kv_len].split(KV_HEADS, dim=1),
-        attention_mask(positions[:, None], kv_len, Q_HEADS // KV_HEADS, DTYPE)))
-    for split in (None, 64, 128, 256, kv_len):
+        tables[2]))
+    for split in (None, 64, 128, 256, 512, kv_len):
         if split is not None and split > kv_len:
             continue
         figures[f"kernel_split{split or 'auto'}_us"] = graph_us(

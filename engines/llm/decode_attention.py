@@ -26,9 +26,10 @@ import triton.language as tl
 from torch import Tensor
 
 BLOCK_KEYS = 64  # positions per loop iteration of a program
-# Programs a decode step aims for, to occupy the H100's 132 multiprocessors: few rows split their
-# positions over more programs, many rows do not split.
-TARGET_PROGRAMS = 264
+# Programs a decode step aims for (4 per multiprocessor of an H100): few rows split their positions over
+# more programs, at most MAX_SPLITS each (the merge reads every split); 128 rows split in two.
+TARGET_PROGRAMS = 528
+MAX_SPLITS = 8
 
 
 @triton.jit
@@ -131,7 +132,7 @@ def _merge_kernel(
     weights = tl.exp2(maxima - overall[None, :])  # [SPLITS_PAD, GROUP_PAD]
     total = tl.sum(weights * sums, 0)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for split in range(SPLITS):
+    for split in tl.static_range(SPLITS):  # unrolled: every split's loads are in flight at once
         split_max = tl.load(part_max_ptr + (row_head * SPLITS + split) * GROUP_PAD + group_rows)
         weight = tl.exp2(split_max - overall)
         part_offsets = (row_head * SPLITS + split) * GROUP_PAD * HEAD_DIM
@@ -144,8 +145,12 @@ def _merge_kernel(
 
 def split_length(rows: int, kv_heads: int, kv_len: int) -> int:
     """Positions per program: `kv_len` split until rows x KV heads x splits reach `TARGET_PROGRAMS`
-    (a multiple of `BLOCK_KEYS`, so only the last split of a row is partial)."""
-    splits = max(1, TARGET_PROGRAMS // (rows * kv_heads))
+    (a multiple of `BLOCK_KEYS`, so only the last split of a row is partial).
+
+    Chosen from H100 timings (docs/benchmarks.md, sixth session): e.g. one row at 512 positions 5.4 µs
+    per layer in 8 splits against 9.6 µs unsplit; 64 rows at 1024 positions 18.0 µs in 4 splits.
+    """
+    splits = min(MAX_SPLITS, max(1, TARGET_PROGRAMS // (rows * kv_heads)))
     return min(triton.cdiv(triton.cdiv(kv_len, splits), BLOCK_KEYS) * BLOCK_KEYS, kv_len)
 
 

@@ -107,16 +107,21 @@ class _LayerInputs:
         return None
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # One fused kernel on CUDA. Statistics in fp32 as in Hugging Face's implementation; the weight is
+    # applied before the result is rounded to the model dtype (HF rounds first).
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:
-        # One fused kernel on CUDA. Statistics in fp32 as in Hugging Face's implementation; the weight is
-        # applied before the result is rounded to the model dtype (HF rounds first).
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(self, x: Tensor, kernel: Callable[[Tensor, Tensor, float], Tensor] = rms_norm) -> Tensor:
+        """`kernel` is `rms_norm` or a compiled copy (`LayerKernels`)."""
+        return kernel(x, self.weight, self.eps)
 
 
 def rope_tables(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -161,11 +166,14 @@ class LayerKernels:
 
     rope_: Callable[[Tensor, Tensor, Tensor], None]
     silu_mul: Callable[[Tensor], Tensor]
+    rms_norm: Callable[[Tensor, Tensor, float], Tensor]
     decode_attention: DecodeAttention | None = None
 
     @staticmethod
     def compiled() -> LayerKernels:
-        """The same functions through torch.compile (Inductor): one kernel each instead of 3 and 2.
+        """The same functions through torch.compile (Inductor): one kernel each instead of 3 and 2 for
+        rope and SwiGLU; for RMSNorm one kernel still, with the same results (H100, 2026-11-24: 1.7 µs
+        against 2.2 µs for one row).
 
         Shapes are dynamic so the batch and length buckets share the compiled code; a call compiles on
         its first shape, so run each shape once before capturing it in a CUDA graph.
@@ -173,10 +181,11 @@ class LayerKernels:
         return LayerKernels(
             rope_=torch.compile(apply_rope_, dynamic=True, fullgraph=True),
             silu_mul=torch.compile(silu_mul, dynamic=True, fullgraph=True),
+            rms_norm=torch.compile(rms_norm, dynamic=True, fullgraph=True),
         )
 
 
-EAGER_KERNELS = LayerKernels(rope_=apply_rope_, silu_mul=silu_mul)
+EAGER_KERNELS = LayerKernels(rope_=apply_rope_, silu_mul=silu_mul, rms_norm=rms_norm)
 
 
 def add_linear_(residual: Tensor, x: Tensor, layer: nn.Linear) -> Tensor:
@@ -269,8 +278,9 @@ class Qwen2DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, inputs: _LayerInputs, layer_cache: Tensor) -> Tensor:
         """Update the residual stream `x` [B, T, hidden] (contiguous) in place; return it."""
-        x = self.self_attn(self.input_layernorm(x), inputs, layer_cache, residual=x)
-        return self.mlp(self.post_attention_layernorm(x), inputs.ops, residual=x)
+        norm = inputs.ops.rms_norm
+        x = self.self_attn(self.input_layernorm(x, norm), inputs, layer_cache, residual=x)
+        return self.mlp(self.post_attention_layernorm(x, norm), inputs.ops, residual=x)
 
 
 class Qwen2Model(nn.Module):
@@ -303,7 +313,7 @@ class Qwen2Model(nn.Module):
         x = x.clone(memory_format=torch.contiguous_format)  # the residual stream, updated in place
         for layer, layer_cache in zip(self.layers, cache.kv, strict=True):
             x = layer(x, inputs, layer_cache)
-        return self.norm(x)
+        return self.norm(x, self.ops.rms_norm)
 
 
 class Qwen2ForCausalLM(nn.Module):

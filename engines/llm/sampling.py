@@ -79,8 +79,12 @@ def _inverse_cdf(weights: Tensor, u: Tensor) -> Tensor:
     return index.clamp(max=weights.shape[-1] - 1).squeeze(1)
 
 
-def sample(logits: Tensor, rows: SamplingRows, is_stop: Tensor, eos: int) -> Tensor:
-    """One token per row of `logits` [B, V] (int64 [B]); `is_stop` [V] (bool) marks the stop tokens."""
+def sample(logits: Tensor, rows: SamplingRows, is_stop: Tensor, eos: int,
+           uniforms: Tensor | None = None) -> Tensor:
+    """One token per row of `logits` [B, V] (int64 [B]); `is_stop` [V] (bool) marks the stop tokens.
+
+    `uniforms` [B, 2] are `draw_uniforms(rows.seed, rows.step)`, computed here when not given.
+    """
     scores = logits.float()
     penalised = torch.where(scores > 0, scores / rows.repetition_penalty[:, None],
                             scores * rows.repetition_penalty[:, None])
@@ -99,7 +103,8 @@ def sample(logits: Tensor, rows: SamplingRows, is_stop: Tensor, eos: int) -> Ten
     sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True, stable=True)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     keep = (mass_before < rows.top_p[:, None]) & (vocab < rows.top_k[:, None])
-    uniforms = draw_uniforms(rows.seed, rows.step)
+    if uniforms is None:
+        uniforms = draw_uniforms(rows.seed, rows.step)
     picked = _inverse_cdf(sorted_probs * keep, uniforms[:, 0])
     candidate = sorted_ids.gather(1, picked.unsqueeze(1))  # [B, 1]
 
@@ -121,8 +126,12 @@ class SamplingSlots:
     """
 
     def __init__(self, slots: int, vocab: int, history: int, stop_tokens: Sequence[int], eos: int,
-                 device: torch.device) -> None:
+                 device: torch.device, compiled: bool = False) -> None:
+        """`compiled`: draw the uniforms with one Inductor kernel instead of ~30 tiny ones (integer
+        arithmetic: the same values; on CUDA, where each launch costs more than the arithmetic)."""
         self.history_len = history
+        self._draw_uniforms = torch.compile(draw_uniforms, dynamic=True, fullgraph=True) if compiled \
+            else draw_uniforms
         self.eos = eos
         self.is_stop = torch.zeros(vocab, dtype=torch.bool, device=device)
         self.is_stop[list(stop_tokens)] = True
@@ -177,7 +186,9 @@ class SamplingSlots:
         return SamplingRows(**{f.name: getattr(state, f.name)[rows] for f in fields(SamplingRows)})
 
     def sample(self, logits: Tensor, rows: RowIndex) -> Tensor:
-        return sample(logits, self.rows(rows), self.is_stop, self.eos)
+        selected = self.rows(rows)
+        uniforms = self._draw_uniforms(selected.seed, selected.step)
+        return sample(logits, selected, self.is_stop, self.eos, uniforms)
 
     def record(self, tokens: Tensor, rows: RowIndex, active: Tensor) -> None:
         """Append `tokens` [B] to the state of the `active` [B] (bool) rows among `rows`, in place.

@@ -190,7 +190,8 @@ class ModelRunner:
         cache_len = config.max_context + config.prefill_chunk
         self.cache = KVCache.allocate(llm.qwen, slots + 1, cache_len, device, dtype)
         self.sampling = SamplingSlots(slots + 1, llm.speech_vocab, config.ras_history, llm.stop_tokens,
-                                      llm.eos_token, device)
+                                      llm.eos_token, device,
+                                      compiled=device.type == "cuda" and config.fused_elementwise)
         # Decode: per-slot input token and position, output token.
         self.next_token, self.positions, self.sampled = zeros(slots + 1), zeros(slots + 1), zeros(slots)
         self.active = zeros(slots + 1, dtype=torch.bool)

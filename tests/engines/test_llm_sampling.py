@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engines.config import SPEECH_EOS, SPEECH_FILL, SPEECH_UNUSED_STOP, SPEECH_VOCAB
@@ -236,3 +237,28 @@ def test_gathered_slots_sample_and_record_like_consecutive_ones() -> None:
         assert torch.equal(getattr(state, name), getattr(expected_state, name))
     assert gathered.rows(slice(0, 1)).step.item() == 0
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_sampler_draws_the_same_uniforms_and_tokens_on_cuda() -> None:
+    """The CUDA engine's sampler (uniforms from one Inductor kernel) equals the eager one exactly."""
+    cuda = torch.device("cuda")
+    generator = torch.Generator().manual_seed(5)
+    seeds = torch.randint(0, 2**32, (4096,), generator=generator).to(cuda)
+    steps = torch.randint(0, 5000, (4096,), generator=generator).to(cuda)
+    compiled = torch.compile(draw_uniforms, dynamic=True, fullgraph=True)
+    assert torch.equal(compiled(seeds, steps), draw_uniforms(seeds, steps))
+
+    samplers = [SamplingSlots(8, SPEECH_VOCAB, HISTORY, STOPS, SPEECH_EOS, cuda, compiled=compiled)
+                for compiled in (False, True)]
+    params = [SamplingParams(), SamplingParams(top_k=5, top_p=1.0, use_ras=False),
+              SamplingParams(temperature=0.7, top_p=0.5, ras_window=4, ras_tau=0.5)]
+    for slots in samplers:
+        slots.configure(torch.tensor([0, 1, 2], device=cuda), [(p, 3, 100 + i) for i, p in enumerate(params)])
+    for _ in range(20):
+        logits = peaked_logits(3, generator).to(cuda)
+        tokens = [slots.sample(logits, slice(0, 3)) for slots in samplers]
+        assert torch.equal(tokens[1], tokens[0])
+        for slots in samplers:
+            slots.record(tokens[0], slice(0, 3), torch.ones(3, dtype=torch.bool, device=cuda))

@@ -147,8 +147,9 @@ def split_length(rows: int, kv_heads: int, kv_len: int) -> int:
     """Positions per program: `kv_len` split until rows x KV heads x splits reach `TARGET_PROGRAMS`
     (a multiple of `BLOCK_KEYS`, so only the last split of a row is partial).
 
-    Chosen from H100 timings (docs/benchmarks.md, sixth session): e.g. one row at 512 positions 5.4 µs
-    per layer in 8 splits against 9.6 µs unsplit; 64 rows at 1024 positions 18.0 µs in 4 splits.
+    Chosen from H100 timings (`benchmarks/decode_kernels.py`, docs/benchmarks.md, sixth session): e.g.
+    one row at 512 positions 5.7 µs per layer in 8 splits against 9.6 µs unsplit; 64 rows at 1024
+    positions 18.1 µs in 4 splits against 25.2 µs unsplit.
     """
     splits = min(MAX_SPLITS, max(1, TARGET_PROGRAMS // (rows * kv_heads)))
     return min(triton.cdiv(triton.cdiv(kv_len, splits), BLOCK_KEYS) * BLOCK_KEYS, kv_len)

@@ -88,7 +88,8 @@ def attention_figures(rows: int, kv_len: int, kernels: LayerKernels) -> dict[str
     # Check: one layer, both paths from the same cache.
     reference_cache = cache[0].clone()
     reference = general_attention(kernels, qkv.clone(), reference_cache, positions, kv_len, tables).float()
-    out = decode_attention(qkv, rope, cache[0], 0, positions, kv_len).float()
+    counters = torch.zeros(rows * KV_HEADS, dtype=torch.int32, device=DEVICE)
+    out = decode_attention(qkv, rope, cache[0], 0, positions, kv_len, counters).float()
     figures: dict[str, Any] = {
         "rows": rows, "kv_len": kv_len, "auto_split_len": split_length(rows, KV_HEADS, kv_len),
         "rel_err": ((out - reference).norm() / reference.norm()).item(),
@@ -104,7 +105,8 @@ def attention_figures(rows: int, kv_len: int, kernels: LayerKernels) -> dict[str
         if split is not None and split > kv_len:
             continue
         figures[f"kernel_split{split or 'auto'}_us"] = graph_us(
-            lambda layer, split=split: decode_attention(qkv, rope, cache[layer], 0, positions, kv_len, split))
+            lambda layer, split=split: decode_attention(qkv, rope, cache[layer], 0, positions, kv_len,
+                                                        counters, split))
     return figures
 
 

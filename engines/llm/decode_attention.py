@@ -2,7 +2,7 @@
 
 One decode step of the general path runs, per layer, Inductor's rope kernels, an indexed write of the
 new key and value into the cache, and SDPA with an additive mask over the whole bucketed `kv_len`
-prefix of every row. `decode_attention` does all of that in one launch (two when it splits the keys):
+prefix of every row. `decode_attention` does all of that in one launch:
 
 - a program takes one row, one KV head and one split of the positions (flash-decoding). The row's
   `group` query heads are computed together, so each key and value is read once for all of them;
@@ -10,7 +10,7 @@ prefix of every row. `decode_attention` does all of that in one launch (two when
   path's in-place rotation), and the first split stores the new key and value at the row's position;
 - it reads only positions up to the row's own (the new key comes from registers, not the cache), so a
   short sequence in a long bucket costs what its length costs;
-- when the positions are split, a second kernel merges the splits' softmax partials.
+- when the positions are split, the split that finishes last merges the splits' softmax partials.
 
 The result equals the general path's up to rounding (bf16 probabilities times values, fp32 softmax),
 tested in tests/engines/test_llm_decode_attention.py against it.
@@ -35,10 +35,11 @@ MAX_SPLITS = 8
 @triton.jit
 def _split_kernel(
     qkv_ptr, cos_ptr, sin_ptr, positions_ptr, cache_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-    first_slot, kv_len, stride_qkv_row, stride_rope_row, stride_positions,
+    counters_ptr, first_slot, kv_len, stride_qkv_row, stride_rope_row, stride_positions,
     stride_cache_slot, stride_cache_head, stride_cache_pos, scale_log2,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
 ):
     row_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -98,9 +99,9 @@ def _split_kernel(
         acc = acc * correction[:, None] + tl.dot(probs.to(dtype), values)
         running_max = new_max
 
+    out_offsets = (row * Q_HEADS + head * GROUP + group_rows)[:, None] * HEAD_DIM + dims[None, :]
     if SPLITS == 1:
         out = acc / running_sum[:, None]
-        out_offsets = (row * Q_HEADS + head * GROUP + group_rows)[:, None] * HEAD_DIM + dims[None, :]
         tl.store(out_ptr + out_offsets, out.to(dtype), mask=real_rows[:, None])
     else:
         part = row_head * SPLITS + split
@@ -108,39 +109,42 @@ def _split_kernel(
         tl.store(part_sum_ptr + part * GROUP_PAD + group_rows, running_sum)
         acc_offsets = part * GROUP_PAD * HEAD_DIM + group_rows[:, None] * HEAD_DIM + dims[None, :]
         tl.store(part_acc_ptr + acc_offsets, acc)
+        # The split of a (row, KV head) that finishes last merges them all (no second launch): the
+        # barrier, then one release/acquire increment at GPU scope orders every split's stores before
+        # its loads, which bypass L1 (".cg"). It resets the counter for the next call.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counters_ptr + row_head, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            tl.atomic_xchg(counters_ptr + row_head, 0, sem="relaxed", scope="gpu")
+            out = _merge(part_acc_ptr, part_max_ptr, part_sum_ptr, row_head, group_rows, dims,
+                         GROUP_PAD, HEAD_DIM, SPLITS, SPLITS_PAD)
+            tl.store(out_ptr + out_offsets, out.to(dtype), mask=real_rows[:, None])
 
 
 @triton.jit
-def _merge_kernel(
-    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-    Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-):
-    row_head = tl.program_id(0)
-    row = row_head // KV_HEADS
-    head = row_head % KV_HEADS
-    group_rows = tl.arange(0, GROUP_PAD)
-    dims = tl.arange(0, HEAD_DIM)
+def _merge(part_acc_ptr, part_max_ptr, part_sum_ptr, row_head, group_rows, dims,
+           GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """The attention output [GROUP_PAD, HEAD_DIM] (fp32) of one row and KV head from its splits' partials."""
     splits = tl.arange(0, SPLITS_PAD)
     stats_offsets = (row_head * SPLITS + splits)[:, None] * GROUP_PAD + group_rows[None, :]
     real_splits = (splits < SPLITS)[:, None]
     # A split past the row's position saw no key: its max is -inf and its weight 0. Split 0 always
     # holds position 0, so every row's overall max is finite.
-    maxima = tl.load(part_max_ptr + stats_offsets, mask=real_splits, other=float("-inf"))
-    sums = tl.load(part_sum_ptr + stats_offsets, mask=real_splits, other=0.0)
+    maxima = tl.load(part_max_ptr + stats_offsets, mask=real_splits, other=float("-inf"),
+                     cache_modifier=".cg")
+    sums = tl.load(part_sum_ptr + stats_offsets, mask=real_splits, other=0.0, cache_modifier=".cg")
     overall = tl.max(maxima, 0)
     weights = tl.exp2(maxima - overall[None, :])  # [SPLITS_PAD, GROUP_PAD]
     total = tl.sum(weights * sums, 0)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     for split in tl.static_range(SPLITS):  # unrolled: every split's loads are in flight at once
-        split_max = tl.load(part_max_ptr + (row_head * SPLITS + split) * GROUP_PAD + group_rows)
+        part = row_head * SPLITS + split
+        split_max = tl.load(part_max_ptr + part * GROUP_PAD + group_rows, cache_modifier=".cg")
         weight = tl.exp2(split_max - overall)
-        part_offsets = (row_head * SPLITS + split) * GROUP_PAD * HEAD_DIM
-        part = tl.load(part_acc_ptr + part_offsets + group_rows[:, None] * HEAD_DIM + dims[None, :])
-        acc += tl.where(weight[:, None] > 0, weight[:, None] * part, 0.0)
-    out = acc / total[:, None]
-    out_offsets = (row * Q_HEADS + head * GROUP + group_rows)[:, None] * HEAD_DIM + dims[None, :]
-    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=(group_rows < GROUP)[:, None])
+        values = tl.load(part_acc_ptr + part * GROUP_PAD * HEAD_DIM + group_rows[:, None] * HEAD_DIM
+                         + dims[None, :], cache_modifier=".cg")
+        acc += tl.where(weight[:, None] > 0, weight[:, None] * values, 0.0)
+    return acc / total[:, None]
 
 
 def split_length(rows: int, kv_heads: int, kv_len: int) -> int:
@@ -161,14 +165,16 @@ def supports(head_dim: int, dtype: torch.dtype) -> bool:
 
 
 def decode_attention(qkv: Tensor, rope: tuple[Tensor, Tensor], layer_cache: Tensor, first_slot: int,
-                     positions: Tensor, kv_len: int, split_len: int | None = None) -> Tensor:
+                     positions: Tensor, kv_len: int, counters: Tensor,
+                     split_len: int | None = None) -> Tensor:
     """Attention output [B, Hq, D] of one decode query per row.
 
     `qkv` [B, Hq + 2 Hkv, D] is the qkv projection of the rows (before rope); `rope` the cos and signed
     sin tables [B, D] (`qwen2.rope_tables`) at the rows' `positions` [B] (int64); row b is cache slot
     `first_slot + b` of `layer_cache` [slots, 2 Hkv, max_len, D] and attends to positions
     `0..positions[b]` (below `kv_len`), after its new key and value are stored at `positions[b]`.
-    `split_len` overrides `split_length` (for measurements).
+    `counters` (int32, at least B x Hkv, zero) is where the splits of a row count their arrival; each call
+    leaves it zero again. `split_len` overrides `split_length` (for measurements).
     """
     rows, heads, head_dim = qkv.shape
     kv_heads = layer_cache.shape[1] // 2
@@ -180,6 +186,8 @@ def decode_attention(qkv: Tensor, rope: tuple[Tensor, Tensor], layer_cache: Tens
         raise ValueError("decode_attention needs rows of contiguous heads and rope tables")
     if layer_cache.stride(3) != 1:
         raise ValueError("decode_attention needs a cache with contiguous head vectors")
+    if counters.dtype != torch.int32 or counters.numel() < rows * kv_heads:
+        raise ValueError(f"decode_attention needs {rows * kv_heads} int32 counters")
     split_len = split_len or split_length(rows, kv_heads, kv_len)
     splits = triton.cdiv(kv_len, split_len)
     group_pad = max(16, triton.next_power_of_2(group))
@@ -188,19 +196,25 @@ def decode_attention(qkv: Tensor, rope: tuple[Tensor, Tensor], layer_cache: Tens
     part_acc = torch.empty(parts * head_dim if splits > 1 else 1, dtype=torch.float32, device=qkv.device)
     part_max = torch.empty(parts if splits > 1 else 1, dtype=torch.float32, device=qkv.device)
     part_sum = torch.empty_like(part_max)
-    shape = {"Q_HEADS": q_heads, "KV_HEADS": kv_heads, "GROUP": group, "GROUP_PAD": group_pad,
-             "HEAD_DIM": head_dim}
     _split_kernel[(rows * kv_heads, splits)](
-        qkv, cos, sin, positions, layer_cache, out, part_acc, part_max, part_sum,
+        qkv, cos, sin, positions, layer_cache, out, part_acc, part_max, part_sum, counters,
         first_slot, kv_len, qkv.stride(0), cos.stride(0), positions.stride(0),
         layer_cache.stride(0), layer_cache.stride(1), layer_cache.stride(2),
         math.log2(math.e) / math.sqrt(head_dim),
-        **shape, BLOCK_N=min(BLOCK_KEYS, max(16, triton.next_power_of_2(split_len))), SPLIT_LEN=split_len,
-        SPLITS=splits, num_warps=4, num_stages=2,
+        Q_HEADS=q_heads, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
+        BLOCK_N=min(BLOCK_KEYS, max(16, triton.next_power_of_2(split_len))), SPLIT_LEN=split_len,
+        SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), num_warps=4, num_stages=2,
     )
-    if splits > 1:
-        _merge_kernel[(rows * kv_heads,)](
-            out, part_acc, part_max, part_sum, **shape, SPLITS=splits,
-            SPLITS_PAD=triton.next_power_of_2(splits), num_warps=4,
-        )
     return out
+
+
+class DecodeAttention:
+    """`decode_attention` for up to `max_rows` rows with its own counters (allocated once, so CUDA
+    graphs captured with it keep pointing at them); what `qwen2.LayerKernels.decode_attention` takes."""
+
+    def __init__(self, max_rows: int, kv_heads: int, device: torch.device) -> None:
+        self.counters = torch.zeros(max_rows * kv_heads, dtype=torch.int32, device=device)
+
+    def __call__(self, qkv: Tensor, rope: tuple[Tensor, Tensor], layer_cache: Tensor, first_slot: int,
+                 positions: Tensor, kv_len: int) -> Tensor:
+        return decode_attention(qkv, rope, layer_cache, first_slot, positions, kv_len, self.counters)

@@ -254,8 +254,11 @@ class TorchLLMEngine(LLMEngine):
         if self.config.decode_attention_kernel:
             from engines.llm import decode_attention  # Triton: present with CUDA builds of torch
 
-            if decode_attention.supports(model.cfg.qwen.head_dim, self.config.torch_dtype):
-                kernels = replace(kernels, decode_attention=decode_attention.decode_attention)
+            qwen = model.cfg.qwen
+            if decode_attention.supports(qwen.head_dim, self.config.torch_dtype):
+                kernel = decode_attention.DecodeAttention(self.config.max_slots, qwen.num_kv_heads,
+                                                          self.config.torch_device)
+                kernels = replace(kernels, decode_attention=kernel)
         return kernels
 
     def _run(self) -> None:

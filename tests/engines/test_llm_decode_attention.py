@@ -66,9 +66,16 @@ def test_kernel_equals_the_general_path(rows: int, q_heads: int, kv_heads: int, 
     expected_cache = cache.clone()
     expected = general_path(qkv, expected_cache, first_slot, positions, kv_len, q_heads, theta)
     cos, sin = rope_tables(positions[:, None], head_dim, theta, torch.bfloat16)
-    out = decode_attention(qkv, (cos[:, 0, 0], sin[:, 0, 0]), cache, first_slot, positions, kv_len, split_len)
+    counters = torch.zeros(rows * kv_heads, dtype=torch.int32, device=CUDA)
+    out = decode_attention(qkv, (cos[:, 0, 0], sin[:, 0, 0]), cache, first_slot, positions, kv_len, counters,
+                           split_len)
     assert out.isfinite().all()
     assert relative_error(out, expected) < 1e-2
+    # The counters are zero again, and a second call (which stores the same keys again) repeats the output.
+    assert not counters.any()
+    again = decode_attention(qkv, (cos[:, 0, 0], sin[:, 0, 0]), cache, first_slot, positions, kv_len,
+                             counters, split_len)
+    assert torch.equal(again, out)
     # The new keys and values are stored (rope rounded once instead of twice); nothing else moves.
     written = torch.zeros(slots, max_len, dtype=torch.bool, device=CUDA)
     written[first_slot + torch.arange(rows, device=CUDA), positions] = True
@@ -77,7 +84,7 @@ def test_kernel_equals_the_general_path(rows: int, q_heads: int, kv_heads: int, 
 
 
 def test_tiny_model_decode_logits_equal_the_general_path() -> None:
-    from engines.llm.decode_attention import decode_attention
+    from engines.llm.decode_attention import DecodeAttention
 
     torch.manual_seed(0)
     cfg = ModelConfigs.tiny().llm
@@ -88,7 +95,8 @@ def test_tiny_model_decode_logits_equal_the_general_path() -> None:
     general = general.to(CUDA, torch.bfloat16)
     kernel = CosyVoice2LM(cfg).to(CUDA, torch.bfloat16).eval().requires_grad_(False)
     kernel.load_state_dict(general.state_dict())
-    kernel.backbone.ops = dataclasses.replace(EAGER_KERNELS, decode_attention=decode_attention)
+    attention = DecodeAttention(3, cfg.qwen.num_kv_heads, CUDA)
+    kernel.backbone.ops = dataclasses.replace(EAGER_KERNELS, decode_attention=attention)
     prompt = torch.randn(3, 20, cfg.qwen.hidden_size, device=CUDA, dtype=torch.bfloat16)
     logits = []
     with torch.no_grad():

@@ -152,8 +152,8 @@ def split_length(rows: int, kv_heads: int, kv_len: int) -> int:
     (a multiple of `BLOCK_KEYS`, so only the last split of a row is partial).
 
     Chosen from H100 timings (`benchmarks/decode_kernels.py`, docs/benchmarks.md, sixth session): e.g.
-    one row at 512 positions 5.7 µs per layer in 8 splits against 9.6 µs unsplit; 64 rows at 1024
-    positions 18.1 µs in 4 splits against 25.2 µs unsplit.
+    one row at 512 positions 5.4 µs per layer in 8 splits against 9.6 µs unsplit; 64 rows at 1024
+    positions 17.8 µs in 4 splits against 25.1 µs unsplit.
     """
     splits = min(MAX_SPLITS, max(1, TARGET_PROGRAMS // (rows * kv_heads)))
     return min(triton.cdiv(triton.cdiv(kv_len, splits), BLOCK_KEYS) * BLOCK_KEYS, kv_len)

@@ -99,7 +99,7 @@ class _LayerInputs:
     row_index: Tensor
 
     @property
-    def decode_kernel(self) -> DecodeAttention | None:
+    def decode_kernel(self) -> DecodeAttentionFn | None:
         """The decode attention kernel, if it serves this call: one query per row over consecutive slots."""
         batch = self.batch
         if batch.positions.shape[1] == 1 and isinstance(batch.slots, int):
@@ -150,9 +150,9 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
-# `engines.llm.decode_attention.decode_attention`: (qkv [B, Hq + 2 Hkv, D], (cos, sin) [B, D], layer cache,
-# first slot, positions [B], kv_len) -> attention output [B, Hq, D], the new keys and values stored.
-DecodeAttention = Callable[[Tensor, tuple[Tensor, Tensor], Tensor, int, Tensor, int], Tensor]
+# An `engines.llm.decode_attention.DecodeAttention`: (qkv [B, Hq + 2 Hkv, D], (cos, sin) [B, D], layer
+# cache, first slot, positions [B], kv_len) -> attention output [B, Hq, D], the new keys and values stored.
+DecodeAttentionFn = Callable[[Tensor, tuple[Tensor, Tensor], Tensor, int, Tensor, int], Tensor]
 
 
 @dataclass(frozen=True)
@@ -167,7 +167,7 @@ class LayerKernels:
     rope_: Callable[[Tensor, Tensor, Tensor], None]
     silu_mul: Callable[[Tensor], Tensor]
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]
-    decode_attention: DecodeAttention | None = None
+    decode_attention: DecodeAttentionFn | None = None
 
     @staticmethod
     def compiled() -> LayerKernels:

@@ -130,6 +130,10 @@ class ServerFigures:
     token2wav_chunks_per_batch: float
     token2wav_batch_ms: float  # mean wall time of one batched call
     token2wav_wait_ms: float  # mean time a chunk waited for its call to start
+    first_chunk_wait_ms: float  # the same for first-audio chunks only
+    later_chunk_wait_ms: float  # and for the others
+    calls_with_first_chunks: int  # token2wav calls that held first-audio chunks
+    first_chunks_per_call: float  # mean first-audio chunks in those calls
     first_tokens_ms: float  # mean time from admission to the first chunk's speech tokens
     first_chunk_ms: float  # mean time from admission to the first audio, as the server sees it
 
@@ -145,13 +149,24 @@ class ServerFigures:
         def histogram_mean(name: str, scale: float = 1000.0) -> float:
             return mean(f"{name}_sum", f"{name}_count", scale)
 
+        def waited(chunk: str) -> tuple[str, str]:  # the sum and count samples of one kind of chunk
+            return (f'tts_token2wav_wait_seconds_sum{{chunk="{chunk}"}}',
+                    f'tts_token2wav_wait_seconds_count{{chunk="{chunk}"}}')
+
+        waited_s = sum(delta(waited(chunk)[0]) for chunk in ("first", "later"))
+        chunks_waited = sum(delta(waited(chunk)[1]) for chunk in ("first", "later"))
+
         return ServerFigures(
             llm_steps=int(delta("tts_llm_steps_total")),
             llm_step_ms=mean("tts_llm_step_seconds_total", "tts_llm_steps_total"),
             token2wav_batches=int(delta("tts_token2wav_batch_seconds_count")),
             token2wav_chunks_per_batch=histogram_mean("tts_token2wav_batch_chunks", scale=1.0),
             token2wav_batch_ms=histogram_mean("tts_token2wav_batch_seconds"),
-            token2wav_wait_ms=histogram_mean("tts_token2wav_wait_seconds"),
+            token2wav_wait_ms=waited_s / chunks_waited * 1000.0 if chunks_waited else math.nan,
+            first_chunk_wait_ms=mean(*waited("first")),
+            later_chunk_wait_ms=mean(*waited("later")),
+            calls_with_first_chunks=int(delta("tts_token2wav_batch_first_chunks_count")),
+            first_chunks_per_call=histogram_mean("tts_token2wav_batch_first_chunks", scale=1.0),
             first_tokens_ms=histogram_mean("tts_first_chunk_tokens_seconds"),
             first_chunk_ms=histogram_mean("tts_first_chunk_latency_seconds"),
         )
@@ -260,14 +275,22 @@ def _outcomes(results: Sequence[StreamResult]) -> tuple[list[StreamResult], dict
 
 
 async def scrape(http_url: str) -> dict[str, float]:
-    """The server's unlabelled Prometheus samples by name (empty if /metrics does not answer)."""
+    """The server's Prometheus samples (empty if /metrics does not answer): unlabelled ones by name,
+    labelled ones as `name{label="value",...}` (labels sorted)."""
     try:
         async with httpx.AsyncClient(timeout=10) as client:
             text = (await client.get(f"{http_url}/metrics")).text
     except httpx.HTTPError:
         return {}
-    return {sample.name: sample.value for family in text_string_to_metric_families(text)
-            for sample in family.samples if not sample.labels}
+    return {sample_key(sample.name, sample.labels): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def sample_key(name: str, labels: dict[str, str]) -> str:
+    """How `scrape` names a sample: `name`, or `name{a="1",b="2"}` with its labels sorted."""
+    if not labels:
+        return name
+    return name + "{" + ",".join(f'{key}="{value}"' for key, value in sorted(labels.items())) + "}"
 
 
 def http_base(url: str) -> str:
@@ -447,7 +470,9 @@ def format_level(lv: LevelResult) -> list[str]:
         lines.append(
             f"{'':>7} server: {sv.llm_steps} LLM steps of {sv.llm_step_ms:.2f} ms; "
             f"{sv.token2wav_batches} token2wav calls of {sv.token2wav_chunks_per_batch:.1f} chunks, "
-            f"{sv.token2wav_batch_ms:.1f} ms each, chunks waited {sv.token2wav_wait_ms:.1f} ms; "
+            f"{sv.token2wav_batch_ms:.1f} ms each, chunks waited {sv.token2wav_wait_ms:.1f} ms "
+            f"(first {sv.first_chunk_wait_ms:.1f}, later {sv.later_chunk_wait_ms:.1f}); first chunks in "
+            f"{sv.calls_with_first_chunks} calls of {sv.first_chunks_per_call:.1f}; "
             f"first chunk: tokens at {sv.first_tokens_ms:.0f} ms, audio at {sv.first_chunk_ms:.0f} ms; "
             f"longest stall {lv.stall_max_ms:.0f} ms"
         )

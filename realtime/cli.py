@@ -17,6 +17,7 @@ from engines.llm.auto import LLMBackend
 from engines.token2wav.auto import Token2WavBackend
 from engines.token2wav.dit_cache import CACHE_RULES
 from realtime.access import KEYS_ENV, read_keys
+from realtime.batch_policy import FirstChunkHold
 from realtime.config import (
     DEFAULT_CACHE_DIR,
     AccessConfig,
@@ -106,6 +107,8 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         # requests, one LLM request at a time and batch-1 token2wav on a small pool of threads.
         llm_slots=1 if args.baseline else None,
         token2wav_batch=1 if args.baseline else args.batch,
+        token2wav_solve_gib=args.token2wav_solve_gib or None,
+        first_chunk_hold=FirstChunkHold(args.first_chunk_gap_ms / 1000, args.first_chunk_hold_ms / 1000),
         token2wav_workers=BASELINE_TOKEN2WAV_WORKERS if args.baseline else 1,
         llm_pacing=not args.baseline,
         webrtc=webrtc,
@@ -370,8 +373,16 @@ def build_parser() -> argparse.ArgumentParser:
         )
         sub.add_argument("--max-streams", type=int, default=16, help="concurrent utterances before 'busy'")
         sub.add_argument(
-            "--batch", type=int, default=32, help="most chunks per token2wav call (synth: utterances)"
+            "--batch", type=int, default=64, help="most chunks per token2wav call (synth: utterances)"
         )
+        sub.add_argument("--token2wav-solve-gib", type=float, default=16.0,
+                         help="most GiB one batched DiT solve may take: chunks with long caches get fewer "
+                              "rows per batch (0: no cap)")
+        sub.add_argument("--first-chunk-gap-ms", type=float, default=FirstChunkHold().gap_s * 1000,
+                         help="a first chunk waits for other new streams' first chunks while one came within "
+                              "this many ms")
+        sub.add_argument("--first-chunk-hold-ms", type=float, default=FirstChunkHold().max_s * 1000,
+                         help="and at most this many ms in all")
         if name == "serve":
             _add_serve_flags(sub)
             _add_access_flags(sub)

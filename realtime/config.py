@@ -12,6 +12,7 @@ from typing import Literal, get_args
 from engines.llm.auto import LLMBackend
 from engines.token2wav.auto import Token2WavBackend
 from engines.token2wav.dit_cache import CACHE_RULES, CacheRule
+from realtime.batch_policy import FirstChunkHold
 from realtime.placement import DevicePlan, PlacementKind, plan_devices
 from realtime.schedule import ScheduleKind
 from realtime.voice_aliases import DEFAULT_VOICE_ALIASES
@@ -195,9 +196,15 @@ class ServiceConfig:
     dit_cache_rule: the DiT flow's streaming estimator cache: `reference` (Step-Audio2's trim and noise
         offset) or `prompt_recent` (prompt + 100 newest frames per stream: less memory; docs/fidelity.md).
     llm_slots: requests the LLM decodes together (None: `max_streams`; 1 serves one at a time).
-    token2wav_batch: most chunks a token2wav worker thread runs in one call. 32 by default: under the
-        reference DiT cache rule the CUDA graphs of 64-row batches do not fit an 80 GB H100 beside the
-        engines at 128 streams (docs/benchmarks.md, issue #13's main run).
+    token2wav_batch: most chunks a token2wav worker thread runs in one call (64: a burst of new streams'
+        first chunks in one call); the solve memory cap below splits calls of long-cached chunks.
+    token2wav_solve_gib: the most GiB one batched DiT solve may need (engines/token2wav/solve_memory.py:
+        its buffers and working tensors by padded shape): batches of chunks with long caches (the
+        reference DiT cache rule keeps L_p + 100 frames per stream) get fewer rows, first chunks keep
+        `token2wav_batch`. 16 GiB: about what 64-row batches took under `prompt_recent`, which fit an 80
+        GB H100 beside 320 streams (docs/benchmarks.md); None: no cap.
+    first_chunk_hold: how long a first chunk waits for the first chunks of other new streams to share
+        its token2wav call (realtime/batch_policy.py).
     token2wav_workers: token2wav threads (each on its own CUDA stream); a stream stays on the thread
         that opened it. More than one turns the PyTorch backend's CUDA graphs off.
     chunk_queue: chunks (per stream) synthesised ahead of a slow consumer before the stream waits.
@@ -234,7 +241,9 @@ class ServiceConfig:
     max_voice_upload_bytes: int = 16 * 1024 * 1024
     max_contexts_per_socket: int = 8
     llm_slots: int | None = None
-    token2wav_batch: int = 32
+    token2wav_batch: int = 64
+    token2wav_solve_gib: float | None = 16.0
+    first_chunk_hold: FirstChunkHold = field(default_factory=FirstChunkHold)
     token2wav_workers: int = 1
     chunk_queue: int = 4
     llm_pacing: bool = True
@@ -274,6 +283,8 @@ class ServiceConfig:
         )
         object.__setattr__(self, "placement", PlacementKind(self.placement))
         DevicePlan(self.llm_devices or ("cpu",), self.token2wav_devices or ("cpu",))  # refuses an empty list
+        if self.token2wav_solve_gib is not None and not self.token2wav_solve_gib > 0:
+            raise ValueError(f"token2wav_solve_gib must be > 0, got {self.token2wav_solve_gib}")
         if self.llm_slots is not None and self.llm_slots < 1:
             raise ValueError(f"llm_slots must be >= 1, got {self.llm_slots}")
         if not self.voice_sync_s > 0:
@@ -291,6 +302,10 @@ class ServiceConfig:
 
         gpus = torch.cuda.device_count() if self.device == "auto" and torch.cuda.is_available() else 0
         return plan_devices(self.device, gpus, self.placement, self.llm_devices, self.token2wav_devices)
+
+    @property
+    def token2wav_solve_bytes(self) -> int | None:
+        return None if self.token2wav_solve_gib is None else int(self.token2wav_solve_gib * (1 << 30))
 
     @property
     def voice_store(self) -> Path:

@@ -65,6 +65,7 @@ def load_engines(config: ServiceConfig) -> LoadedEngines:
             # CUDA graphs replay from shared buffers: only one thread may run the backend with them.
             cuda_graphs=config.token2wav_workers == 1,
             dit_cache_rule=config.dit_cache_rule,
+            solve_memory_bytes=config.token2wav_solve_bytes,
         )
         for device in plan.token2wav_devices
     )

@@ -67,9 +67,17 @@ class Metrics:
             buckets=BATCH_CHUNKS_BUCKETS,
             registry=self.registry,
         )
+        self.token2wav_batch_first_chunks = Histogram(
+            "tts_token2wav_batch_first_chunks",
+            "First-audio chunks in one batched token2wav call, observed for the calls that hold any",
+            buckets=BATCH_CHUNKS_BUCKETS,
+            registry=self.registry,
+        )
         self.token2wav_wait_seconds = Histogram(
             "tts_token2wav_wait_seconds",
-            "Time from a chunk's submission to the start of the token2wav call that runs it",
+            "Time from a chunk's submission to the start of the token2wav call that runs it, by chunk: "
+            "first (a stream's first audio) or later",
+            ["chunk"],
             buckets=BATCH_SECONDS_BUCKETS,
             registry=self.registry,
         )
@@ -126,6 +134,10 @@ class Metrics:
 
     def error(self, code: str) -> None:
         self.errors.labels(code=code).inc()
+
+    def chunk_waited(self, first: bool, seconds: float) -> None:
+        """A chunk's wait from submission to the start of its token2wav call (`first`: first audio)."""
+        self.token2wav_wait_seconds.labels(chunk="first" if first else "later").observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

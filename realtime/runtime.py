@@ -149,6 +149,7 @@ class Runtime:
                 capacity=2 * capacity,
                 threads=self.config.token2wav_workers,
                 metrics=self.metrics,
+                hold=self.config.first_chunk_hold,
                 name="token2wav" if len(engines.token2wavs) == 1 else f"token2wav{index}",
             )
             for index, (backend, capacity) in enumerate(zip(engines.token2wavs, capacities, strict=True))

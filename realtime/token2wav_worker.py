@@ -1,10 +1,10 @@
 """token2wav worker threads: the bridge between sessions on the event loop and a token2wav backend.
 
 Sessions hand chunks to a `Token2WavWorker` with a deadline and await futures; each turn a worker
-thread runs the `max_batch` most urgent of the chunks waiting for it (earliest deadline first: first
-audio before everything, then the chunk whose listener runs out of audio soonest) with one
-`run_chunks` call, the point where a GPU backend batches streams. A stream is opened, run and closed on
-one thread, so its chunks keep their order and its tensors stay on that thread's CUDA stream.
+thread asks its `BatchPolicy` (realtime/batch_policy.py: first audio alone and together, then earliest
+deadline first) which waiting chunks go into the next `run_chunks` call, the point where a GPU backend
+batches streams, or how long to hold for more first chunks. A stream is opened, run and closed on one
+thread, so its chunks keep their order and its tensors stay on that thread's CUDA stream.
 """
 
 from __future__ import annotations
@@ -27,21 +27,12 @@ import torch
 
 from engines.token2wav.base import ChunkJob, SpeakerState, Token2Wav, Token2WavStream
 from engines.voice import VoicePrompt
+from realtime.batch_policy import BatchPolicy, FirstChunkHold, WaitingChunk
 from realtime.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class FirstChunkLinger:
-    """How long a first chunk may wait for the first chunks of other new streams, to share their batch:
-    while they keep coming (one came within `gap_s`), and `max_s` in all. Streams that start together
-    get their first tokens a few LLM steps apart (their prompts are prefilled in groups)."""
-
-    gap_s: float = 0.004
-    max_s: float = 0.012
 
 
 @dataclass
@@ -53,8 +44,8 @@ class _ChunkTask:
     submitted: float = field(default_factory=time.perf_counter)
 
     @property
-    def urgency(self) -> tuple[float, int]:
-        return self.due, self.order
+    def waiting(self) -> WaitingChunk:
+        return WaitingChunk(self.due, self.order, self.submitted)
 
 
 @dataclass
@@ -66,22 +57,21 @@ class _Call:
 class _Lane:
     """One token2wav thread with its own inbox (and its own CUDA stream on CUDA).
 
-    Each turn it moves everything in its inbox to its pending chunks and calls, runs the `max_batch`
-    most urgent chunks (earliest deadline first) in one `run_chunks` call, then the calls. The chunks
-    left pending wait for the next turn. A stream's close is only queued once its chunk is finished or
-    cancelled, and cancelled chunks are dropped before the calls run, so a close never overtakes a
-    chunk of its stream.
+    Each turn it moves everything in its inbox to its pending chunks and calls, drops cancelled chunks,
+    and runs the chunks its `BatchPolicy` picks in one `run_chunks` call, then the calls; when the
+    policy holds for more first chunks, it runs the calls (opening the streams whose first chunks it
+    waits for) and waits for the inbox until the hold ends. A stream's close is only queued once its
+    chunk is finished or cancelled, and cancelled chunks are dropped before the calls run, so a close
+    never overtakes a chunk of its stream.
     """
 
-    def __init__(self, name: str, backend: Token2Wav, max_batch: int, linger: FirstChunkLinger,
-                 metrics: Metrics | None) -> None:
+    def __init__(self, name: str, backend: Token2Wav, policy: BatchPolicy, metrics: Metrics | None) -> None:
         self.inbox: queue.SimpleQueue[_ChunkTask | _Call | None] = queue.SimpleQueue()
         self.assigned = 0  # streams routed here and not yet closed (event loop side)
         self.open_streams = 0  # streams opened here and not yet closed (this thread's side)
         self.fresh: set[Token2WavStream] = set()  # opened here, no chunk received yet (this thread's side)
-        self._linger_policy = linger
+        self._policy = policy
         self._backend = backend
-        self._max_batch = max_batch
         self._metrics = metrics
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._pending: list[_ChunkTask] = []  # chunks taken from the inbox, not yet run (this thread's)
@@ -129,64 +119,51 @@ class _Lane:
 
     def _serve(self) -> None:
         pending = self._pending
+        hold_until: float | None = None
         while True:
-            items = [self.inbox.get()] if not pending else []
-            self._drain(items)
-            self._take_chunks(items, pending)
-            if self.fresh and len(pending) < self._max_batch and any(c.due == -math.inf for c in pending):
-                items += self._linger()
-                self._take_chunks(items, pending)
+            items = self._receive(hold_until)
+            for item in items:
+                if isinstance(item, _ChunkTask):
+                    self.fresh.discard(item.job.stream)
+                    pending.append(item)
             calls = [item for item in items if isinstance(item, _Call)]
             stop = any(item is None for item in items)
             pending[:] = [chunk for chunk in pending if not chunk.future.cancelled()]
-            pending.sort(key=lambda chunk: chunk.urgency)
-            batch = pending[: self._max_batch]
-            del pending[: self._max_batch]
-            self._run_chunks(batch)
+            decision = self._policy.decide([chunk.waiting for chunk in pending],
+                                           0 if stop else len(self.fresh), time.perf_counter())
+            hold_until = decision.hold_until
+            self._run_chunks(self._take(decision.run))
             for call in calls:
                 self._run_call(call)
             if stop:
                 while pending:
-                    batch = pending[: self._max_batch]
-                    del pending[: self._max_batch]
-                    self._run_chunks(batch)
+                    decision = self._policy.decide([chunk.waiting for chunk in pending], 0, math.inf)
+                    self._run_chunks(self._take(decision.run))
                 return
+
+    def _receive(self, hold_until: float | None) -> list[_ChunkTask | _Call | None]:
+        """Everything in the inbox: with no chunk pending, block for the first item; while holding
+        (`hold_until`), wait for one until then; else take only what is there."""
+        items: list[_ChunkTask | _Call | None] = []
+        if not self._pending:
+            items.append(self.inbox.get())
+        elif hold_until is not None:
+            with contextlib.suppress(queue.Empty):
+                items.append(self.inbox.get(timeout=max(0.0, hold_until - time.perf_counter())))
+        self._drain(items)
+        return items
+
+    def _take(self, indices: Sequence[int]) -> list[_ChunkTask]:
+        """Remove the pending chunks at `indices` and return them in that order."""
+        chosen = [self._pending[i] for i in indices]
+        taken = set(indices)
+        self._pending[:] = [chunk for i, chunk in enumerate(self._pending) if i not in taken]
+        return chosen
 
     def _drain(self, items: list[_ChunkTask | _Call | None]) -> None:
         with contextlib.suppress(queue.Empty):
             while True:
                 items.append(self.inbox.get_nowait())
-
-    def _take_chunks(self, items: list[_ChunkTask | _Call | None], pending: list[_ChunkTask]) -> None:
-        """Move the chunks among `items` to `pending` (their streams are no longer fresh)."""
-        for item in items:
-            if isinstance(item, _ChunkTask):
-                self.fresh.discard(item.job.stream)
-                pending.append(item)
-        items[:] = [item for item in items if not isinstance(item, _ChunkTask)]
-
-    def _linger(self) -> list[_ChunkTask | _Call | None]:
-        """What arrives while fresh streams (opened here, no chunk yet) keep sending their first
-        chunks (`FirstChunkLinger`), or until every one of them has: one batch of their first chunks
-        is much cheaper than one after the other."""
-        policy = self._linger_policy
-        started = last_arrival = time.perf_counter()
-        waiting_for = set(self.fresh)
-        items: list[_ChunkTask | _Call | None] = []
-        while waiting_for:
-            left = min(last_arrival + policy.gap_s, started + policy.max_s) - time.perf_counter()
-            if left <= 0:
-                break
-            try:
-                items.append(self.inbox.get(timeout=left))
-            except queue.Empty:
-                break
-            self._drain(items)
-            still_waiting = len(waiting_for)
-            waiting_for.difference_update(item.job.stream for item in items if isinstance(item, _ChunkTask))
-            if len(waiting_for) < still_waiting:
-                last_arrival = time.perf_counter()
-        return items
 
     def _run_chunks(self, chunks: list[_ChunkTask]) -> None:
         live = [c for c in chunks if c.future.set_running_or_notify_cancel()]
@@ -212,8 +189,11 @@ class _Lane:
         assert self._metrics is not None
         self._metrics.token2wav_batch_seconds.observe(time.perf_counter() - started)
         self._metrics.token2wav_batch_chunks.observe(len(chunks))
+        firsts = sum(chunk.waiting.first for chunk in chunks)
+        if firsts:
+            self._metrics.token2wav_batch_first_chunks.observe(firsts)
         for chunk in chunks:
-            self._metrics.token2wav_wait_seconds.observe(started - chunk.submitted)
+            self._metrics.chunk_waited(chunk.waiting.first, started - chunk.submitted)
 
     def _run_call(self, call: _Call) -> None:
         if call.future is not None and not call.future.set_running_or_notify_cancel():
@@ -254,12 +234,13 @@ class Token2WavWorker:
     """
 
     def __init__(self, backend: Token2Wav, max_batch: int, capacity: int, threads: int = 1,
-                 metrics: Metrics | None = None, linger: FirstChunkLinger = FirstChunkLinger(),
+                 metrics: Metrics | None = None, hold: FirstChunkHold | None = None,
                  name: str = "token2wav") -> None:
         if threads < 1:
             raise ValueError(f"a token2wav worker needs at least one thread, got {threads}")
         self._backend = backend
-        self._lanes = [_Lane(f"{name}-{i}", backend, max_batch, linger, metrics) for i in range(threads)]
+        policy = BatchPolicy(max_batch, hold or FirstChunkHold())
+        self._lanes = [_Lane(f"{name}-{i}", backend, policy, metrics) for i in range(threads)]
         self._lane_of: dict[Token2WavStream, _Lane] = {}
         self._slots = asyncio.Semaphore(capacity)
         self._order = itertools.count()
@@ -359,4 +340,4 @@ class Token2WavWorker:
         return await asyncio.wrap_future(future)
 
 
-__all__ = ["FirstChunkLinger", "Token2WavWorker"]
+__all__ = ["Token2WavWorker"]

@@ -54,6 +54,7 @@ def select_token2wav(
     torch_dtype: torch.dtype | None = None,
     cuda_graphs: bool = True,
     dit_cache_rule: CacheRule = "reference",
+    solve_memory_bytes: int | None = None,
 ) -> Token2Wav:
     """The token2wav backend for `models_dir`: `tensorrt` or `torch` as asked, `auto` prefers TensorRT.
 
@@ -61,6 +62,7 @@ def select_token2wav(
     cuda_graphs: let the PyTorch backend run the DiT solver and HiFT from CUDA graphs. Graphs replay
         from shared static buffers, so a backend called from several threads at once runs without them.
     dit_cache_rule: the DiT flow's streaming estimator-cache rule (dit_cache.py; "reference" default).
+    solve_memory_bytes: the PyTorch DiT flow's cap on one batched solve (solve_memory.py; None: none).
     Asking for `tensorrt` where it cannot run raises RuntimeError with the reason.
     """
     reason = None if backend == "torch" else tensorrt_unavailable(models_dir, flow, device, precision)
@@ -74,4 +76,5 @@ def select_token2wav(
     from engines.token2wav.torch_backend import TorchToken2Wav
 
     logger.info("token2wav backend: PyTorch %s flow (%s)", flow, reason or "requested")
-    return TorchToken2Wav.from_models_dir(models_dir, flow, device, torch_dtype, cuda_graphs, dit_cache_rule)
+    return TorchToken2Wav.from_models_dir(models_dir, flow, device, torch_dtype, cuda_graphs, dit_cache_rule,
+                                          solve_memory_bytes)

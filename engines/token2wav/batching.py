@@ -14,7 +14,7 @@ computation serves all rows exactly:
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -110,19 +110,26 @@ class Buckets:
 
 @dataclass(frozen=True)
 class RowSpec:
-    """What batch planning needs to know about one chunk: its mel frames and its voice's prompt."""
+    """What batch planning needs to know about one chunk: its mel frames, its voice's prompt, and the
+    own-cache frames its solve reads and keeps (`SolveShape.own_frames` / `kept_frames` of the row)."""
 
     frames: int
     voice: int  # index of the row's voice among the distinct voices of the call
     prompt_frames: int
+    own_frames: int = 0
+    kept_frames: int = 0
 
 
-def plan_batches(rows: Sequence[RowSpec], buckets: Buckets) -> list[list[int]]:
-    """Row indices grouped into batches: equal frame bucket, at most the largest batch bucket, and voices
-    whose prompts fit the largest prompt bucket side by side. Rows keep their order within a batch.
+def plan_batches(rows: Sequence[RowSpec], buckets: Buckets,
+                 fits: Callable[[SolveShape], bool] | None = None) -> list[list[int]]:
+    """Row indices grouped into batches: equal frame bucket, at most the largest batch bucket, voices
+    whose prompts fit the largest prompt bucket side by side, and (with `fits`) a padded solve shape
+    that `fits` accepts (a memory cap: `solve_memory.SolveMemory.fits`; a row alone always runs).
 
     Chunks of very different lengths are not mixed: padding a 15-token first chunk to a 200-token later
-    one would multiply its cost, while separate batches cost one more graph replay.
+    one would multiply its cost, while separate batches cost one more graph replay. Within a frame
+    bucket rows go by own-cache length (stable), so that rows of similar caches share a batch and a
+    cap on long caches splits off only those.
     """
     by_frames: dict[int, list[int]] = {}
     for index, row in enumerate(rows):
@@ -134,10 +141,12 @@ def plan_batches(rows: Sequence[RowSpec], buckets: Buckets) -> list[list[int]]:
         batch: list[int] = []
         voices: set[int] = set()
         prompt = 0
-        for index in indices:
+        for index in sorted(indices, key=lambda i: rows[i].own_frames):
             row = rows[index]
             extra = 0 if row.voice in voices else row.prompt_frames
-            if batch and (len(batch) == max_batch or prompt + extra > max_prompt):
+            if batch and (len(batch) == max_batch or prompt + extra > max_prompt
+                          or (fits is not None and not fits(_padded([rows[i] for i in batch] + [row],
+                                                                     prompt + extra, buckets)))):
                 batches.append(batch)
                 batch, voices, prompt, extra = [], set(), 0, row.prompt_frames
             batch.append(index)
@@ -145,3 +154,10 @@ def plan_batches(rows: Sequence[RowSpec], buckets: Buckets) -> list[list[int]]:
             prompt += extra
         batches.append(batch)
     return batches
+
+
+def _padded(rows: Sequence[RowSpec], prompt_frames: int, buckets: Buckets) -> SolveShape:
+    """The shape a batch of `rows` solves at: its bucket, or its exact shape beyond the buckets."""
+    exact = SolveShape(len(rows), max(row.frames for row in rows), max(row.own_frames for row in rows),
+                       prompt_frames, max(row.kept_frames for row in rows))
+    return buckets.shape(exact) or exact

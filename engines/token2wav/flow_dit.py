@@ -57,6 +57,7 @@ from engines.token2wav.graphs import (
     RaggedSolver,
     SolverLayout,
 )
+from engines.token2wav.solve_memory import SolveMemory
 from engines.transfer import upload
 from engines.voice import VoicePrompt
 
@@ -159,6 +160,7 @@ class DiTFlow(ConformerFlow):
         super().__init__(cfg)
         self.decoder = ConditionalCFM(DiT(cfg.dit), cfg.n_timesteps, cfg.cfg_rate, NOISE_FRAMES)
         self.buckets = Buckets()
+        self.solve_memory: SolveMemory | None = None  # the bytes cap on a batch's solve (None: rows only)
         self._bucketed: RaggedSolver | None = None
         self._bucketed_encoder: EncoderRunner | None = None
 
@@ -252,6 +254,12 @@ class DiTFlow(ConformerFlow):
         if buckets is not None:
             self.buckets = buckets
 
+    def limit_solve_memory(self, budget_bytes: int | None) -> None:
+        """Plan batches whose padded solve needs at most `budget_bytes` (solve_memory.py; None: no cap).
+        Set it before the warm-up: the graphs it captures are those of the batches planned."""
+        layout = SolverLayout.of(self.cfg, self.dtype, self.device)
+        self.solve_memory = None if budget_bytes is None else SolveMemory(layout, budget_bytes)
+
     def enable_cuda_graphs(self, buckets: Buckets | None = None) -> GraphedSolver:
         """Encode and solve batches that fit the buckets with CUDA graphs (captured on the first use of a
         shape). Needs the flow on a CUDA device, in its final dtype."""
@@ -320,9 +328,15 @@ class DiTFlow(ConformerFlow):
             positions.append(index)
         voices: dict[DiTSpeaker, int] = {}
         ratio = self.cfg.token_mel_ratio
-        specs = [RowSpec(ratio * row.out_tokens, voices.setdefault(row.speaker, len(voices)),
-                         row.speaker.prompt_frames) for row in rows]
-        for planned in plan_batches(specs, self.buckets):
+        specs = []
+        for row in rows:
+            frames = ratio * row.out_tokens
+            voice = voices.setdefault(row.speaker, len(voices))
+            specs.append(RowSpec(frames, voice, row.speaker.prompt_frames,
+                                 own_frames=row.stream.estimator_kv.shape[4],
+                                 kept_frames=len(row.stream.keys.after_chunk(frames).own)))
+        fits = None if self.solve_memory is None else self.solve_memory.fits
+        for planned in plan_batches(specs, self.buckets, fits):
             # Rows of one voice and equal own length side by side: they share prompt copies.
             batch = sorted(planned, key=lambda i: (specs[i].voice, rows[i].stream.encoder.num_tokens))
             batch_rows = [rows[i] for i in batch]

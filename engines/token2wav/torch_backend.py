@@ -103,12 +103,14 @@ class TorchToken2Wav(Token2Wav):
         dtype: torch.dtype | None = None,
         cuda_graphs: bool = True,
         dit_cache_rule: CacheRule = "reference",
+        solve_memory_bytes: int | None = None,
     ) -> TorchToken2Wav:
         """Load the `variant` flow of a models directory with its HiFT (Step-Audio2's for the DiT flow,
         CosyVoice2's for the UNet flow); the architecture comes from the directory's manifest.
 
         dtype: the flow's (None: fp16 on CUDA as the reference runs it, fp32 elsewhere); HiFT is fp32.
         cuda_graphs: as for the constructor. dit_cache_rule: the DiT flow's (dit_cache.py).
+        solve_memory_bytes: the DiT flow's cap on one batched solve (solve_memory.py; None: none).
         """
         if dtype is None:
             dtype = torch.float16 if torch.device(device).type == "cuda" else torch.float32
@@ -118,6 +120,7 @@ class TorchToken2Wav(Token2Wav):
         if variant == "dit":
             flow_cfg = dataclasses.replace(configs.dit_flow, att_cache_rule=dit_cache_rule)
             flow = load_dit_flow(paths.dit_flow, flow_cfg, device, dtype)
+            flow.limit_solve_memory(solve_memory_bytes)
             hift_path = paths.hift
         elif variant == "unet":
             # Imported here: the UNet flow is optional for DiT deployments.

@@ -18,11 +18,12 @@ from engines.llm.base import SamplingParams
 from engines.token2wav.base import ChunkJob
 from engines.token2wav.torch_backend import TorchToken2Wav
 from engines.voice import VoicePrompt
+from realtime.batch_policy import FirstChunkHold
 from realtime.config import ServiceConfig
 from realtime.runtime import Runtime
 from realtime.schedule import ScheduleKind
 from realtime.session import SpeechRequest
-from realtime.token2wav_worker import FirstChunkLinger, Token2WavWorker
+from realtime.token2wav_worker import Token2WavWorker
 
 TOKENS = 70  # the exponential schedule cuts this into three chunks
 
@@ -113,7 +114,7 @@ async def test_first_chunks_of_streams_opened_together_share_a_batch(tiny_models
     none yet, while they keep coming, so that they run as one batch."""
     backend = TorchToken2Wav.from_models_dir(tiny_models, "dit", "cpu")
     voice = VoicePrompt.load(ModelPaths(tiny_models).voices / "default.safetensors")
-    worker = Token2WavWorker(backend, max_batch=8, capacity=8, linger=FirstChunkLinger(gap_s=0.3, max_s=2.0))
+    worker = Token2WavWorker(backend, max_batch=8, capacity=8, hold=FirstChunkHold(gap_s=0.3, max_s=2.0))
     batches: list[int] = []
     run_chunks = backend.run_chunks
 

@@ -1,0 +1,69 @@
+"""Device bytes of one batched CFM solve, and the memory cap that bounds a batch's rows by them.
+
+Under the reference DiT cache rule (dit_cache.py) a stream's estimator cache grows to L_p + 100 frames,
+so the rows of a later chunk carry hundreds of cached frames while a first chunk carries none; a row cap
+that suits first chunks (64 rows) does not fit an 80 GB GPU for long caches (docs/benchmarks.md, issue
+#13). `SolveMemory` therefore bounds each batch by bytes, per padded `SolveShape`:
+
+    bytes(shape) = static(shape) + batch · transient_row(shape)
+
+- static: the solve's input and output tensors (`SolverLayout.input_specs` / `output_specs`; a CUDA
+  graph's static buffers). Per row the large ones are the own cache read and the kept cache written,
+  `u · (own_frames + kept_frames)` with u = steps · depth · 2 (guidance) · heads · 2 · head_dim · itemsize
+  bytes per cached frame (640 KiB at full size in fp16); the prompt's cache is held once per batch.
+- transient_row: what `ConditionalCFM.solve_ragged` holds per row while it runs: every step's kept keys
+  and values until they are stacked into the output (u · kept_frames again) and one step's
+  [own cache, chunk] history, u / steps · (own_frames + frames).
+
+So a row needs about u · (own + 2 · kept) + u / steps · (own + frames): ~39 MiB for a first chunk (own 0,
+30 frames), ~800 MiB for a 200-token chunk with a 400-frame cache. A batch may take a shape only while
+`bytes(shape) ≤ budget` (a lone row always runs); the warm-up runs the schedule through the same
+planning, so it captures only the shapes the cap allows. Keep the transient term in step with
+`solve_ragged` if its working tensors change.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from engines.token2wav.batching import SolveShape
+from engines.token2wav.graphs import SolverLayout
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class SolveMemory:
+    """The bytes of a solve of `layout` (see the module docstring) against `budget` bytes."""
+
+    layout: SolverLayout
+    budget: int
+
+    def __post_init__(self) -> None:
+        if self.budget < 1:
+            raise ValueError(f"a solve memory budget must be positive, got {self.budget} bytes")
+
+    @property
+    def cached_frame_bytes(self) -> int:
+        """u: one cached frame of one row in every step and block, both guidance halves."""
+        layout = self.layout
+        return layout.steps * layout.depth * 2 * layout.heads * 2 * layout.head_dim * layout.dtype.itemsize
+
+    def static_bytes(self, shape: SolveShape) -> int:
+        """The solve's input and output tensors."""
+        specs = (self.layout.input_specs(shape), self.layout.output_specs(shape))
+        return sum(math.prod(size) * dtype.itemsize for spec in specs for size, dtype in spec.values())
+
+    def transient_row_bytes(self, shape: SolveShape) -> int:
+        """What the solve holds per row while it runs, beyond its inputs and outputs."""
+        u = self.cached_frame_bytes
+        return u * shape.kept_frames + u // self.layout.steps * (shape.own_frames + shape.frames)
+
+    def bytes(self, shape: SolveShape) -> int:
+        return self.static_bytes(shape) + shape.batch * self.transient_row_bytes(shape)
+
+    def fits(self, shape: SolveShape) -> bool:
+        """Whether a solve of `shape` stays within the budget (what `plan_batches` asks)."""
+        return self.bytes(shape) <= self.budget
+

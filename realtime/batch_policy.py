@@ -1,0 +1,94 @@
+"""Which waiting chunks a token2wav worker thread runs in its next batched call, and when (pure policy).
+
+The worker (realtime/token2wav_worker.py) owns the threads, queues and futures; it hands this module
+plain numbers about what waits and gets back a `Decision`: the chunks of the next call, or how long to
+hold for more. The rules:
+
+1. First audio before everything. While any stream waits for its first chunk (due -inf, see
+   `realtime.schedule.chunk_due`), a call holds first chunks only, earliest arrival first: a first chunk
+   never shares a call with (and so never waits for) another stream's later chunk. Later chunks, whose
+   listeners have audio to play, go in the next call.
+2. First chunks that become ready close together share one call. Streams opened on the thread that
+   have not sent their first chunk yet (`expected_first`) are the ones the LLM is still delivering
+   first chunks for: while some are left and the call is not full, the policy holds until `gap_s` after
+   the latest first chunk arrived (they come a decode step or a prefill apart) and at most `max_s`
+   after the oldest one arrived. With none expected it runs at once (a lone stream never waits).
+3. Otherwise, earliest deadline first: the `max_rows` chunks whose listeners run out of audio soonest.
+
+Nothing here reads a clock or touches a thread: time comes in as `now`, on the clock the arrivals were
+stamped with.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FirstChunkHold:
+    """How long a first chunk may wait for the first chunks of other new streams, to share their call:
+    while they keep coming (one came within `gap_s`), and `max_s` in all."""
+
+    gap_s: float = 0.004
+    max_s: float = 0.012
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.gap_s <= self.max_s:
+            raise ValueError(f"need 0 <= gap_s <= max_s, got gap_s={self.gap_s} max_s={self.max_s}")
+
+
+@dataclass(frozen=True)
+class WaitingChunk:
+    """A chunk waiting for a call: when its listener needs it (-inf: the stream's first audio), its
+    arrival order (ascending) and arrival time."""
+
+    due: float
+    order: int
+    arrived: float
+
+    @property
+    def first(self) -> bool:
+        """The chunk of a stream's first audio."""
+        return self.due == -math.inf
+
+
+@dataclass(frozen=True)
+class Decision:
+    """`run`: indices into the waiting chunks, the next call's rows in order; empty with `hold_until`
+    set: run nothing until then (or until more arrives); empty without: nothing waits."""
+
+    run: tuple[int, ...] = ()
+    hold_until: float | None = None
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """`max_rows`: most chunks in one call; `hold`: how first chunks wait for each other."""
+
+    max_rows: int
+    hold: FirstChunkHold = FirstChunkHold()
+
+    def __post_init__(self) -> None:
+        if self.max_rows < 1:
+            raise ValueError(f"a call needs at least one row, got max_rows={self.max_rows}")
+
+    def decide(self, waiting: Sequence[WaitingChunk], expected_first: int, now: float) -> Decision:
+        """The next call for `waiting`, with `expected_first` streams yet to send their first chunk."""
+        firsts = [i for i, chunk in enumerate(waiting) if chunk.first]
+        if firsts:
+            if expected_first > 0 and len(firsts) < self.max_rows:
+                hold_until = min(
+                    min(waiting[i].arrived for i in firsts) + self.hold.max_s,
+                    max(waiting[i].arrived for i in firsts) + self.hold.gap_s,
+                )
+                if now < hold_until:
+                    return Decision(hold_until=hold_until)
+            firsts.sort(key=lambda i: waiting[i].order)
+            return Decision(run=tuple(firsts[: self.max_rows]))
+        urgent = sorted(range(len(waiting)), key=lambda i: (waiting[i].due, waiting[i].order))
+        return Decision(run=tuple(urgent[: self.max_rows]))
+
+
+__all__ = ["BatchPolicy", "Decision", "FirstChunkHold", "WaitingChunk"]

@@ -201,8 +201,9 @@ class ServiceConfig:
     token2wav_solve_gib: the most GiB one batched DiT solve may need (engines/token2wav/solve_memory.py:
         its buffers and working tensors by padded shape): batches of chunks with long caches (the
         reference DiT cache rule keeps L_p + 100 frames per stream) get fewer rows, first chunks keep
-        `token2wav_batch`. 16 GiB: about what 64-row batches took under `prompt_recent`, which fit an 80
-        GB H100 beside 320 streams (docs/benchmarks.md); None: no cap.
+        `token2wav_batch`. 16 GiB: above the ~14 GiB of the largest 64-row solve under `prompt_recent`,
+        which fit an 80 GB H100 beside 320 streams, below the ~25 GiB of the 32-row ones the reference
+        rule fit beside 128 (docs/benchmarks.md); None: no cap.
     first_chunk_hold: how long a first chunk waits for the first chunks of other new streams to share
         its token2wav call (realtime/batch_policy.py).
     token2wav_workers: token2wav threads (each on its own CUDA stream); a stream stays on the thread

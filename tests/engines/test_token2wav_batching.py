@@ -24,6 +24,7 @@ from engines.token2wav.cfm import RaggedInputs, RaggedOutputs
 from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker
 from engines.token2wav.graphs import EagerEncoder, EncoderInputs, EncoderLayout, EncoderOutputs, SolverLayout
 from engines.token2wav.hift import HiFTGenerator
+from engines.token2wav.solve_memory import SolveMemory
 from engines.token2wav.torch_backend import TorchStream, TorchToken2Wav
 from engines.voice import VoicePrompt
 
@@ -222,6 +223,29 @@ def test_bucketed_shapes_with_stale_buffers_equal_each_stream_alone() -> None:
     assert len(solver.inputs) < len(solver.runs)  # buffers were reused
 
 
+def test_a_solve_memory_cap_splits_long_caches_only_and_keeps_results() -> None:
+    """With a bytes cap that four first chunks fill, the later chunks (longer own caches) are solved in
+    smaller batches, each within the cap, and every stream still equals its run alone."""
+    flow = DiTFlow(CONFIGS.dit_flow).eval()
+    randomize(flow, seed=0)
+    speakers = [flow.prepare_speaker(make_voice(1, 12))]
+    solver, encoder = PersistentSolver(flow), PersistentEncoder(flow)
+    buckets = Buckets(batch=(1, 2, 4, 8), frames=(20, 40, 80), prompt_frames=(64,), own_frames=(16, 32, 64),
+                      history_tokens=(16, 48, 96))
+    flow.use_bucketed_solver(solver, buckets, encoder)
+    first_chunks = SolveShape(4, 20, 0, 64, 16)
+    memory = SolveMemory(solver.layout, 1)
+    flow.limit_solve_memory(memory.bytes(first_chunks))
+    generator = torch.Generator().manual_seed(3)
+    streams = [Plan(0, torch.randint(0, CONFIGS.dit_flow.vocab_size, (30,), generator=generator), (8, 8, 8))
+               for _ in range(4)]
+    assert_streams_match(flow, speakers, streams)
+    assert solver.runs[0] == first_chunks
+    assert all(memory.bytes(shape) <= memory.bytes(first_chunks) for shape in solver.runs if shape.batch > 1)
+    assert len(solver.runs) > 4  # four rounds of four chunks: the later ones were split
+    assert {shape.own_frames for shape in solver.runs if shape.batch == 1} >= {32, 64}
+
+
 def test_backend_run_chunks_equal_run_chunk() -> None:
     """End to end with HiFT: batched flow and batched vocoding give each stream its own audio."""
     torch.manual_seed(0)
@@ -345,6 +369,20 @@ def test_plan_batches_groups_by_frames_and_bounds_batch_and_prompts() -> None:
         RowSpec(frames=500, voice=0, prompt_frames=200),  # beyond every frame bucket: alone
     ]
     assert plan_batches(rows, buckets) == [[0], [2], [3, 4, 5, 6], [1], [7]]
+
+
+def test_plan_batches_keeps_padded_solves_within_a_cap() -> None:
+    """Rows go by own-cache length within a frame bucket; a batch closes when the next row would make its
+    padded shape exceed the cap (here: 4 rows without a cache, 2 with up to 100 frames), and a lone row
+    runs whatever it needs."""
+    buckets = Buckets(batch=(1, 2, 4), frames=(30,), prompt_frames=(300,), own_frames=(100, 400))
+
+    def fits(shape: SolveShape) -> bool:  # a stand-in for SolveMemory.fits: bytes grow with rows × cache
+        return shape.batch * (shape.own_frames + 50) <= 300
+
+    rows = [RowSpec(30, 0, 200, own_frames=own, kept_frames=own) for own in (400, 0, 80, 0, 90, 0, 0, 0, 60)]
+    assert plan_batches(rows, buckets, fits) == [[1, 3, 5, 6], [7, 8], [2, 4], [0]]
+    assert plan_batches(rows, buckets) == [[1, 3, 5, 6], [7, 8, 2, 4], [0]]
 
 
 @pytest.mark.gpu

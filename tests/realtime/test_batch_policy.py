@@ -1,0 +1,91 @@
+"""The token2wav batch policy (pure): which waiting chunks go into the next call, and how long first
+chunks hold for each other."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from realtime.batch_policy import BatchPolicy, Decision, FirstChunkHold, WaitingChunk
+
+FIRST = -math.inf
+HOLD = FirstChunkHold(gap_s=0.004, max_s=0.012)
+
+
+def chunk(due: float, order: int, arrived: float = 0.0) -> WaitingChunk:
+    return WaitingChunk(due, order, arrived)
+
+
+def test_nothing_waiting_runs_nothing() -> None:
+    assert BatchPolicy(8, HOLD).decide([], expected_first=3, now=1.0) == Decision()
+
+
+def test_later_chunks_go_earliest_deadline_first_up_to_the_row_cap() -> None:
+    waiting = [chunk(5.0, 0), chunk(2.0, 1), chunk(9.0, 2), chunk(2.0, 3)]
+    assert BatchPolicy(3, HOLD).decide(waiting, expected_first=0, now=0.0).run == (1, 3, 0)
+
+
+def test_a_first_chunk_never_shares_a_call_with_later_chunks() -> None:
+    """Even with room in the call, the later chunks (however overdue) wait for the next one."""
+    waiting = [chunk(-5.0, 0), chunk(FIRST, 1), chunk(0.5, 2), chunk(FIRST, 3)]
+    decision = BatchPolicy(8, HOLD).decide(waiting, expected_first=0, now=0.0)
+    assert decision == Decision(run=(1, 3))
+    # Once they are gone, the later chunks run by deadline.
+    rest = [waiting[0], waiting[2]]
+    assert BatchPolicy(8, HOLD).decide(rest, expected_first=0, now=0.0).run == (0, 1)
+
+
+def test_first_chunks_beyond_the_row_cap_go_in_arrival_order() -> None:
+    waiting = [chunk(FIRST, order) for order in (4, 1, 3, 0, 2)]
+    assert BatchPolicy(3, HOLD).decide(waiting, expected_first=5, now=0.0).run == (3, 1, 4)
+
+
+def test_a_lone_first_chunk_runs_at_once_when_no_other_is_expected() -> None:
+    decision = BatchPolicy(8, HOLD).decide([chunk(FIRST, 0, arrived=1.0)], expected_first=0, now=1.0)
+    assert decision == Decision(run=(0,))
+
+
+def test_first_chunks_hold_for_expected_ones_while_they_keep_coming() -> None:
+    """Held until a gap after the latest arrival, never beyond max_s after the oldest."""
+    policy = BatchPolicy(8, HOLD)
+    one = [chunk(FIRST, 0, arrived=1.000)]
+    assert policy.decide(one, expected_first=2, now=1.001) == Decision(hold_until=pytest.approx(1.004))
+    two = [*one, chunk(FIRST, 1, arrived=1.003)]
+    assert policy.decide(two, expected_first=1, now=1.003) == Decision(hold_until=pytest.approx(1.007))
+    three = [*two, chunk(FIRST, 2, arrived=1.010)]  # kept coming: capped at 1.000 + 0.012
+    assert policy.decide(three, expected_first=1, now=1.010) == Decision(hold_until=pytest.approx(1.012))
+    assert policy.decide(three, expected_first=1, now=1.012).run == (0, 1, 2)
+
+
+def test_the_hold_ends_when_the_gap_passes_without_an_arrival() -> None:
+    waiting = [chunk(FIRST, 0, arrived=1.000), chunk(FIRST, 1, arrived=1.002)]
+    assert BatchPolicy(8, HOLD).decide(waiting, expected_first=4, now=1.0061).run == (0, 1)
+
+
+def test_a_full_call_of_first_chunks_runs_without_holding() -> None:
+    waiting = [chunk(FIRST, order, arrived=1.0) for order in range(4)]
+    assert BatchPolicy(4, HOLD).decide(waiting, expected_first=10, now=1.0).run == (0, 1, 2, 3)
+
+
+def test_later_chunks_wait_out_a_hold_too() -> None:
+    """While first chunks hold, nothing runs: a later call started now would delay them."""
+    waiting = [chunk(0.1, 0, arrived=0.5), chunk(FIRST, 1, arrived=1.0)]
+    decision = BatchPolicy(8, HOLD).decide(waiting, expected_first=1, now=1.0)
+    assert decision.run == () and decision.hold_until == pytest.approx(1.004)
+
+
+def test_no_hold_configured_runs_at_once() -> None:
+    policy = BatchPolicy(8, FirstChunkHold(gap_s=0.0, max_s=0.0))
+    assert policy.decide([chunk(FIRST, 0, arrived=1.0)], expected_first=5, now=1.0).run == (0,)
+
+
+@pytest.mark.parametrize(("gap_s", "max_s"), [(-0.001, 0.01), (0.02, 0.01)])
+def test_a_hold_needs_a_gap_within_its_maximum(gap_s: float, max_s: float) -> None:
+    with pytest.raises(ValueError, match="gap_s"):
+        FirstChunkHold(gap_s, max_s)
+
+
+def test_a_call_needs_a_row() -> None:
+    with pytest.raises(ValueError, match="max_rows"):
+        BatchPolicy(0)

@@ -43,6 +43,10 @@ async def test_a_bench_level_reports_the_engines_work(live_server: LiveServer) -
     assert figures.llm_steps >= 60 and figures.llm_step_ms > 0
     assert figures.token2wav_batches >= 2 and 1 <= figures.token2wav_chunks_per_batch <= 2
     assert figures.token2wav_batch_ms > 0 and figures.token2wav_wait_ms >= 0
+    assert figures.first_chunk_wait_ms >= 0 and figures.later_chunk_wait_ms >= 0
+    # Both streams' first chunks ran, in one call or two; every call with first chunks is counted.
+    assert 1 <= figures.calls_with_first_chunks <= 2
+    assert figures.first_chunks_per_call * figures.calls_with_first_chunks == 2
     assert 0 < figures.first_tokens_ms < figures.first_chunk_ms
     assert (await scrape(live_server.http_url))["tts_llm_active_requests"] == 0
 

@@ -10,9 +10,11 @@ hold for more. The rules:
    listeners have audio to play, go in the next call.
 2. First chunks that become ready close together share one call. Streams opened on the thread that
    have not sent their first chunk yet (`expected_first`) are the ones the LLM is still delivering
-   first chunks for: while some are left and the call is not full, the policy holds until `gap_s` after
-   the latest first chunk arrived (they come a decode step or a prefill apart) and at most `max_s`
-   after the oldest one arrived. With none expected it runs at once (a lone stream never waits).
+   first chunks for: while some are left and the call is not full, the policy holds until a gap after
+   the latest first chunk arrived and at most `max_s` after the oldest one arrived. The gap is `gap_s`,
+   or `steps` of the LLM's recent decode step if longer (first chunks of streams prefilled in different
+   groups come a step or more apart; the next step's join, a later one's do not). With none expected
+   it runs at once (a lone stream never waits).
 3. Otherwise, earliest deadline first: the `max_rows` chunks whose listeners run out of audio soonest.
 
 Nothing here reads a clock or touches a thread: time comes in as `now`, on the clock the arrivals were
@@ -29,14 +31,22 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class FirstChunkHold:
     """How long a first chunk may wait for the first chunks of other new streams, to share their call:
-    while they keep coming (one came within `gap_s`), and `max_s` in all."""
+    while they keep coming (one came within the gap: `gap_s`, or `steps` LLM decode steps if longer),
+    and `max_s` in all."""
 
     gap_s: float = 0.004
     max_s: float = 0.012
+    steps: float = 1.5
 
     def __post_init__(self) -> None:
         if not 0 <= self.gap_s <= self.max_s:
             raise ValueError(f"need 0 <= gap_s <= max_s, got gap_s={self.gap_s} max_s={self.max_s}")
+        if self.steps < 0:
+            raise ValueError(f"steps must be >= 0, got {self.steps}")
+
+    def gap(self, llm_step_s: float) -> float:
+        """The gap after the latest arrival, for an LLM decode step of `llm_step_s` (0: unknown)."""
+        return min(self.max_s, max(self.gap_s, self.steps * llm_step_s))
 
 
 @dataclass(frozen=True)
@@ -74,14 +84,16 @@ class BatchPolicy:
         if self.max_rows < 1:
             raise ValueError(f"a call needs at least one row, got max_rows={self.max_rows}")
 
-    def decide(self, waiting: Sequence[WaitingChunk], expected_first: int, now: float) -> Decision:
-        """The next call for `waiting`, with `expected_first` streams yet to send their first chunk."""
+    def decide(self, waiting: Sequence[WaitingChunk], expected_first: int, now: float,
+               llm_step_s: float = 0.0) -> Decision:
+        """The next call for `waiting`, with `expected_first` streams yet to send their first chunk and
+        the LLM's recent decode step (`llm_step_s`; 0: unknown)."""
         firsts = [i for i, chunk in enumerate(waiting) if chunk.first]
         if firsts:
             if expected_first > 0 and len(firsts) < self.max_rows:
                 hold_until = min(
                     min(waiting[i].arrived for i in firsts) + self.hold.max_s,
-                    max(waiting[i].arrived for i in firsts) + self.hold.gap_s,
+                    max(waiting[i].arrived for i in firsts) + self.hold.gap(llm_step_s),
                 )
                 if now < hold_until:
                     return Decision(hold_until=hold_until)
@@ -91,4 +103,26 @@ class BatchPolicy:
         return Decision(run=tuple(urgent[: self.max_rows]))
 
 
-__all__ = ["BatchPolicy", "Decision", "FirstChunkHold", "WaitingChunk"]
+class RecentStepTime:
+    """The LLM's recent decode step time, from its cumulative step count and step seconds (`LLMStats`):
+    the mean over the steps since the previous reading, smoothed by `weight` (the newest reading's)."""
+
+    def __init__(self, weight: float = 0.5) -> None:
+        if not 0 < weight <= 1:
+            raise ValueError(f"weight must be in (0, 1], got {weight}")
+        self._weight = weight
+        self._steps = 0
+        self._seconds = 0.0
+        self.seconds = 0.0  # 0 until a step was seen
+
+    def read(self, steps: int, seconds: float) -> float:
+        """Take the counters' new totals; return the recent step time."""
+        if steps > self._steps:
+            sample = (seconds - self._seconds) / (steps - self._steps)
+            previous = self.seconds or sample
+            self.seconds = previous + self._weight * (sample - previous)
+        self._steps, self._seconds = steps, seconds
+        return self.seconds
+
+
+__all__ = ["BatchPolicy", "Decision", "FirstChunkHold", "RecentStepTime", "WaitingChunk"]

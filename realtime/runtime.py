@@ -72,6 +72,12 @@ class RuntimeStats:
     token2wav_queue: int
 
 
+def _llm_steps(llms: Sequence[LLMEngine]) -> tuple[int, float]:
+    """The LLM engines' decode steps and the seconds they took, summed (what a worker's hold reads)."""
+    stats = [llm.stats() for llm in llms]
+    return sum(s.steps for s in stats), sum(s.step_seconds for s in stats)
+
+
 def warmup_batches(max_batch: int, max_rows: int) -> list[int]:
     """The batch sizes (powers of two: the row buckets) a warm-up runs for a token2wav worker that runs
     at most `max_batch` chunks per call and serves at most `max_rows` streams at once. A stream has at
@@ -150,6 +156,7 @@ class Runtime:
                 threads=self.config.token2wav_workers,
                 metrics=self.metrics,
                 hold=self.config.first_chunk_hold,
+                llm_steps=lambda: _llm_steps(engines.llms),
                 name="token2wav" if len(engines.token2wavs) == 1 else f"token2wav{index}",
             )
             for index, (backend, capacity) in enumerate(zip(engines.token2wavs, capacities, strict=True))

@@ -27,7 +27,7 @@ import torch
 
 from engines.token2wav.base import ChunkJob, SpeakerState, Token2Wav, Token2WavStream
 from engines.voice import VoicePrompt
-from realtime.batch_policy import BatchPolicy, FirstChunkHold, WaitingChunk
+from realtime.batch_policy import BatchPolicy, FirstChunkHold, RecentStepTime, WaitingChunk
 from realtime.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -65,12 +65,15 @@ class _Lane:
     never overtakes a chunk of its stream.
     """
 
-    def __init__(self, name: str, backend: Token2Wav, policy: BatchPolicy, metrics: Metrics | None) -> None:
+    def __init__(self, name: str, backend: Token2Wav, policy: BatchPolicy, metrics: Metrics | None,
+                 llm_steps: Callable[[], tuple[int, float]] | None) -> None:
         self.inbox: queue.SimpleQueue[_ChunkTask | _Call | None] = queue.SimpleQueue()
         self.assigned = 0  # streams routed here and not yet closed (event loop side)
         self.open_streams = 0  # streams opened here and not yet closed (this thread's side)
         self.fresh: set[Token2WavStream] = set()  # opened here, no chunk received yet (this thread's side)
         self._policy = policy
+        self._llm_steps = llm_steps
+        self._llm_step = RecentStepTime()
         self._backend = backend
         self._metrics = metrics
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -129,8 +132,9 @@ class _Lane:
             calls = [item for item in items if isinstance(item, _Call)]
             stop = any(item is None for item in items)
             pending[:] = [chunk for chunk in pending if not chunk.future.cancelled()]
-            decision = self._policy.decide([chunk.waiting for chunk in pending],
-                                           0 if stop else len(self.fresh), time.perf_counter())
+            expected = 0 if stop else len(self.fresh)
+            decision = self._policy.decide([chunk.waiting for chunk in pending], expected,
+                                           time.perf_counter(), self._recent_llm_step() if expected else 0.0)
             hold_until = decision.hold_until
             self._run_chunks(self._take(decision.run))
             for call in calls:
@@ -152,6 +156,10 @@ class _Lane:
                 items.append(self.inbox.get(timeout=max(0.0, hold_until - time.perf_counter())))
         self._drain(items)
         return items
+
+    def _recent_llm_step(self) -> float:
+        """The LLM's recent decode step in seconds (0: unknown), read only while first chunks are due."""
+        return 0.0 if self._llm_steps is None else self._llm_step.read(*self._llm_steps())
 
     def _take(self, indices: Sequence[int]) -> list[_ChunkTask]:
         """Remove the pending chunks at `indices` and return them in that order."""
@@ -231,16 +239,20 @@ class Token2WavWorker:
     A new stream goes to the thread with the fewest streams and stays there. Several threads run
     batches concurrently (on CUDA, each on its own stream); the backend must then be safe to call from
     several threads for distinct streams (the PyTorch backend is, without CUDA graphs).
+
+    `hold`: how new streams' first chunks wait for each other (`BatchPolicy`); `llm_steps`: the LLM
+    engines' cumulative decode steps and step seconds (`LLMStats`), from which the hold's gap follows
+    the recent step time (read on the worker threads, only while new streams' first chunks are due).
     """
 
     def __init__(self, backend: Token2Wav, max_batch: int, capacity: int, threads: int = 1,
                  metrics: Metrics | None = None, hold: FirstChunkHold | None = None,
-                 name: str = "token2wav") -> None:
+                 llm_steps: Callable[[], tuple[int, float]] | None = None, name: str = "token2wav") -> None:
         if threads < 1:
             raise ValueError(f"a token2wav worker needs at least one thread, got {threads}")
         self._backend = backend
         policy = BatchPolicy(max_batch, hold or FirstChunkHold())
-        self._lanes = [_Lane(f"{name}-{i}", backend, policy, metrics) for i in range(threads)]
+        self._lanes = [_Lane(f"{name}-{i}", backend, policy, metrics, llm_steps) for i in range(threads)]
         self._lane_of: dict[Token2WavStream, _Lane] = {}
         self._slots = asyncio.Semaphore(capacity)
         self._order = itertools.count()

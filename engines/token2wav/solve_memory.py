@@ -17,9 +17,9 @@ that suits first chunks (64 rows) does not fit an 80 GB GPU for long caches (doc
 
 So a row needs about u · (own + 2 · kept) + u / steps · (own + frames), plus ~3 MiB of conv caches and
 chunk tensors: ~42 MiB for a first chunk (own 0, 30 frames), ~815 MiB for a 200-token chunk with a
-400-frame cache (at full size; 64 such rows would need 51 GiB, 64 first chunks 2.9 GiB). A batch may take a shape only while
-`bytes(shape) ≤ budget` (a lone row always runs); the warm-up runs the schedule through the same
-planning, so it captures only the shapes the cap allows. Keep the transient term in step with
+400-frame cache (at full size; 64 such rows would need 51 GiB, 64 first chunks 2.9 GiB). A batch may
+take a shape only while `bytes(shape) ≤ budget` (a lone row always runs); the warm-up runs the schedule
+through the same planning, so it captures only the shapes the cap allows. Keep the transient term in step with
 `solve_ragged` if its working tensors change.
 """
 

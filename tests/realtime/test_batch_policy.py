@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from realtime.batch_policy import BatchPolicy, Decision, FirstChunkHold, WaitingChunk
+from realtime.batch_policy import BatchPolicy, Decision, FirstChunkHold, RecentStepTime, WaitingChunk
 
 FIRST = -math.inf
 HOLD = FirstChunkHold(gap_s=0.004, max_s=0.012)
@@ -73,6 +73,27 @@ def test_later_chunks_wait_out_a_hold_too() -> None:
     waiting = [chunk(0.1, 0, arrived=0.5), chunk(FIRST, 1, arrived=1.0)]
     decision = BatchPolicy(8, HOLD).decide(waiting, expected_first=1, now=1.0)
     assert decision.run == () and decision.hold_until == pytest.approx(1.004)
+
+
+def test_the_gap_follows_a_slow_llm_step_up_to_the_maximum() -> None:
+    """With LLM steps of 6 ms, first chunks a step apart still join (gap 1.5 steps = 9 ms)."""
+    policy = BatchPolicy(8, HOLD)
+    assert HOLD.gap(0.0) == HOLD.gap(0.001) == 0.004
+    assert HOLD.gap(0.006) == pytest.approx(0.009)
+    assert HOLD.gap(0.1) == HOLD.max_s
+    one = [chunk(FIRST, 0, arrived=1.000)]
+    assert policy.decide(one, 1, now=1.006, llm_step_s=0.006) == Decision(hold_until=pytest.approx(1.009))
+    assert policy.decide(one, 1, now=1.006).run == (0,)  # step unknown: the 4 ms gap has passed
+
+
+def test_recent_step_time_is_the_smoothed_mean_since_the_last_reading() -> None:
+    recent = RecentStepTime(weight=0.5)
+    assert recent.read(0, 0.0) == 0.0  # no step yet: unknown
+    assert recent.read(10, 0.020) == pytest.approx(0.002)
+    assert recent.read(10, 0.020) == pytest.approx(0.002)  # no new step: unchanged
+    assert recent.read(15, 0.050) == pytest.approx(0.004)  # 5 steps of 6 ms, half weight
+    with pytest.raises(ValueError, match="weight"):
+        RecentStepTime(weight=0.0)
 
 
 def test_no_hold_configured_runs_at_once() -> None:

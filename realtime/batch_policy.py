@@ -39,8 +39,8 @@ class FirstChunkHold:
     steps: float = 1.5
 
     def __post_init__(self) -> None:
-        if not 0 <= self.gap_s <= self.max_s:
-            raise ValueError(f"need 0 <= gap_s <= max_s, got gap_s={self.gap_s} max_s={self.max_s}")
+        if self.gap_s < 0 or self.max_s < 0:  # max_s bounds the gap too: max_s = 0 turns holding off
+            raise ValueError(f"need gap_s >= 0 and max_s >= 0, got gap_s={self.gap_s} max_s={self.max_s}")
         if self.steps < 0:
             raise ValueError(f"steps must be >= 0, got {self.steps}")
 

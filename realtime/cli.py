@@ -382,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="a first chunk waits for other new streams' first chunks while one came within "
                               "this many ms")
         sub.add_argument("--first-chunk-hold-ms", type=float, default=FirstChunkHold().max_s * 1000,
-                         help="and at most this many ms in all")
+                         help="and at most this many ms in all (0: no waiting)")
         if name == "serve":
             _add_serve_flags(sub)
             _add_access_flags(sub)

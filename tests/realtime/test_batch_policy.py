@@ -96,15 +96,17 @@ def test_recent_step_time_is_the_smoothed_mean_since_the_last_reading() -> None:
         RecentStepTime(weight=0.0)
 
 
-def test_no_hold_configured_runs_at_once() -> None:
-    policy = BatchPolicy(8, FirstChunkHold(gap_s=0.0, max_s=0.0))
-    assert policy.decide([chunk(FIRST, 0, arrived=1.0)], expected_first=5, now=1.0).run == (0,)
+def test_a_zero_maximum_turns_holding_off() -> None:
+    policy = BatchPolicy(8, FirstChunkHold(gap_s=0.004, max_s=0.0))
+    decision = policy.decide([chunk(FIRST, 0, arrived=1.0)], expected_first=5, now=1.0, llm_step_s=0.01)
+    assert decision.run == (0,)
 
 
-@pytest.mark.parametrize(("gap_s", "max_s"), [(-0.001, 0.01), (0.02, 0.01)])
-def test_a_hold_needs_a_gap_within_its_maximum(gap_s: float, max_s: float) -> None:
-    with pytest.raises(ValueError, match="gap_s"):
-        FirstChunkHold(gap_s, max_s)
+@pytest.mark.parametrize(("gap_s", "max_s", "steps"), [(-0.001, 0.01, 1.0), (0.001, -0.01, 1.0),
+                                                       (0.001, 0.01, -1.0)])
+def test_a_hold_is_not_negative(gap_s: float, max_s: float, steps: float) -> None:
+    with pytest.raises(ValueError, match="gap_s|steps"):
+        FirstChunkHold(gap_s, max_s, steps)
 
 
 def test_a_call_needs_a_row() -> None:

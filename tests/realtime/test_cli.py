@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from realtime.cli import main
+from realtime.batch_policy import FirstChunkHold
+from realtime.cli import _config, build_parser, main
+from realtime.config import ServiceConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -61,3 +63,15 @@ def test_a_taken_port_is_found_before_the_engines_load(tiny_models):
         port = taken.getsockname()[1]
         line = serve_fails("--models", str(tiny_models), "--port", str(port))
     assert f"cannot listen on 127.0.0.1:{port}" in line
+
+
+def test_scheduling_flags_reach_the_service_config(tmp_path):
+    def config(*flags: str) -> ServiceConfig:
+        return _config(build_parser().parse_args(["serve", "--models", str(tmp_path), *flags]))
+
+    default = config()
+    assert default.token2wav_batch == 64 and default.token2wav_solve_bytes == 16 << 30
+    assert default.first_chunk_hold == FirstChunkHold()
+    tuned = config("--token2wav-solve-gib", "0", "--first-chunk-gap-ms", "6", "--first-chunk-hold-ms", "20")
+    assert tuned.token2wav_solve_bytes is None
+    assert tuned.first_chunk_hold == FirstChunkHold(gap_s=0.006, max_s=0.020)

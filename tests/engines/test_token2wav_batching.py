@@ -246,6 +246,23 @@ def test_a_solve_memory_cap_splits_long_caches_only_and_keeps_results() -> None:
     assert {shape.own_frames for shape in solver.runs if shape.batch == 1} >= {32, 64}
 
 
+def test_the_warm_up_solves_only_shapes_within_the_cap() -> None:
+    """The warm-up runs the schedule through the same planning: with a cap that four first chunks fill,
+    no batch of more than one row it solves (what CUDA graphs would capture) exceeds it."""
+    flow = DiTFlow(CONFIGS.dit_flow).eval()
+    randomize(flow, seed=0)
+    solver = PersistentSolver(flow)
+    flow.use_bucketed_solver(solver, Buckets(batch=(1, 2, 4)))
+    budget = SolveMemory(solver.layout, 1).bytes(SolveShape(4, 30, 0, 256, 30))
+    flow.limit_solve_memory(budget)
+    backend = TorchToken2Wav(flow, HiFTGenerator(CONFIGS.hift).eval(), vocoder_seed=0)
+    backend.warmup(backend.prepare_speaker(make_voice(1, 12)), batches=(4, 1))
+    memory = SolveMemory(solver.layout, budget)
+    assert SolveShape(4, 30, 0, 256, 30) in solver.runs
+    assert all(memory.fits(shape) for shape in solver.runs if shape.batch > 1)
+    assert any(shape.batch == 1 and shape.own_frames > 0 for shape in solver.runs)
+
+
 def test_backend_run_chunks_equal_run_chunk() -> None:
     """End to end with HiFT: batched flow and batched vocoding give each stream its own audio."""
     torch.manual_seed(0)

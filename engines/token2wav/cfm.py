@@ -54,12 +54,15 @@ class RaggedEstimator(Protocol):
     """An estimator that runs a padded batch of chunks with split prompt/own caches (dit.DiT).
 
     `conditioning(t)` precomputes what a step's time contributes (shared by every row);
-    `ragged_layout(lengths, mask)` what the batch's padding implies (shared by every step).
+    `ragged_layout(lengths, mask, prompt_frames, frames)` what the batch's padding implies (shared by
+    every step).
     """
 
     def conditioning(self, t: float) -> Any: ...
 
-    def ragged_layout(self, lengths: torch.Tensor, mask: torch.Tensor) -> Any: ...
+    def ragged_layout(
+        self, lengths: torch.Tensor, mask: torch.Tensor, prompt_frames: int, frames: int
+    ) -> Any: ...
 
     def forward_ragged(
         self,
@@ -237,24 +240,25 @@ class ConditionalCFM(nn.Module):
         mu2 = torch.cat([mu, torch.zeros_like(mu)])
         spks2 = torch.cat([inputs.spks, torch.zeros_like(inputs.spks)])
         lengths2 = torch.cat([inputs.lengths, inputs.lengths])
-        layout = estimator.ragged_layout(lengths2, inputs.mask)
+        layout = estimator.ragged_layout(lengths2, inputs.mask, inputs.prompt_kv.shape[4], frames)
         keep = torch.cat([inputs.keep, inputs.keep])
-        new_cnn, kept_kv = [], []
+        own_frames = inputs.own_kv.shape[5]
+        if out is None:
+            steps, depth, rows, heads, _, width = inputs.own_kv.shape
+            kept_size = (steps, depth, rows, heads, keep.shape[1], width)
+            out = RaggedOutputs(torch.empty_like(mu), torch.empty_like(inputs.cnn_cache),
+                                inputs.own_kv.new_empty(kept_size))
+        index = keep[None, :, None, :, None].expand(*out.kept_kv.shape[1:])
         for step in range(self.n_timesteps):
             own = inputs.own_kv[step]
             v, cnn, kv = estimator.forward_ragged(
                 torch.cat([x, x]), mu2, spks2, conditioning[step], layout, inputs.cnn_cache[step],
                 inputs.prompt_kv[step], own,
             )
-            history = torch.cat([own, kv], dim=3)
-            depth, _, heads, _, width = history.shape
-            index = keep[None, :, None, :, None].expand(depth, -1, heads, -1, width)
-            new_cnn.append(cnn)
-            kept_kv.append(history.gather(3, index))
+            # Straight into the outputs; a first chunk's history is the chunk alone (no copy of it).
+            history = kv if own_frames == 0 else torch.cat([own, kv], dim=3)
+            torch.gather(history, 3, index, out=out.kept_kv[step])
+            out.cnn_cache[step].copy_(cnn)
             x = x + (self.t_grid[step + 1] - self.t_grid[step]) * self._guided(v)
-        if out is None:
-            return RaggedOutputs(x, torch.stack(new_cnn), torch.stack(kept_kv))
         out.mel.copy_(x)
-        torch.stack(new_cnn, out=out.cnn_cache)
-        torch.stack(kept_kv, out=out.kept_kv)
         return out

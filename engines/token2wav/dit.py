@@ -33,12 +33,18 @@ from torch import nn
 
 from engines.checkpoints import store_as_parts
 from engines.config import DiTConfig
+from engines.token2wav.attention import aligned_bias, attention_with_lse, merge_attention
 from engines.token2wav.batching import frame_index
 
 CONV_CONTEXT = 2  # causal kernel-3 convs
 MODULATIONS = 9  # shift/scale/gate for attention, MLP and conv branches
 SCALES = (1, 4, 7)  # the scale entries among them (applied as 1 + scale)
 RAGGED_SHAPE_CLASSES = 64  # compiled variants of the batched block (see DiT.compile_blocks)
+# Up to this many rows (one stream's guidance rows) a batch's attention lays the shared prompt out per
+# row and runs one kernel. Above, the prompt is read in place (attention.py), which at 16–64 streams saves
+# copies as large as the attention itself. One stream is a compiled shape class of its own anyway (a dim
+# of size 1 specialises), so the choice adds no compiled variant.
+ONE_CALL_MAX_ROWS = 2
 
 
 def modulated_norm(
@@ -63,19 +69,36 @@ class DenseKeys:
 
 
 @dataclass(frozen=True)
+class RaggedLayout:
+    """What the padding of a ragged batch implies, equal for every Euler step of one solve
+    (see `DiT.ragged_layout`). With B streams, T chunk frames, K_p prompt and T_own own-cache frames:
+
+    bias: (2B, K_p + T_own + T) 0 where a row attends, −inf elsewhere (over [prompt, own, chunk] keys);
+    prompt_bias: (2, 1, B·T, K_p) the prompt part of `bias` per query, finite (`attention.aligned_bias`);
+    own_bias: (2B, 1, 1, T_own + T) its own-cache and chunk part, finite;
+    conv_context: (2B, 2) int64, see CausalConvBranch.forward_ragged.
+    """
+
+    bias: torch.Tensor
+    prompt_bias: torch.Tensor
+    own_bias: torch.Tensor
+    conv_context: torch.Tensor
+
+
+@dataclass(frozen=True)
 class SplitKeys:
     """Keys of a padded batch of 2B rows (B streams, conditional rows first, then unconditional).
 
     prompt: (2, heads, K_p, 2·head_dim) keys|values shared by all conditional (index 0) resp.
       unconditional (1) rows, e.g. the prompts of the batch's voices side by side;
     own: (2B, heads, T_own, 2·head_dim) each row's own cached frames;
-    bias: (2B, K_p + T_own + T) added to the scores over [prompt, own, the chunk's T frames]: 0 where a
-      row attends, −inf elsewhere; every row must attend to at least one key.
+    layout: which of [prompt, own, the chunk's T frames] each row attends to; every row must attend to
+      at least one own or chunk key.
     """
 
     prompt: torch.Tensor
     own: torch.Tensor
-    bias: torch.Tensor
+    layout: RaggedLayout
 
 
 class TimestepEmbedder(nn.Module):
@@ -135,16 +158,33 @@ class Attention(nn.Module):
         """Attention of q (2B, T, heads, head_dim) over [shared prompt, own cache, chunk] keys; new_kv
         (2B, heads, T, 2·head_dim) are the chunk's. Returns (2B, T, C).
 
-        Each row's keys are laid out once per call (one copy that reads the shared prompt in place), so
-        that one fused attention kernel serves the batch: scores over ~300–700 keys per query are never
-        materialised, which on a GPU costs several passes over a tensor of rows · T · keys per head.
+        Up to `ONE_CALL_MAX_ROWS` rows, each row's keys are laid out once per call (one copy that reads
+        the shared prompt in place) and one fused kernel serves the batch. Above, the prompt part runs
+        once per guidance half over all its rows' queries and the own part once per row, merged by
+        their log-sum-exps (attention.py): no per-row copy of the prompt.
         """
+        rows, t, heads, dim = q.shape
+        if rows <= ONE_CALL_MAX_ROWS:
+            return self._one_call_attention(q, new_kv, keys)
+        streams = rows // 2
+        own = new_kv if keys.own.shape[2] == 0 else torch.cat([keys.own, new_kv], dim=2)
+        halves = q.reshape(2, streams * t, heads, dim).transpose(1, 2)
+        prompt, prompt_lse = attention_with_lse(halves, keys.prompt[..., :dim], keys.prompt[..., dim:],
+                                                keys.layout.prompt_bias)
+        chunk, chunk_lse = attention_with_lse(q.transpose(1, 2), own[..., :dim], own[..., dim:],
+                                              keys.layout.own_bias)
+        out = merge_attention(prompt.transpose(1, 2).reshape(rows, t, heads, dim),
+                              prompt_lse.view(rows, t, heads, 1),
+                              chunk.transpose(1, 2), chunk_lse.unsqueeze(-1))
+        return out.reshape(rows, t, heads * dim)
+
+    def _one_call_attention(self, q: torch.Tensor, new_kv: torch.Tensor, keys: SplitKeys) -> torch.Tensor:
         rows, t, heads, dim = q.shape
         halves = (2, rows // 2)
         prompt = keys.prompt.unsqueeze(1).expand(*halves, *keys.prompt.shape[1:])
         own, new = keys.own.view(*halves, *keys.own.shape[1:]), new_kv.view(*halves, *new_kv.shape[1:])
         kv = torch.cat([prompt, own, new], dim=3).view(rows, heads, -1, 2 * dim)
-        bias = keys.bias[:, None, None, :]
+        bias = keys.layout.bias[:, None, None, :]
         out = F.scaled_dot_product_attention(q.transpose(1, 2), kv[..., :dim], kv[..., dim:], attn_mask=bias)
         return out.transpose(1, 2).reshape(rows, t, heads * dim)
 
@@ -213,7 +253,11 @@ class Mlp(nn.Module):
         self.fc2 = nn.Linear(hidden, channels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+        # fc1, its bias and the tanh GELU in one GEMM (cuBLASLt's epilogue on CUDA; a CPU applies the
+        # same GELU after the matmul): one kernel less per block, whose output is the MLP's widest tensor.
+        flat = torch._addmm_activation(self.fc1.bias, x.reshape(-1, x.shape[-1]), self.fc1.weight.t(),
+                                       use_gelu=True)
+        return self.fc2(flat.view(*x.shape[:-1], -1))
 
 
 class DiTBlock(nn.Module):
@@ -276,19 +320,6 @@ class FinalLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, modulation: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return self.linear(modulated_norm(self.norm_final, x, *modulation))
-
-
-@dataclass(frozen=True)
-class RaggedLayout:
-    """What the padding of a ragged batch implies, equal for every Euler step of one solve
-    (see `DiT.ragged_layout`).
-
-    bias: (2B, K_p + T_own + T) 0 where a row attends, −inf elsewhere (`SplitKeys.bias`);
-    conv_context: (2B, 2) int64, see CausalConvBranch.forward_ragged.
-    """
-
-    bias: torch.Tensor
-    conv_context: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -393,15 +424,21 @@ class DiT(nn.Module):
         return StepConditioning(tuple(block.modulation(c) for block in self._blocks),
                                 self.final_layer.modulation(c))
 
-    def ragged_layout(self, lengths: torch.Tensor, mask: torch.Tensor) -> RaggedLayout:
-        """The attention bias and conv contexts of a padded batch, for every step of its solve.
+    def ragged_layout(
+        self, lengths: torch.Tensor, mask: torch.Tensor, prompt_frames: int, frames: int
+    ) -> RaggedLayout:
+        """The attention biases and conv contexts of a padded batch, for every step of its solve.
 
         lengths (2B,) int64: real chunk frames per row; mask (2B, K_p + T_own + T) bool, True = attend
-        (over [prompt, own cache, chunk] keys, as in `SplitKeys`).
+        (over [prompt, own cache, chunk] keys, as in `SplitKeys`); prompt_frames K_p; frames T.
         """
         dtype = self.in_proj.weight.dtype
         bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-        return RaggedLayout(bias, frame_index(lengths + CONV_CONTEXT, CONV_CONTEXT))
+        rows = mask.shape[0]
+        per_query = mask[:, :prompt_frames].view(2, rows // 2, 1, prompt_frames).expand(-1, -1, frames, -1)
+        prompt_bias = aligned_bias(per_query.reshape(2, 1, rows // 2 * frames, prompt_frames), dtype)
+        own_bias = aligned_bias(mask[:, None, None, prompt_frames:], dtype)
+        return RaggedLayout(bias, prompt_bias, own_bias, frame_index(lengths + CONV_CONTEXT, CONV_CONTEXT))
 
     def forward_ragged(
         self,
@@ -428,7 +465,7 @@ class DiT(nn.Module):
         for block, modulation, conv_cache, prompt, own in zip(
             self._blocks, conditioning.blocks, cnn_cache, prompt_kv, own_kv, strict=True
         ):
-            keys = SplitKeys(prompt, own, layout.bias)
+            keys = SplitKeys(prompt, own, layout)
             h, kv, conv_cache = run_block(block, h, modulation, keys, conv_cache, layout.conv_context)
             new_cnn.append(conv_cache)
             new_kv.append(kv)

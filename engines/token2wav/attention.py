@@ -1,0 +1,75 @@
+"""Attention over two key sets at once, for the DiT's batched streaming chunks (dit.SplitKeys).
+
+A batch's rows attend to [shared prompt keys, own keys]. Laying the shared prompt out per row, so that one
+fused kernel sees each row's keys, copies rows × prompt frames of keys and values in every block of every
+Euler step; at 64 streams those copies cost as much as the attention itself. Instead:
+- the prompt part is one attention per guidance half: the queries of all the half's rows against the
+  half's prompt keys, each query with its row's bias (the prompt keys are read in place);
+- the own part is one attention per row over its own cache and its chunk;
+- both parts return their log-sum-exp, and `merge_attention` weighs them by it, which is the softmax
+  over the union of the keys (up to float rounding).
+
+`attention_with_lse` is a custom op so that torch.compile keeps the kernel and its strides as they are:
+on CUDA the memory-efficient kernel (it takes an additive bias and returns the log-sum-exp), elsewhere
+plain matmuls and a softmax in float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+BIAS_ALIGNMENT = 16  # the memory-efficient kernel needs bias rows whose stride is a multiple of 16
+
+
+@torch.library.custom_op("cosyvoice::attention_with_lse", mutates_args=())
+def attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of q (N, H, M, d) over k, v (N, H, S, d), scale 1/√d, additive bias
+    broadcastable to (N, H, M, S) (see `aligned_bias`; finite, e.g. the dtype's minimum where masked).
+
+    Returns the output (N, H, M, d), laid out as (N, M, H, d) in memory, and the float32 log-sum-exp of
+    each query's biased, scaled scores as (N, M, H): both in the layout of rows of queries, which is
+    what `merge_attention` reads (the kernel's own log-sum-exp is (N, H, M) padded to 32 queries; a
+    slice of it would make compiled code specialise on whether M is a multiple of 32).
+    """
+    n, heads, queries, dim = q.shape
+    full_bias = bias.expand(n, heads, queries, k.shape[2])
+    if q.is_cuda:
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, full_bias, True)[:2]
+        return out, lse[..., :queries].transpose(1, 2).contiguous()
+    scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) / math.sqrt(dim) + full_bias.float()
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+    lse = torch.logsumexp(scores, dim=-1)
+    return out.transpose(1, 2).contiguous().transpose(1, 2), lse.transpose(1, 2).contiguous()
+
+
+@attention_with_lse.register_fake
+def _attention_with_lse_shapes(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    n, heads, queries, _ = q.shape
+    out = q.new_empty(n, queries, heads, v.shape[3]).transpose(1, 2)
+    return out, q.new_empty(n, queries, heads, dtype=torch.float32)
+
+
+def aligned_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive bias of bool `mask` (…, S), True = attend: 0, or the dtype's finite minimum (a query whose
+    keys are all masked then gets a finite output and a log-sum-exp near that minimum, which weighs
+    nothing in `merge_attention`). Rows are stored with a stride of a multiple of `BIAS_ALIGNMENT`."""
+    keys = mask.shape[-1]
+    stride = math.ceil(keys / BIAS_ALIGNMENT) * BIAS_ALIGNMENT
+    storage = torch.zeros(*mask.shape[:-1], stride, dtype=dtype, device=mask.device)
+    bias = storage[..., :keys]
+    return bias.masked_fill_(~mask, torch.finfo(dtype).min)
+
+
+def merge_attention(
+    first: torch.Tensor, first_lse: torch.Tensor, second: torch.Tensor, second_lse: torch.Tensor
+) -> torch.Tensor:
+    """The attention over two disjoint key sets from each set's output (…, d) and log-sum-exp (…, 1)."""
+    weight = torch.sigmoid(first_lse - second_lse)  # = e^lse1 / (e^lse1 + e^lse2)
+    merged = second.float() + weight * (first.float() - second.float())
+    return merged.to(first.dtype)

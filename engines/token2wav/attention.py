@@ -56,14 +56,21 @@ def _attention_with_lse_shapes(
 
 
 def aligned_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive bias of bool `mask` (…, S), True = attend: 0, or the dtype's finite minimum (a query whose
-    keys are all masked then gets a finite output and a log-sum-exp near that minimum, which weighs
-    nothing in `merge_attention`). Rows are stored with a stride of a multiple of `BIAS_ALIGNMENT`."""
+    """Additive bias of bool `mask` (…, S), True = attend: 0, or `masked_bias(dtype)`. Rows are stored
+    with a stride of a multiple of `BIAS_ALIGNMENT`."""
     keys = mask.shape[-1]
     stride = math.ceil(keys / BIAS_ALIGNMENT) * BIAS_ALIGNMENT
     storage = torch.zeros(*mask.shape[:-1], stride, dtype=dtype, device=mask.device)
     bias = storage[..., :keys]
-    return bias.masked_fill_(~mask, torch.finfo(dtype).min)
+    return bias.masked_fill_(~mask, masked_bias(dtype))
+
+
+def masked_bias(dtype: torch.dtype) -> float:
+    """The bias of a masked key: finite, so that a query whose keys are all masked gets a finite output
+    and a log-sum-exp near this value, which weighs nothing in `merge_attention` (with −inf the kernel
+    reports such a query's log-sum-exp as +inf). At most −1e30 in magnitude: the kernel scales scores by
+    log2(e), which would take float32's minimum to −inf."""
+    return max(torch.finfo(dtype).min, -1e30)
 
 
 def merge_attention(

@@ -40,11 +40,11 @@ CONV_CONTEXT = 2  # causal kernel-3 convs
 MODULATIONS = 9  # shift/scale/gate for attention, MLP and conv branches
 SCALES = (1, 4, 7)  # the scale entries among them (applied as 1 + scale)
 RAGGED_SHAPE_CLASSES = 64  # compiled variants of the batched block (see DiT.compile_blocks)
-# Up to this many rows (one stream's guidance rows) a batch's attention lays the shared prompt out per
-# row and runs one kernel. Above, the prompt is read in place (attention.py), which at 16–64 streams saves
-# copies as large as the attention itself. One stream is a compiled shape class of its own anyway (a dim
-# of size 1 specialises), so the choice adds no compiled variant.
-ONE_CALL_MAX_ROWS = 2
+# Up to this many rows (4 streams' guidance rows) a batch's attention lays the shared prompt out per row
+# and runs one kernel: the copies are small and the split's extra kernels would cost more (a lone stream
+# runs in the 2-stream graph bucket: ~1 ms more per first chunk split, H100). Above, the prompt is read
+# in place (attention.py), which at 16–64 streams saves copies as large as the attention itself.
+ONE_CALL_MAX_ROWS = 8
 
 
 def modulated_norm(

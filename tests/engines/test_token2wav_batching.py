@@ -306,7 +306,8 @@ def test_batches_without_cuda_graphs_compile_nothing() -> None:
 
 def test_compiled_blocks_need_one_variant_per_shape_class_whatever_the_batch() -> None:
     """Batch buckets share the compiled block: variants only for an empty or filled own cache and for
-    one row or more (here 2·32 rows equal the tiny hidden size, which duck shaping would specialise)."""
+    one stream, 2–4 streams (the attention's one-call path, dit.ONE_CALL_MAX_ROWS) or more (here 2·32
+    rows equal the tiny hidden size, which duck shaping would specialise)."""
     from torch._dynamo.utils import counters
 
     flow, hift = DiTFlow(CONFIGS.dit_flow).eval(), HiFTGenerator(CONFIGS.hift).eval()
@@ -315,7 +316,7 @@ def test_compiled_blocks_need_one_variant_per_shape_class_whatever_the_batch() -
     speaker = backend.prepare_speaker(make_voice(1, 12))
     graphs_before = counters["stats"]["unique_graphs"]
     backend.warmup(speaker, batches=(32, 8, 2, 1))
-    assert counters["stats"]["unique_graphs"] - graphs_before <= 4
+    assert counters["stats"]["unique_graphs"] - graphs_before <= 6
 
 
 def test_warmup_runs_the_schedule_and_leaves_no_stream_open(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,16 +11,16 @@ that suits first chunks (64 rows) does not fit an 80 GB GPU for long caches (doc
   graph's static buffers). Per row the large ones are the own cache read and the kept cache written,
   `u · (own_frames + kept_frames)` with u = steps · depth · 2 (guidance) · heads · 2 · head_dim · itemsize
   bytes per cached frame (640 KiB at full size in fp16); the prompt's cache is held once per batch.
-- transient_row: what `ConditionalCFM.solve_ragged` holds per row while it runs: every step's kept keys
-  and values until they are stacked into the output (u · kept_frames again) and one step's
-  [own cache, chunk] history, u / steps · (own_frames + frames).
+- transient_row: what `ConditionalCFM.solve_ragged` holds per row while one step runs: the step's new
+  keys and values for the chunk and the [own cache, chunk] history they are gathered from,
+  u / steps · (own_frames + 2 · frames) (the kept cache goes straight into the output).
 
-So a row needs about u · (own + 2 · kept) + u / steps · (own + frames), plus ~3 MiB of conv caches and
-chunk tensors: ~42 MiB for a first chunk (own 0, 30 frames), ~815 MiB for a 200-token chunk with a
-400-frame cache (at full size; 64 such rows would need 51 GiB, 64 first chunks 2.9 GiB). A batch may
+So a row needs about u · (own + kept) + u / steps · (own + 2 · frames), plus ~3 MiB of conv caches and
+chunk tensors: ~25 MiB for a first chunk (own 0, 30 frames), ~580 MiB for a 200-token chunk with a
+400-frame cache (at full size; 64 such rows would need 36 GiB, 64 first chunks 1.6 GiB). A batch may
 take a shape only while `bytes(shape) ≤ budget` (a lone row always runs); the warm-up runs the schedule
-through the same planning, so it captures only the shapes the cap allows. Keep the transient term in step with
-`solve_ragged` if its working tensors change.
+through the same planning, so it captures only the shapes the cap allows. Keep the transient term in step
+with `solve_ragged` if its working tensors change.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class SolveMemory:
     def transient_row_bytes(self, shape: SolveShape) -> int:
         """What the solve holds per row while it runs, beyond its inputs and outputs."""
         u = self.cached_frame_bytes
-        return u * shape.kept_frames + u // self.layout.steps * (shape.own_frames + shape.frames)
+        return u // self.layout.steps * (shape.own_frames + 2 * shape.frames)
 
     def bytes(self, shape: SolveShape) -> int:
         return self.static_bytes(shape) + shape.batch * self.transient_row_bytes(shape)

@@ -3,6 +3,7 @@
 #
 #   bash benchmarks/on_device.sh bash benchmarks/gpu_speed.sh [STREAMS] [SEARCH_MAX]
 #
+# PARTS (default "bench offline") picks the parts, so that each fits one 10-minute device call.
 # 1. `realtime bench`: all streams started together at each level (250 tokens each), the no-underrun
 #    ceiling searched up to SEARCH_MAX with --max-streams SEARCH_MAX (so the search is not capped by
 #    admission), staggered Poisson loads at 50/80/100 % of that ceiling, and the baseline server in the
@@ -17,12 +18,16 @@ SEARCH_MAX=${2:-320}
 MODELS=${MODELS:-/tmp/m}
 DEST=${OUT:-bench-results}
 mkdir -p "$DEST"
+PARTS=${PARTS:-bench offline}
 
-python3 -m realtime bench --models "$MODELS" --streams "$STREAMS" --tokens 250 --search-max "$SEARCH_MAX" \
-    --staggered 0.5,0.8,1 --staggered-s 30 --baseline-streams 1,16 \
-    --server-arg=--device --server-arg=cuda --server-arg=--max-streams --server-arg="$SEARCH_MAX" \
-    --json "$DEST/bench.json" 2>&1 | tee "$DEST/bench.log"
+if [[ " $PARTS " == *" bench "* ]]; then
+    python3 -m realtime bench --models "$MODELS" --streams "$STREAMS" --tokens 250 --search-max "$SEARCH_MAX" \
+        --staggered 0.5,0.8,1 --staggered-s 30 --baseline-streams 1,16 \
+        --server-arg=--device --server-arg=cuda --server-arg=--max-streams --server-arg="$SEARCH_MAX" \
+        --json "$DEST/bench.json" 2>&1 | tee "$DEST/bench.log"
+fi
 
+[[ " $PARTS " == *" offline "* ]] || exit 0
 items=$(mktemp -d)
 python3 - "$items" <<'EOF'
 import json, pathlib, sys

@@ -8,6 +8,8 @@ process options (TF32, Inductor's compile cache beside the models) first. The `R
 from __future__ import annotations
 
 import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +46,27 @@ class LoadedEngines:
             raise ValueError("one LLM engine per LLM device and one token2wav backend per token2wav device")
 
 
+def _load_token2wav(config: ServiceConfig, device: str) -> Token2Wav:
+    started = time.perf_counter()
+    backend = select_token2wav(
+        config.models_dir,
+        config.token2wav_backend,
+        config.flow,
+        device,
+        pool_size=max(4, config.token2wav_workers),
+        # CUDA graphs replay from shared buffers: only one thread may run the backend with them.
+        cuda_graphs=config.token2wav_workers == 1,
+        dit_cache_rule=config.dit_cache_rule,
+        solve_memory_bytes=config.token2wav_solve_bytes,
+    )
+    logger.info("token2wav %s loaded on %s in %.1f s", backend.name, device, time.perf_counter() - started)
+    return backend
+
+
+def _load_text(paths: ModelPaths, max_text_chars: int) -> TextFrontend:
+    return TextFrontend(paths.text_tokenizer, ReferenceNormalizer(), max_text_chars=max_text_chars)
+
+
 def load_engines(config: ServiceConfig) -> LoadedEngines:
     """The engines over `config.models_dir` on the devices of `config.device_plan`, backends picked by
     engines/*/auto.py (blocking: call it off the event loop). RuntimeError says why a backend asked for
@@ -55,35 +78,31 @@ def load_engines(config: ServiceConfig) -> LoadedEngines:
         use_tf32_matmuls()
         cache = keep_compiled_artifacts(compile_cache_dir(config.models_dir, gpus[0]))
         logger.info("compiled kernels cached in %s", cache or "Inductor's default folder")
-    token2wavs = tuple(
-        select_token2wav(
-            config.models_dir,
-            config.token2wav_backend,
-            config.flow,
-            device,
-            pool_size=max(4, config.token2wav_workers),
-            # CUDA graphs replay from shared buffers: only one thread may run the backend with them.
-            cuda_graphs=config.token2wav_workers == 1,
-            dit_cache_rule=config.dit_cache_rule,
-            solve_memory_bytes=config.token2wav_solve_bytes,
+    started = time.perf_counter()
+    paths = ModelPaths(config.models_dir)
+    # The token2wav weights (file reads and host-to-device copies), the text tokenizer and normaliser and
+    # the voice encoder's ONNX sessions load side by side: most of it runs outside the GIL.
+    with ThreadPoolExecutor(max_workers=len(plan.token2wav_devices) + 2, thread_name_prefix="load") as pool:
+        token2wav_loads = [pool.submit(_load_token2wav, config, device) for device in plan.token2wav_devices]
+        text_load = pool.submit(_load_text, paths, config.max_text_chars)
+        encoder_load = pool.submit(
+            VoiceEncoder,
+            paths.speech_tokenizer,
+            paths.campplus,
+            device="cpu" if all(device == "cpu" for device in plan.llm_devices) else "auto",
+            limits=VoiceLimits(max_seconds=config.max_voice_upload_s),
         )
-        for device in plan.token2wav_devices
-    )
-    slots = config.llm_slots or config.max_streams
-    llms = tuple(
-        select_llm(config.models_dir, config.llm_backend, device, max_slots=slots)
-        for device in plan.llm_devices
-    )
+        slots = config.llm_slots or config.max_streams
+        # Constructing an LLM engine is cheap: its weights load when it starts.
+        llms = tuple(
+            select_llm(config.models_dir, config.llm_backend, device, max_slots=slots)
+            for device in plan.llm_devices
+        )
+        token2wavs = tuple(load.result() for load in token2wav_loads)
+        text, encoder = text_load.result(), encoder_load.result()
     for llm in llms:
         if llm.stats().max_slots != slots:
             logger.warning("the %s LLM engine batches up to %d requests, not %d", llm.name,
                            llm.stats().max_slots, slots)
-    paths = ModelPaths(config.models_dir)
-    text = TextFrontend(paths.text_tokenizer, ReferenceNormalizer(), max_text_chars=config.max_text_chars)
-    encoder = VoiceEncoder(
-        paths.speech_tokenizer,
-        paths.campplus,
-        device="cpu" if all(device == "cpu" for device in plan.llm_devices) else "auto",
-        limits=VoiceLimits(max_seconds=config.max_voice_upload_s),
-    )
+    logger.info("engines loaded in %.1f s", time.perf_counter() - started)
     return LoadedEngines(llms, token2wavs, text, encoder, plan)

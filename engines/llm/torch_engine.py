@@ -240,12 +240,16 @@ class TorchLLMEngine(LLMEngine):
     # -- engine thread ---------------------------------------------------------------------------------
 
     def _build_runner(self) -> ModelRunner:
+        started = time.perf_counter()
         model = self._load_model(self.config.torch_device, self.config.torch_dtype)
         if self.config.torch_device.type == "cuda":
             model.backbone.ops = self._cuda_kernels(model)
         runner = ModelRunner(model, self.config)
+        loaded = time.perf_counter()
         if self.config.cuda_graphs and self.config.torch_device.type == "cuda":
             runner.capture_graphs()
+        logger.info("torch LLM weights and cache ready in %.1f s, CUDA graphs captured in %.1f s",
+                    loaded - started, time.perf_counter() - loaded)
         return runner
 
     def _cuda_kernels(self, model: CosyVoice2LM) -> LayerKernels:

@@ -17,6 +17,7 @@ from typing import Literal, Protocol
 import torch
 from torch import Tensor
 
+from engines.cuda_graphs import capture_graph
 from engines.llm.base import ALL_MODES, LLMRequest, PromptMode
 from engines.llm.model import DTYPES, CosyVoice2LM
 from engines.llm.qwen2 import CacheBatch, KVCache
@@ -208,13 +209,13 @@ class ModelRunner:
     def capture_graphs(self) -> None:
         """Capture every decode and prefill shape; every slot must be idle."""
         pool = None
+        # High priority, as the engine's serving stream: never the stream of a token2wav thread that may
+        # be warming up meanwhile (engines/cuda_graphs.py).
+        stream = torch.cuda.Stream(self.config.torch_device, priority=-1)
 
         def capture(step: Callable[[], None]) -> torch.cuda.CUDAGraph:
             nonlocal pool
-            step()  # warm-up: allocations and kernel selection happen outside the graph
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                step()
+            graph = capture_graph(step, pool, stream)
             pool = graph.pool()
             return graph
 
@@ -227,7 +228,8 @@ class ModelRunner:
             for rows, length in reversed(self.config.prefill_shapes):
                 self.prefill_graphs[rows, length, kv_len] = capture(
                     partial(self._prefill_step, rows, length, kv_len))
-        torch.cuda.synchronize()
+        # This stream only: a device-wide wait is not allowed while another thread captures.
+        torch.cuda.current_stream(self.config.torch_device).synchronize()
 
     @torch.no_grad()
     def begin(self, seqs: Sequence[Admitted]) -> list[Tensor]:

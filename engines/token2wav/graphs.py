@@ -31,6 +31,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 
 from engines.config import MEL_BINS, ConformerConfig, FlowConfig
+from engines.cuda_graphs import capture_graph
 from engines.token2wav.batching import EncodeShape, SolveShape, round_up
 from engines.token2wav.cfm import ConditionalCFM, RaggedInputs, RaggedOutputs
 from engines.token2wav.conformer import PRE_LOOKAHEAD_LEFT, UPSAMPLE_KERNEL_GROWTH, ConformerCache
@@ -192,6 +193,7 @@ class _ShapeGraphs(Generic[ShapeT, InputsT, OutputsT]):
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
         self.device = device
         self._pool = torch.cuda.graph_pool_handle()
+        self._stream = torch.cuda.Stream(device)  # every capture into the pool (engines/cuda_graphs.py)
         self._arena = _Arena(device)
         self._graphs: dict[ShapeT, _Graph[InputsT, OutputsT]] = {}
         self._eager = eager
@@ -269,23 +271,9 @@ class GraphedSolver(_ShapeGraphs[SolveShape, RaggedInputs, RaggedOutputs]):
             self._conditioning = self.cfm.step_conditioning()
         conditioning = self._conditioning
         graph = capture_graph(lambda: self.cfm.solve_ragged(inputs, outputs, conditioning),
-                        self._pool, self.layout.device)
+                              self._pool, self._stream)
         logger.info("captured token2wav solve graph %s", shape)
         return _Graph(graph, inputs, outputs)
-
-
-def capture_graph(fn: Callable[[], object], pool: Any, device: torch.device) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of `fn` (run once before, off the default stream, as capture requires)."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    # Thread-local: other engine threads may keep launching work while this one captures.
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        fn()
-    return graph
 
 
 @dataclass(frozen=True)
@@ -389,7 +377,7 @@ class GraphedEncoder(_ShapeGraphs[EncodeShape, EncoderInputs, EncoderOutputs]):
             for target, value in zip(_cache_tensors(outputs.update), _cache_tensors(update), strict=True):
                 target.copy_(value)
 
-        graph = capture_graph(run, self._pool, self.layout.device)
+        graph = capture_graph(run, self._pool, self._stream)
         logger.info("captured token2wav encoder graph %s", shape)
         return _Graph(graph, inputs, outputs)
 
@@ -461,7 +449,7 @@ class GraphedVocoder(_ShapeGraphs[VocodeShape, _VocoderInputs, Vocoded]):
             for target, value in zip(out, result, strict=True):
                 target.copy_(value)
 
-        graph = capture_graph(run, self._pool, self.device)
+        graph = capture_graph(run, self._pool, self._stream)
         logger.info("captured HiFT graph %s", shape)
         return _Graph(graph, _VocoderInputs(mel, cache, noise), out)
 

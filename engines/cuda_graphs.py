@@ -1,0 +1,60 @@
+"""CUDA graph capture for the engines' start-up: one function, `capture_graph`, used by the LLM runner
+and the token2wav graphs.
+
+`torch.cuda.graph` synchronises the whole device and empties the caching allocator before every
+capture. For the hundreds of graphs captured at start-up that costs twice: the host waits for the
+warm-up run's kernels before it may record the next graph, and every warm-up run afterwards allocates
+its working memory from the driver again (cudaMalloc, and cudaFree's implicit synchronisation). Here a
+capture only orders its stream after the caller's, so the host records a graph while the device still
+runs the warm-up.
+
+Capture is thread-local (other threads may keep launching work and allocating meanwhile) and is made on
+the caller's capture stream, one per memory pool: the allocator reuses a pool's blocks only on the
+stream that freed them, so graphs sharing a pool must be captured on one stream. The LLM captures on a
+high-priority stream and token2wav on normal ones, so one engine's capture stream is never another
+thread's working stream (torch hands out streams of each priority from a small shared pool,
+round-robin). Graphs are captured one at a time in the process (`_CAPTURING`), warm-up run included: a
+first run may compile, and Triton's autotuning synchronises the device, which CUDA forbids while another
+thread captures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+# One capture (with its warm-up run) at a time in the process: the device, not an object, is what the
+# captures share (see the module docstring).
+_CAPTURING = threading.Lock()
+
+
+def capture_graph(fn: Callable[[], object], pool: Any, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `fn` captured on `stream`, its intermediates in memory pool `pool` (None: a new
+    pool, `graph.pool()`; every graph of a pool is captured on the same stream).
+
+    `fn` runs once before, on the caller's stream: a first call may compile, pick kernels or allocate
+    workspaces, none of which may happen inside a capture.
+    """
+    current = torch.cuda.current_stream(stream.device)
+    graph = torch.cuda.CUDAGraph()
+    with _CAPTURING:
+        fn()
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            if pool is None:
+                graph.capture_begin(capture_error_mode="thread_local")
+            else:
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                fn()
+            except BaseException:
+                with contextlib.suppress(RuntimeError):  # the capture is broken: the first error says why
+                    graph.capture_end()
+                raise
+            graph.capture_end()
+        current.wait_stream(stream)
+    return graph

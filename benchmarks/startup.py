@@ -4,8 +4,10 @@
 
 The first start runs without any compiled artifacts (the models' compile cache is removed first); each
 later start reuses what the previous ones left beside the models, as a restart on the same machine (or
-with the same models volume) does. Each start's server log is kept next to the JSON; the table lists
-the log lines that mark the phases (LLM engine ready, token2wav warmed up).
+with the same models volume) does. Each start's server log is kept next to the JSON; the JSON lists when
+the log lines that end the phases came (engines loaded, LLM engine ready, token2wav warmed up) and the
+durations the log reports (token2wav weights, LLM weights and graph captures, token2wav warm-up), which
+overlap since the LLM engine builds while token2wav warms up.
 """
 
 from __future__ import annotations
@@ -25,12 +27,18 @@ import httpx
 
 from realtime.bench import free_port
 
-PHASES = {
+PHASES = {  # when each phase ended, read off the log's time stamps
     "first_log": re.compile(r"compiled kernels cached|token2wav backend"),
-    "token2wav_loaded": re.compile(r"LLM engine: "),
+    "engines_loaded": re.compile(r"engines loaded in"),
     "llm": re.compile(r"torch LLM engine on .* cuda graphs: (\d+)"),
     "token2wav": re.compile(r"token2wav warmed up for batches .* in ([\d.]+) s"),
     "ready": re.compile(r"runtime ready"),
+}
+DURATIONS = {  # seconds the log reports for parts of the phases (which may overlap)
+    "token2wav_load_s": re.compile(r"token2wav \S+ loaded on \S+ in ([\d.]+) s"),
+    "llm_weights_s": re.compile(r"torch LLM weights and cache ready in ([\d.]+) s"),
+    "llm_graphs_s": re.compile(r"CUDA graphs captured in ([\d.]+) s"),
+    "token2wav_warmup_s": re.compile(r"token2wav warmed up for batches .* in ([\d.]+) s"),
 }
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})")
 
@@ -58,7 +66,12 @@ def one_start(models: Path, serve_args: list[str], log: Path, timeout_s: float) 
             except subprocess.TimeoutExpired:
                 proc.kill()
     marks: dict[str, float] = {}
+    durations: dict[str, float] = {}
     for line in log.read_text(errors="replace").splitlines():
+        for name, pattern in DURATIONS.items():
+            found = pattern.search(line)
+            if found and name not in durations:
+                durations[name] = float(found.group(1))
         stamp = STAMP.match(line)
         if stamp is None:
             continue
@@ -66,7 +79,8 @@ def one_start(models: Path, serve_args: list[str], log: Path, timeout_s: float) 
         for name, pattern in PHASES.items():
             if name not in marks and pattern.search(line):
                 marks[name] = round(at - started, 1)
-    return {"ready_s": None if ready_s is None else round(ready_s, 1), "marks_s": marks, "log": log.name}
+    return {"ready_s": None if ready_s is None else round(ready_s, 1), "marks_s": marks,
+            "durations_s": durations, "log": log.name}
 
 
 def main() -> int:
@@ -89,7 +103,7 @@ def main() -> int:
         result["cache_before"] = "none" if index == 0 and not args.keep_cache else "kept"
         results.append(result)
         print(f"start {index + 1} ({result['cache_before']} cache): ready in {result['ready_s']} s; "
-              f"phases {result['marks_s']}", flush=True)
+              f"phases {result['marks_s']}; {result['durations_s']}", flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "serve_args": args.serve_args, "starts": results}
     args.json.write_text(json.dumps(report, indent=2))

@@ -145,8 +145,6 @@ class Runtime:
     async def start(self) -> None:
         """Load and start the engines, load the voices and prepare each one for synthesis."""
         engines = await asyncio.to_thread(self._loader, self.config)
-        for llm in engines.llms:
-            await llm.start()
         capacities = split_capacity(self.config.max_streams, len(engines.token2wavs))
         workers = [
             Token2WavWorker(
@@ -177,11 +175,21 @@ class Runtime:
                 lambda: _summed(torch.cuda.mem_get_info(device) for device in gpus),
             )
         self.metrics.track_llm(lambda: [llm.stats() for llm in engines.llms])
-        await asyncio.to_thread(self.voices.load)
-        for info in self.voices.list():
-            await self._prepare(info.voice_id, self.voices.get(info.voice_id))
-        if gpus and "default" in self._prepared:
-            await self._warm_up(self._prepared["default"])
+        # The LLM engines build (weights, compiled kernels, CUDA graphs) while the token2wav workers
+        # prepare the voices and warm up: one side's file reads and device work overlap the other's
+        # Python, and engines/cuda_graphs.py keeps the two sides' captures apart.
+        started = time.perf_counter()
+        _, warmed_up = await asyncio.gather(
+            asyncio.gather(*(llm.start() for llm in engines.llms)),
+            self._prepare_voices(warm_up=bool(gpus)),
+        )
+        if warmed_up:
+            # From now on the process compiles nothing: a shape the warm-up did not meet (a voice with a
+            # longer prompt, say) runs uncompiled rather than stalling every stream of an engine thread
+            # for the seconds Inductor takes.
+            torch.compiler.set_stance("eager_on_recompile")
+            logger.info("engines started and warmed up in %.1f s; compilation closed",
+                        time.perf_counter() - started)
         self._voice_sync = asyncio.create_task(self._sync_voices(), name="voice-sync")
         self._accepting = True
         logger.info(
@@ -193,12 +201,21 @@ class Runtime:
             len(self._prepared),
         )
 
+    async def _prepare_voices(self, warm_up: bool) -> bool:
+        """Load the voices, prepare each on every token2wav worker and, with `warm_up` (CUDA), warm the
+        workers up with the default voice. Returns whether they were warmed up."""
+        await asyncio.to_thread(self.voices.load)
+        for info in self.voices.list():
+            await self._prepare(info.voice_id, self.voices.get(info.voice_id))
+        if not warm_up or "default" not in self._prepared:
+            return False
+        await self._warm_up(self._prepared["default"])
+        return True
+
     async def _warm_up(self, voice: list[PreparedVoice]) -> None:
         """Run the schedule's chunk shapes at every batch size a CUDA token2wav worker can meet
         (`warmup_batches`), on every one at once (each has its own thread and GPU), so that the first
-        requests do not pay for CUDA-graph capture or compilation. Then the process stops compiling: a
-        shape the warm-up did not meet (a voice with a longer prompt, say) runs uncompiled rather than
-        stalling every stream of the engine thread for the seconds Inductor takes."""
+        requests do not pay for CUDA-graph capture or compilation."""
         started = time.perf_counter()
         plans = [warmup_batches(self.config.token2wav_batch, capacity) for capacity in self._capacity]
         await asyncio.gather(*(
@@ -206,9 +223,7 @@ class Runtime:
             for worker, prepared, batches in zip(self._workers, voice, plans, strict=True)
             if worker.device.type == "cuda"
         ))
-        batches = max(plans, key=len)
-        torch.compiler.set_stance("eager_on_recompile")
-        logger.info("token2wav warmed up for batches %s in %.1f s; compilation closed", batches,
+        logger.info("token2wav warmed up for batches %s in %.1f s", max(plans, key=len),
                     time.perf_counter() - started)
 
     async def stop(self, drain_timeout_s: float) -> None:

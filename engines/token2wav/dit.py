@@ -415,7 +415,10 @@ class DiT(nn.Module):
         shaping is off: with it, a batch whose row count equals another size of the call (128 rows =
         2·head_dim at 64 streams) was compiled as a class of its own, once per batch bucket."""
         compiled = torch.compile(DiTBlock.forward, dynamic=True, backend=backend)
-        limited = torch._dynamo.config.patch(recompile_limit=RAGGED_SHAPE_CLASSES)(compiled)
+        # Floats (the norms' eps) are constants: as dynamic inputs Dynamo converts them to tensors and
+        # restarts its analysis, one more trace of the block in every process.
+        limited = torch._dynamo.config.patch(recompile_limit=RAGGED_SHAPE_CLASSES,
+                                             specialize_float=True)(compiled)
         self._ragged_block = fx_config.patch(use_duck_shape=False)(limited)  # type: ignore[attr-defined]
 
     def conditioning(self, t: float) -> StepConditioning:

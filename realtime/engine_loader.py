@@ -72,18 +72,12 @@ def load_engines(config: ServiceConfig) -> LoadedEngines:
     engines/*/auto.py (blocking: call it off the event loop). RuntimeError says why a backend asked for
     by name cannot run."""
     plan = config.device_plan
-    gpus = [torch.device(name) for name in (*plan.llm_devices, *plan.token2wav_devices)
-            if torch.device(name).type == "cuda"]
-    if gpus:
-        use_tf32_matmuls()
-        cache = keep_compiled_artifacts(compile_cache_dir(config.models_dir, gpus[0]))
-        logger.info("compiled kernels cached in %s", cache or "Inductor's default folder")
     started = time.perf_counter()
     paths = ModelPaths(config.models_dir)
-    # The token2wav weights (file reads and host-to-device copies), the text tokenizer and normaliser and
-    # the voice encoder's ONNX sessions load side by side: most of it runs outside the GIL.
+    # The text tokenizer and normaliser, the voice encoder's ONNX sessions and the token2wav weights
+    # (file reads and host-to-device copies, after CUDA's initialisation) load side by side: most of it
+    # runs outside the GIL.
     with ThreadPoolExecutor(max_workers=len(plan.token2wav_devices) + 2, thread_name_prefix="load") as pool:
-        token2wav_loads = [pool.submit(_load_token2wav, config, device) for device in plan.token2wav_devices]
         text_load = pool.submit(_load_text, paths, config.max_text_chars)
         encoder_load = pool.submit(
             VoiceEncoder,
@@ -92,6 +86,13 @@ def load_engines(config: ServiceConfig) -> LoadedEngines:
             device="cpu" if all(device == "cpu" for device in plan.llm_devices) else "auto",
             limits=VoiceLimits(max_seconds=config.max_voice_upload_s),
         )
+        gpus = [torch.device(name) for name in (*plan.llm_devices, *plan.token2wav_devices)
+                if torch.device(name).type == "cuda"]
+        if gpus:
+            use_tf32_matmuls()
+            cache = keep_compiled_artifacts(compile_cache_dir(config.models_dir, gpus[0]))
+            logger.info("compiled kernels cached in %s", cache or "Inductor's default folder")
+        token2wav_loads = [pool.submit(_load_token2wav, config, device) for device in plan.token2wav_devices]
         slots = config.llm_slots or config.max_streams
         # Constructing an LLM engine is cheap: its weights load when it starts.
         llms = tuple(

@@ -225,6 +225,12 @@ def listen(host: str, port: int) -> socket.socket:
 def serve(config: ServiceConfig) -> int:
     """Run the server until SIGTERM/SIGINT, then drain: running streams get `drain_timeout_s` to finish
     (realtime.app.DrainingServer); exit 0 after a clean drain."""
+    from realtime.bytecode import keep_bytecode
+
+    # Before the first import of torch (realtime.app's): a restart then reads its compiled modules.
+    bytecode = keep_bytecode(config.models_dir / "compile-cache" / "bytecode")
+    if bytecode is not None:
+        logging.getLogger(__name__).info("Python bytecode cached in %s", bytecode)
     from realtime.app import DrainingServer, create_app, server_config
 
     try:

@@ -1,0 +1,47 @@
+"""keep_bytecode: a bytecode cache beside the models only for an installation without bytecode."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from realtime.bytecode import keep_bytecode
+
+
+@pytest.fixture
+def package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A package `bytecode_probe` on sys.path, without bytecode; Python's own settings restored after."""
+    source = tmp_path / "site" / "bytecode_probe" / "__init__.py"
+    source.parent.mkdir(parents=True)
+    source.write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setattr(sys, "pycache_prefix", None)
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    importlib.invalidate_caches()
+    return source
+
+
+def test_an_installation_without_bytecode_caches_it_beside_the_models(package: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "models" / "compile-cache" / "bytecode"
+    assert keep_bytecode(cache, "bytecode_probe") == cache
+    assert sys.pycache_prefix == str(cache) and not sys.dont_write_bytecode
+    assert cache.is_dir()
+
+
+def test_an_installation_with_bytecode_keeps_its_own(package: Path, tmp_path: Path) -> None:
+    compiled = Path(importlib.util.cache_from_source(str(package)))
+    compiled.parent.mkdir()
+    compiled.write_bytes(b"")
+    assert keep_bytecode(tmp_path / "cache", "bytecode_probe") is None
+    assert sys.pycache_prefix is None and sys.dont_write_bytecode
+
+
+def test_a_prefix_chosen_already_stays(package: Path, tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path / "chosen"))
+    assert keep_bytecode(tmp_path / "cache", "bytecode_probe") is None
+    assert sys.pycache_prefix == str(tmp_path / "chosen")

@@ -6,7 +6,7 @@
 # - Wheels for Python 3.12 / x86-64 in .whl/ (made with benchmarks/wheels.sh) are installed into
 #   /tmp/site, which goes on PYTHONPATH.
 # - The full-size synthetic models are built into $MODELS (default /tmp/m) unless they exist.
-# - Then the arguments run as a command, with unbuffered Python output.
+# - Then the arguments run as a command, with unbuffered Python output and the repository on PYTHONPATH.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -14,6 +14,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
         .whl/*.whl
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+# The repository itself too: benchmarks/*.py scripts import `realtime` and `engines` from it.
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 MODELS=${MODELS:-/tmp/m}
 if [ ! -f "$MODELS/realtime-manifest.json" ]; then

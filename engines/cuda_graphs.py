@@ -30,6 +30,8 @@ import torch
 # One capture (with its warm-up run) at a time in the process: the device, not an object, is what the
 # captures share (see the module docstring).
 _CAPTURING = threading.Lock()
+# Below this share of the device free, a capture first releases the allocator's cached blocks.
+LOW_MEMORY = 0.2
 
 
 def capture_graph(fn: Callable[[], object], pool: Any, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
@@ -42,6 +44,12 @@ def capture_graph(fn: Callable[[], object], pool: Any, stream: torch.cuda.Stream
     current = torch.cuda.current_stream(stream.device)
     graph = torch.cuda.CUDAGraph()
     with _CAPTURING:
+        free, total = torch.cuda.mem_get_info(stream.device)
+        if free < LOW_MEMORY * total:
+            # Without torch.cuda.graph's empty_cache before every capture, blocks cached for other
+            # streams can fill the device; hand them back when it is nearly full (no capture is under
+            # way while the lock is held).
+            torch.cuda.empty_cache()
         fn()
         stream.wait_stream(current)
         with torch.cuda.stream(stream):

@@ -175,14 +175,26 @@ class Runtime:
                 lambda: _summed(torch.cuda.mem_get_info(device) for device in gpus),
             )
         self.metrics.track_llm(lambda: [llm.stats() for llm in engines.llms])
-        # The LLM engines build (weights, compiled kernels, CUDA graphs) while the token2wav workers
-        # prepare the voices and warm up: one side's file reads and device work overlap the other's
-        # Python, and engines/cuda_graphs.py keeps the two sides' captures apart.
         started = time.perf_counter()
-        _, warmed_up = await asyncio.gather(
-            asyncio.gather(*(llm.start() for llm in engines.llms)),
-            self._prepare_voices(warm_up=bool(gpus)),
-        )
+        llm_gpus = {_indexed(name) for name in engines.plan.llm_devices} - {None}
+        if llm_gpus & {_indexed(name) for name in engines.plan.token2wav_devices}:
+            # On a shared GPU the two build one after the other: at once they needed both warm-ups'
+            # peaks plus two allocator caches (one per stream) and ran an 80 GB H100 out of memory
+            # (docs/benchmarks.md, 2026-11-24 start-up).
+            await asyncio.gather(*(llm.start() for llm in engines.llms))
+            for index in llm_gpus:
+                with torch.cuda.device(index):
+                    torch.cuda.empty_cache()  # the LLM warm-up's cached blocks, for token2wav's stream
+            warmed_up = await self._prepare_voices(warm_up=bool(gpus))
+        else:
+            # Separate devices (or none): the LLM engines build (weights, compiled kernels, CUDA graphs)
+            # while the token2wav workers prepare the voices and warm up; one side's file reads and
+            # device work overlap the other's Python, and engines/cuda_graphs.py keeps the two sides'
+            # captures apart.
+            _, warmed_up = await asyncio.gather(
+                asyncio.gather(*(llm.start() for llm in engines.llms)),
+                self._prepare_voices(warm_up=bool(gpus)),
+            )
         if warmed_up:
             # From now on the process compiles nothing: a shape the warm-up did not meet (a voice with a
             # longer prompt, say) runs uncompiled rather than stalling every stream of an engine thread
@@ -565,6 +577,15 @@ class Runtime:
         ]
         if self._prompts is not None:
             self._prompts.forget(voice_id)
+
+
+
+def _indexed(name: str) -> int | None:
+    """The CUDA device index `name` denotes ("cuda" is the current one); None for other devices."""
+    device = torch.device(name)
+    if device.type != "cuda":
+        return None
+    return torch.cuda.current_device() if device.index is None else device.index
 
 
 def _summed(pairs: Iterable[tuple[int, int]]) -> tuple[int, int]:

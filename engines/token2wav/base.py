@@ -85,6 +85,11 @@ class Token2Wav(abc.ABC):
         """Before traffic: run the common chunk shapes at these batch sizes (captures graphs, loads
         kernels) so the first requests do not pay for it. Backends without such costs do nothing."""
 
+    def stream_bytes_bound(self, speaker: SpeakerState, max_tokens: int) -> int | None:
+        """The most device bytes a stream of `speaker` holds between its chunks over at most `max_tokens`
+        tokens (what memory-aware admission reserves); None where the backend does not know it."""
+        return None
+
     @abc.abstractmethod
     def offline(self, speaker: SpeakerState, tokens: torch.Tensor) -> torch.Tensor:
         """Whole utterance at once (no streaming); float32 (samples,) on the CPU."""

@@ -24,9 +24,10 @@ from engines.config import PRE_LOOKAHEAD, TOKEN_MEL_RATIO, ModelPaths, configs_f
 from engines.token2wav.base import ChunkJob, SpeakerState, Token2Wav, Token2WavStream
 from engines.token2wav.dit_cache import CacheRule
 from engines.token2wav.flow_base import FlowModel, FlowSpeaker, FlowStream
-from engines.token2wav.flow_dit import DiTFlow, load_dit_flow
+from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker, load_dit_flow
 from engines.token2wav.graphs import GraphedVocoder
 from engines.token2wav.hift import HiFTGenerator, HiFTStream, load_hift, vocode_streams
+from engines.token2wav.stream_memory import stream_state_bytes
 from engines.voice import VoicePrompt
 
 FlowVariant = Literal["dit", "unet"]
@@ -144,6 +145,15 @@ class TorchToken2Wav(Token2Wav):
         if not isinstance(speaker, TorchSpeaker):
             raise TypeError(f"{self.name} needs a TorchSpeaker, got {type(speaker).__name__}")
         return TorchStream(self.flow.open_stream(speaker.flow), HiFTStream(self.hift, seed=self.vocoder_seed))
+
+    def stream_bytes_bound(self, speaker: SpeakerState, max_tokens: int) -> int | None:
+        """The DiT flow's bound (stream_memory.py); None for the UNet flow."""
+        flow = self.flow
+        if not (isinstance(flow, DiTFlow) and isinstance(speaker, TorchSpeaker)
+                and isinstance(speaker.flow, DiTSpeaker)):
+            return None
+        return stream_state_bytes(flow.cfg, self.hift.cfg, flow.dtype.itemsize, speaker.flow.prompt_frames,
+                                  max_tokens)
 
     def run_chunk(self, job: ChunkJob) -> torch.Tensor:
         return self._synthesize([job])[0]

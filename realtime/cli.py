@@ -108,6 +108,8 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         llm_slots=1 if args.baseline else None,
         token2wav_batch=1 if args.baseline else args.batch,
         token2wav_solve_gib=args.token2wav_solve_gib or None,
+        token2wav_memory_gib=args.token2wav_memory_gib or None,
+        token2wav_memory_margin_gib=args.token2wav_memory_margin_gib,
         first_chunk_hold=FirstChunkHold(args.first_chunk_gap_ms / 1000, args.first_chunk_hold_ms / 1000),
         token2wav_workers=BASELINE_TOKEN2WAV_WORKERS if args.baseline else 1,
         llm_pacing=not args.baseline,
@@ -384,6 +386,13 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--token2wav-solve-gib", type=float, default=16.0,
                          help="most GiB one batched DiT solve may take: chunks with long caches get fewer "
                               "rows per batch (0: no cap)")
+        sub.add_argument("--token2wav-memory-gib", type=float, default=0.0,
+                         help="GiB of device memory each token2wav worker's streams may reserve; a stream "
+                              "whose bound does not fit is refused 'busy' (0: on CUDA what is free after "
+                              "the warm-up less the margin, on the CPU no limit)")
+        sub.add_argument("--token2wav-memory-margin-gib", type=float, default=8.0,
+                         help="GiB the measured token2wav memory budget leaves free for fragmentation and "
+                              "working memory")
         sub.add_argument("--first-chunk-gap-ms", type=float, default=FirstChunkHold().gap_s * 1000,
                          help="a first chunk waits for other new streams' first chunks while one came within "
                               "this many ms")

@@ -204,6 +204,14 @@ class ServiceConfig:
         `token2wav_batch`. 16 GiB: above the ~14 GiB of the largest 64-row solve under `prompt_recent`,
         which fit an 80 GB H100 beside 320 streams, below the ~25 GiB of the 32-row ones the reference
         rule fit beside 128 (docs/benchmarks.md); None: no cap.
+    token2wav_memory_gib: the device bytes (GiB) each token2wav worker's streams may reserve: a stream is
+        admitted only while its bound (engines/token2wav/stream_memory.py) fits, else refused `busy`.
+        None: on CUDA, what is free after the warm-up less `token2wav_memory_margin_gib` (shared out
+        among the workers of one device); on the CPU, no byte limit.
+    token2wav_memory_margin_gib: what the measured budget leaves free for fragmentation and the working
+        memory of batches outside the CUDA graphs' pools. 8 GiB: the OOM at 128 streams on an H100 left
+        7 GiB reserved but unusable for a 126 MiB block (fragmentation), plus ~1 GiB for eager encoder,
+        vocoder and LLM prefill tensors.
     first_chunk_hold: how long a first chunk waits for the first chunks of other new streams to share
         its token2wav call (realtime/batch_policy.py).
     token2wav_workers: token2wav threads (each on its own CUDA stream); a stream stays on the thread
@@ -244,6 +252,8 @@ class ServiceConfig:
     llm_slots: int | None = None
     token2wav_batch: int = 64
     token2wav_solve_gib: float | None = 16.0
+    token2wav_memory_gib: float | None = None
+    token2wav_memory_margin_gib: float = 8.0
     first_chunk_hold: FirstChunkHold = field(default_factory=FirstChunkHold)
     token2wav_workers: int = 1
     chunk_queue: int = 4
@@ -286,6 +296,11 @@ class ServiceConfig:
         DevicePlan(self.llm_devices or ("cpu",), self.token2wav_devices or ("cpu",))  # refuses an empty list
         if self.token2wav_solve_gib is not None and not self.token2wav_solve_gib > 0:
             raise ValueError(f"token2wav_solve_gib must be > 0, got {self.token2wav_solve_gib}")
+        if self.token2wav_memory_gib is not None and not self.token2wav_memory_gib > 0:
+            raise ValueError(f"token2wav_memory_gib must be > 0, got {self.token2wav_memory_gib}")
+        if not self.token2wav_memory_margin_gib >= 0:
+            raise ValueError(f"token2wav_memory_margin_gib must be >= 0, "
+                             f"got {self.token2wav_memory_margin_gib}")
         if self.llm_slots is not None and self.llm_slots < 1:
             raise ValueError(f"llm_slots must be >= 1, got {self.llm_slots}")
         if not self.voice_sync_s > 0:
@@ -307,6 +322,14 @@ class ServiceConfig:
     @property
     def token2wav_solve_bytes(self) -> int | None:
         return None if self.token2wav_solve_gib is None else int(self.token2wav_solve_gib * (1 << 30))
+
+    @property
+    def token2wav_memory_bytes(self) -> int | None:
+        return None if self.token2wav_memory_gib is None else int(self.token2wav_memory_gib * (1 << 30))
+
+    @property
+    def token2wav_memory_margin_bytes(self) -> int:
+        return int(self.token2wav_memory_margin_gib * (1 << 30))
 
     @property
     def voice_store(self) -> Path:

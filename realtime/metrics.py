@@ -236,13 +236,20 @@ class _PlacementCollector(Collector):
                                      labels=labels)
         alive = GaugeMetricFamily("tts_token2wav_worker_alive", "1 while a token2wav worker's threads run",
                                   labels=labels)
+        reserved = GaugeMetricFamily("tts_token2wav_memory_reserved_bytes",
+                                     "Device bytes reserved for a token2wav worker's streams (their bounds)",
+                                     labels=labels)
+        budget = GaugeMetricFamily("tts_token2wav_memory_budget_bytes",
+                                   "Device bytes a token2wav worker's streams may reserve (absent: no limit)",
+                                   labels=labels)
         for index, (device, load) in enumerate(loads):
             streams.add_metric([str(index), device], load.streams)
             capacity.add_metric([str(index), device], load.capacity)
             alive.add_metric([str(index), device], float(load.alive))
-        yield streams
-        yield capacity
-        yield alive
+            reserved.add_metric([str(index), device], load.reserved_bytes)
+            if load.budget_bytes is not None:
+                budget.add_metric([str(index), device], load.budget_bytes)
+        yield from (streams, capacity, alive, reserved, budget)
         live = [load for _, load in loads if load.alive]
         total = sum(load.capacity for load in live)
         free = sum(max(0, load.capacity - load.streams) for load in live)

@@ -9,7 +9,9 @@ Two ways to spread the engines over several GPUs, as CosyVoice's own runtime and
   on its token2wav worker's GPU.
 
 A stream is placed on the token2wav worker with the most room when it opens and stays there (its
-caches live on that GPU).
+caches live on that GPU). Room is counted in streams and, where a worker has a memory budget, in the
+device bytes its streams may reach (engines/token2wav/stream_memory.py): a stream is placed only where
+its bound fits beside those already reserved.
 """
 
 from __future__ import annotations
@@ -65,20 +67,38 @@ def plan_devices(
 @dataclass(frozen=True)
 class WorkerLoad:
     """What placement knows of one token2wav worker: streams placed on it and not yet finished, the
-    most it takes, and whether its threads are running."""
+    most it takes, whether its threads are running, the device bytes reserved for its streams and its
+    budget of them (None: not bounded by bytes)."""
 
     streams: int
     capacity: int
     alive: bool = True
+    reserved_bytes: int = 0
+    budget_bytes: int | None = None
+
+    def has_room(self, stream_bytes: int) -> bool:
+        """Whether one more stream, reaching `stream_bytes`, fits its count and its bytes."""
+        fits_bytes = self.budget_bytes is None or self.reserved_bytes + stream_bytes <= self.budget_bytes
+        return self.streams < self.capacity and fits_bytes
+
+    @property
+    def used_share(self) -> float:
+        """The larger of its count and its bytes in use, as a share of its limit."""
+        count = self.streams / self.capacity
+        if self.budget_bytes is None:
+            return count
+        return max(count, self.reserved_bytes / self.budget_bytes if self.budget_bytes > 0 else 1.0)
 
 
-def least_loaded(workers: Sequence[WorkerLoad]) -> int | None:
-    """The live worker with room and the smallest share of its capacity in use (ties: the first one);
-    None when every worker is full or dead."""
+def least_loaded(workers: Sequence[WorkerLoad], stream_bytes: Sequence[int] | None = None) -> int | None:
+    """The live worker with room for one more stream (reaching `stream_bytes[i]` on worker i; none
+    given: 0) and the smallest share of its limits in use (ties: the first one); None when every worker
+    is full or dead."""
+    needs = stream_bytes if stream_bytes is not None else [0] * len(workers)
     candidates = [
-        (load.streams / load.capacity, index)
-        for index, load in enumerate(workers)
-        if load.alive and load.streams < load.capacity
+        (load.used_share, index)
+        for index, (load, need) in enumerate(zip(workers, needs, strict=True))
+        if load.alive and load.has_room(need)
     ]
     return min(candidates)[1] if candidates else None
 

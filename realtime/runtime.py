@@ -5,7 +5,10 @@
 - Each LLM engine runs its own loop (its thread); sessions submit requests and iterate token streams.
 - token2wav runs on one `Token2WavWorker` per token2wav device (realtime/token2wav_worker.py; one
   thread each, a small pool in the benchmark's baseline); a new session is placed on the worker with the
-  most room.
+  most room, in streams and in device bytes: each stream reserves the most its token2wav state can
+  reach (engines/token2wav/stream_memory.py) against its worker's budget (on CUDA, what is free after the
+  warm-up less a margin) until it ends, so a stream that could not fit is refused `busy` instead of
+  running a batch out of memory.
 - `open_session` (what transports call) loads a voice another replica stored in the shared directory,
   then `speak` validates the request, asks the admission policy and returns a `Session` (session.py),
   whose text is cut into segments before `open_session` returns.
@@ -59,6 +62,8 @@ logger = logging.getLogger(__name__)
 
 # Text tokens per LLM request when long text is cut into segments.
 SEGMENT_TOKENS = 80
+MIB = 1 << 20
+GIB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -121,6 +126,9 @@ class Runtime:
         self._workers: list[Token2WavWorker] = []
         self._placed: list[int] = []  # per token2wav worker: sessions placed on it and not yet closed
         self._capacity: list[int] = []  # per token2wav worker: the most sessions it takes
+        self._reserved: list[int] = []  # per token2wav worker: device bytes reserved for its streams
+        self._budget: list[int | None] = []  # per token2wav worker: the most bytes (None: no byte limit)
+        self._max_tokens = 0  # the most speech tokens one LLM request (one token2wav stream) may carry
         self._admission = AdmissionPolicy.for_streams(config.max_streams, config.retry_after_s)
         # Per voice, one PreparedVoice per token2wav worker (its speaker state lives on that device).
         self._prepared: dict[str, list[PreparedVoice]] = {}
@@ -164,6 +172,8 @@ class Runtime:
         self._engines, self._workers = engines, workers
         self._prompts = PromptCache(engines.text)
         self._placed, self._capacity = [0] * len(workers), capacities
+        self._reserved, self._budget = [0] * len(workers), [None] * len(workers)
+        self._max_tokens = max(llm.max_context for llm in engines.llms)
         devices = {torch.device(name) for name in engines.plan.llm_devices + engines.plan.token2wav_devices}
         gpus = sorted((device for device in devices if device.type == "cuda"), key=str)
         if gpus:
@@ -202,6 +212,8 @@ class Runtime:
             torch.compiler.set_stance("eager_on_recompile")
             logger.info("engines started and warmed up in %.1f s; compilation closed",
                         time.perf_counter() - started)
+        self._budget = self._memory_budgets()
+        self._log_memory_admission()
         self._voice_sync = asyncio.create_task(self._sync_voices(), name="voice-sync")
         self._accepting = True
         logger.info(
@@ -212,6 +224,50 @@ class Runtime:
             ",".join(engines.plan.token2wav_devices),
             len(self._prepared),
         )
+
+    def _memory_budgets(self) -> list[int | None]:
+        """Each token2wav worker's byte budget for its streams: the configured one, else on CUDA what is
+        usable now (after the warm-up, so the graphs' pools and the LLM's cache are taken) less the
+        margin, shared out among the workers of one device; on the CPU none."""
+        if self.config.token2wav_memory_bytes is not None:
+            return [self.config.token2wav_memory_bytes] * len(self._workers)
+        sharing: dict[torch.device, int] = {}
+        for worker in self._workers:
+            sharing[worker.device] = sharing.get(worker.device, 0) + 1
+        budgets: list[int | None] = []
+        for worker in self._workers:
+            if worker.device.type != "cuda":
+                budgets.append(None)
+                continue
+            usable = _usable_device_bytes(worker.device) - self.config.token2wav_memory_margin_bytes
+            budgets.append(max(0, usable) // sharing[worker.device])
+        return budgets
+
+    def _log_memory_admission(self) -> None:
+        """Once at start: each worker's budget, the default voice's bound per stream and how many fit."""
+        default = self._prepared.get("default")
+        measured = self.config.token2wav_memory_bytes is None
+        for index, (worker, budget) in enumerate(zip(self._workers, self._budget, strict=True)):
+            bound = None if default is None else self._stream_bytes(index, default[index])
+            if budget is None:
+                limit = "no byte limit"
+            elif measured:
+                limit = (f"{budget / GIB:.2f} GiB (free after the warm-up less a "
+                         f"{self.config.token2wav_memory_margin_gib:g} GiB margin)")
+            else:
+                limit = f"{budget / GIB:.2f} GiB (configured)"
+            per_stream = "unknown" if not bound else f"{bound / MIB:.1f} MiB"
+            fit = "" if budget is None or not bound else f"; {budget // bound} such streams fit"
+            logger.info("token2wav memory admission, worker %d on %s: budget %s; bound per stream of the "
+                        "default voice %s (%d tokens)%s", index, worker.device, limit, per_stream,
+                        self._max_tokens, fit)
+
+    def _stream_bytes(self, index: int, voice: PreparedVoice) -> int:
+        """What a stream of `voice` on token2wav worker `index` reserves: its state's bound (0 where
+        the backend gives none, which admission then counts only by streams)."""
+        engines = self._running()
+        bound = engines.token2wavs[index].stream_bytes_bound(voice.speaker, self._max_tokens)
+        return 0 if bound is None else bound
 
     async def _prepare_voices(self, warm_up: bool) -> bool:
         """Load the voices, prepare each on every token2wav worker and, with `warm_up` (CUDA), warm the
@@ -295,25 +351,37 @@ class Runtime:
     def _worker_loads(self) -> list[tuple[str, WorkerLoad]]:
         """Each token2wav worker's device and load (what placement decides on; `/metrics` shows it)."""
         return [
-            (str(worker.device), WorkerLoad(placed, capacity, worker.alive))
-            for worker, placed, capacity in zip(self._workers, self._placed, self._capacity, strict=True)
+            (str(worker.device), WorkerLoad(placed, capacity, worker.alive, reserved, budget))
+            for worker, placed, capacity, reserved, budget in zip(
+                self._workers, self._placed, self._capacity, self._reserved, self._budget, strict=True)
         ]
 
-    def _place(self) -> tuple[int, _Engines]:
-        """The token2wav worker a new stream goes to (the one with the most room) and the LLM engine
-        that serves it (the one on the same device, else the least busy); ServiceError `busy` when
-        every worker is full or dead."""
+    def _place(self, voice: Sequence[PreparedVoice]) -> tuple[int, _Engines, int]:
+        """The token2wav worker a new stream of `voice` goes to (the one with the most room), the LLM
+        engine that serves it (the one on the same device, else the least busy) and the bytes it
+        reserves there, reserved now (`_unreserve` gives them back); ServiceError `busy` when every
+        worker is full in streams or bytes, or dead."""
         engines = self._running()
-        index = least_loaded([load for _, load in self._worker_loads()])
+        loads = [load for _, load in self._worker_loads()]
+        # The workers share one model configuration: the bound differs only by their dtypes.
+        needs = [self._stream_bytes(index, prepared) for index, prepared in enumerate(voice)]
+        index = least_loaded(loads, needs)
         if index is None:
             if not any(worker.alive for worker in self._workers):
                 raise ServiceError("engine_failed", "no token2wav worker is running", 503,
                                    self.config.retry_after_s)
+            if any(load.alive and load.streams < load.capacity for load in loads):
+                raise ServiceError("busy", "no token2wav worker has device memory left for another stream",
+                                   429, self.config.retry_after_s)
             raise ServiceError("busy", "every token2wav worker is at its limit of streams", 429,
                                self.config.retry_after_s)
         same_device = engines.plan.llm_for(index)
         llm = engines.llms[same_device] if same_device is not None else min(engines.llms, key=_requests_held)
-        return index, _Engines(llm, self._workers[index])
+        self._reserved[index] += needs[index]
+        return index, _Engines(llm, self._workers[index]), needs[index]
+
+    def _unreserve(self, index: int, nbytes: int) -> None:
+        self._reserved[index] -= nbytes
 
     # -- synthesis -----------------------------------------------------------------------------
 
@@ -358,14 +426,19 @@ class Runtime:
         )
         if isinstance(decision, Refuse):
             raise ServiceError("busy", decision.reason, 429, decision.retry_after_s)
-        index, placed = self._place()
-        placed.check_mode(mode)
+        index, placed, reserved = self._place(voices)
+        try:
+            placed.check_mode(mode)
+        except ServiceError:
+            self._unreserve(index, reserved)
+            raise
         session_id = secrets.token_hex(4)
         session: Session
 
         def release() -> None:
             if session in self._sessions:
                 self._placed[index] -= 1
+                self._unreserve(index, reserved)
             self._sessions.discard(session)
             self._track_sessions()
 
@@ -447,12 +520,12 @@ class Runtime:
             voices = self._voice(voice)
             mode = choose_mode(speech, voices[0].language)
             prompt = self._prompt_of(voices[0], mode, speech.instructions)
-            index, placed = self._place()
-            placed.check_mode(mode)
-            prepared = voices[index]
+            worker, placed, reserved = self._place(voices)
+            prepared = voices[worker]
             render_id = secrets.token_hex(4)
             token_streams: list[TokenStream] = []
             try:
+                placed.check_mode(mode)
                 segments = await asyncio.to_thread(self._segments, text)
                 for index, segment in enumerate(segments):
                     request = prompt.request(f"{render_id}-{index}", segment.text_ids, sampling)
@@ -462,6 +535,7 @@ class Runtime:
             except LLMError as exc:
                 raise ServiceError(exc.code, str(exc), 500) from exc
             finally:
+                self._unreserve(worker, reserved)
                 for token_stream in token_streams:
                     token_stream.cancel()
         return np.concatenate(pieces)
@@ -594,6 +668,17 @@ def _summed(pairs: Iterable[tuple[int, int]]) -> tuple[int, int]:
     for device_free, device_total in pairs:
         free, total = free + device_free, total + device_total
     return free, total
+
+
+def _usable_device_bytes(device: torch.device) -> int:
+    """What new tensors on `device` can still take: the device's free memory plus what the caching
+    allocator holds in its general pool without using it (not the CUDA graphs' private pools, whose
+    free blocks only their graphs reuse)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    idle = sum(segment["total_size"] - segment["allocated_size"] for segment in torch.cuda.memory_snapshot()
+               if segment["device"] == index and tuple(segment.get("segment_pool_id", (0, 0))) == (0, 0))
+    return free + idle
 
 
 def _requests_held(llm: LLMEngine) -> int:

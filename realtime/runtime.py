@@ -363,7 +363,6 @@ class Runtime:
         worker is full in streams or bytes, or dead."""
         engines = self._running()
         loads = [load for _, load in self._worker_loads()]
-        # The workers share one model configuration: the bound differs only by their dtypes.
         needs = [self._stream_bytes(index, prepared) for index, prepared in enumerate(voice)]
         index = least_loaded(loads, needs)
         if index is None:

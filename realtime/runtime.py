@@ -227,8 +227,9 @@ class Runtime:
 
     def _memory_budgets(self) -> list[int | None]:
         """Each token2wav worker's byte budget for its streams: the configured one, else on CUDA what is
-        usable now (after the warm-up, so the graphs' pools and the LLM's cache are taken) less the
-        margin, shared out among the workers of one device; on the CPU none."""
+        usable now (after the warm-up, so the graphs' pools and the LLM's cache are taken: free memory
+        plus the allocator's idle cache) less the margin, shared out among the workers of one device;
+        on the CPU none."""
         if self.config.token2wav_memory_bytes is not None:
             return [self.config.token2wav_memory_bytes] * len(self._workers)
         sharing: dict[torch.device, int] = {}
@@ -670,14 +671,12 @@ def _summed(pairs: Iterable[tuple[int, int]]) -> tuple[int, int]:
 
 
 def _usable_device_bytes(device: torch.device) -> int:
-    """What new tensors on `device` can still take: the device's free memory plus what the caching
-    allocator holds in its general pool without using it (not the CUDA graphs' private pools, whose
-    free blocks only their graphs reuse)."""
-    free, _ = torch.cuda.mem_get_info(device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    idle = sum(segment["total_size"] - segment["allocated_size"] for segment in torch.cuda.memory_snapshot()
-               if segment["device"] == index and tuple(segment.get("segment_pool_id", (0, 0))) == (0, 0))
-    return free + idle
+    """What new tensors on `device` can still take: its free memory once the caching allocator has
+    handed back the blocks it holds unused (its reserved-but-unallocated bytes; those it keeps per CUDA
+    stream would not serve the token2wav thread's stream, and the graphs' private pools stay)."""
+    with torch.cuda.device(device):
+        torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
 
 
 def _requests_held(llm: LLMEngine) -> int:

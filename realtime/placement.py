@@ -77,9 +77,10 @@ class WorkerLoad:
     budget_bytes: int | None = None
 
     def has_room(self, stream_bytes: int) -> bool:
-        """Whether one more stream, reaching `stream_bytes`, fits its count and its bytes."""
+        """Whether one more stream, reaching `stream_bytes`, fits its count and its bytes. A worker with no
+        stream always takes one: a budget estimated too small refuses streams, never every stream."""
         fits_bytes = self.budget_bytes is None or self.reserved_bytes + stream_bytes <= self.budget_bytes
-        return self.streams < self.capacity and fits_bytes
+        return self.streams < self.capacity and (fits_bytes or self.streams == 0)
 
     @property
     def used_share(self) -> float:

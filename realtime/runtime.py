@@ -259,6 +259,10 @@ class Runtime:
                 limit = f"{budget / GIB:.2f} GiB (configured)"
             per_stream = "unknown" if not bound else f"{bound / MIB:.1f} MiB"
             fit = "" if budget is None or not bound else f"; {budget // bound} such streams fit"
+            if budget is not None and bound and budget // bound < self._capacity[index]:
+                logger.warning("token2wav worker %d on %s: device memory bounds it to %d streams of the "
+                               "default voice, below its %d of --max-streams", index, worker.device,
+                               max(1, budget // bound), self._capacity[index])
             logger.info("token2wav memory admission, worker %d on %s: budget %s; bound per stream of the "
                         "default voice %s (%d tokens)%s", index, worker.device, limit, per_stream,
                         self._max_tokens, fit)

@@ -30,10 +30,13 @@ Eventually = Callable[[Callable[[], bool]], Awaitable[None]]
 
 
 def test_placement_needs_room_in_bytes_as_in_streams() -> None:
-    full_in_bytes = WorkerLoad(0, 4, reserved_bytes=90, budget_bytes=100)
+    full_in_bytes = WorkerLoad(1, 4, reserved_bytes=90, budget_bytes=100)
     assert least_loaded([full_in_bytes, WorkerLoad(3, 4)], [20, 20]) == 1
     assert least_loaded([full_in_bytes], [10]) == 0  # exactly fits
     assert least_loaded([full_in_bytes, WorkerLoad(4, 4)], [20, 20]) is None
+    # A budget smaller than one stream still lets a worker with no stream take one.
+    assert least_loaded([WorkerLoad(0, 4, budget_bytes=10)], [20]) == 0
+    assert least_loaded([WorkerLoad(1, 4, reserved_bytes=20, budget_bytes=10)], [20]) is None
     # The larger share in use decides: 1/4 of the streams but 90 % of the bytes loses to 2/4 streams.
     assert least_loaded([WorkerLoad(1, 4, reserved_bytes=90, budget_bytes=100),
                          WorkerLoad(2, 4, reserved_bytes=0, budget_bytes=100)], [5, 5]) == 1

@@ -253,6 +253,8 @@ class Mlp(nn.Module):
         self.fc2 = nn.Linear(hidden, channels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.onnx.is_in_onnx_export():  # ONNX has no fused op for it: the same function, unfused
+            return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
         # fc1, its bias and the tanh GELU in one GEMM (cuBLASLt's epilogue on CUDA; a CPU applies the
         # same GELU after the matmul): one kernel less per block, whose output is the MLP's widest tensor.
         flat = torch._addmm_activation(self.fc1.bias, x.reshape(-1, x.shape[-1]), self.fc1.weight.t(),

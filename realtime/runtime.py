@@ -6,9 +6,9 @@
 - token2wav runs on one `Token2WavWorker` per token2wav device (realtime/token2wav_worker.py; one
   thread each, a small pool in the benchmark's baseline); a new session is placed on the worker with the
   most room, in streams and in device bytes: each stream reserves the most its token2wav state can
-  reach (engines/token2wav/stream_memory.py) against its worker's budget (on CUDA, what is free after the
-  warm-up less a margin) until it ends, so a stream that could not fit is refused `busy` instead of
-  running a batch out of memory.
+  reach (engines/token2wav/stream_memory.py) against its worker's budget (realtime/memory_budget.py: on
+  CUDA, what is free after the warm-up less a margin) until it ends, so a stream that could not fit is
+  refused `busy` instead of running a batch out of memory.
 - `open_session` (what transports call) loads a voice another replica stored in the shared directory,
   then `speak` validates the request, asks the admission policy and returns a `Session` (session.py),
   whose text is cut into segments before `open_session` returns.
@@ -51,6 +51,7 @@ from realtime.access import OPERATOR
 from realtime.admission import AdmissionPolicy, Load, Refuse
 from realtime.config import ServiceConfig
 from realtime.engine_loader import LoadedEngines, load_engines
+from realtime.memory_budget import MemoryBudgets, device_budgets, log_budgets
 from realtime.metrics import Metrics
 from realtime.placement import WorkerLoad, least_loaded, split_capacity
 from realtime.prompts import PromptCache, choose_mode
@@ -62,8 +63,6 @@ logger = logging.getLogger(__name__)
 
 # Text tokens per LLM request when long text is cut into segments.
 SEGMENT_TOKENS = 80
-MIB = 1 << 20
-GIB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -126,8 +125,7 @@ class Runtime:
         self._workers: list[Token2WavWorker] = []
         self._placed: list[int] = []  # per token2wav worker: sessions placed on it and not yet closed
         self._capacity: list[int] = []  # per token2wav worker: the most sessions it takes
-        self._reserved: list[int] = []  # per token2wav worker: device bytes reserved for its streams
-        self._budget: list[int | None] = []  # per token2wav worker: the most bytes (None: no byte limit)
+        self._memory_budgets = MemoryBudgets(0)  # per token2wav worker: its byte budget and reservations
         self._max_tokens = 0  # the most speech tokens one LLM request (one token2wav stream) may carry
         self._admission = AdmissionPolicy.for_streams(config.max_streams, config.retry_after_s)
         # Per voice, one PreparedVoice per token2wav worker (its speaker state lives on that device).
@@ -172,7 +170,7 @@ class Runtime:
         self._engines, self._workers = engines, workers
         self._prompts = PromptCache(engines.text)
         self._placed, self._capacity = [0] * len(workers), capacities
-        self._reserved, self._budget = [0] * len(workers), [None] * len(workers)
+        self._memory_budgets = MemoryBudgets(len(workers))
         self._max_tokens = max(llm.max_context for llm in engines.llms)
         devices = {torch.device(name) for name in engines.plan.llm_devices + engines.plan.token2wav_devices}
         gpus = sorted((device for device in devices if device.type == "cuda"), key=str)
@@ -212,8 +210,7 @@ class Runtime:
             torch.compiler.set_stance("eager_on_recompile")
             logger.info("engines started and warmed up in %.1f s; compilation closed",
                         time.perf_counter() - started)
-        self._budget = self._memory_budgets()
-        self._log_memory_admission()
+        self._limit_memory()
         self._voice_sync = asyncio.create_task(self._sync_voices(), name="voice-sync")
         self._accepting = True
         logger.info(
@@ -225,47 +222,19 @@ class Runtime:
             len(self._prepared),
         )
 
-    def _memory_budgets(self) -> list[int | None]:
-        """Each token2wav worker's byte budget for its streams: the configured one, else on CUDA what is
-        usable now (after the warm-up, so the graphs' pools and the LLM's cache are taken: free memory
-        plus the allocator's idle cache) less the margin, shared out among the workers of one device;
-        on the CPU none."""
-        if self.config.token2wav_memory_bytes is not None:
-            return [self.config.token2wav_memory_bytes] * len(self._workers)
-        sharing: dict[torch.device, int] = {}
-        for worker in self._workers:
-            sharing[worker.device] = sharing.get(worker.device, 0) + 1
-        budgets: list[int | None] = []
-        for worker in self._workers:
-            if worker.device.type != "cuda":
-                budgets.append(None)
-                continue
-            usable = _usable_device_bytes(worker.device) - self.config.token2wav_memory_margin_bytes
-            budgets.append(max(0, usable) // sharing[worker.device])
-        return budgets
-
-    def _log_memory_admission(self) -> None:
-        """Once at start: each worker's budget, the default voice's bound per stream and how many fit."""
+    def _limit_memory(self) -> None:
+        """Set each token2wav worker's byte budget (`memory_budget.device_budgets`: measured now, after
+        the warm-up, unless configured) and log it with the default voice's bound per stream."""
+        config = self.config
+        devices = [worker.device for worker in self._workers]
+        self._memory_budgets.limit(
+            device_budgets(devices, config.token2wav_memory_bytes, config.token2wav_memory_margin_bytes))
         default = self._prepared.get("default")
-        measured = self.config.token2wav_memory_bytes is None
-        for index, (worker, budget) in enumerate(zip(self._workers, self._budget, strict=True)):
-            bound = None if default is None else self._stream_bytes(index, default[index])
-            if budget is None:
-                limit = "no byte limit"
-            elif measured:
-                limit = (f"{budget / GIB:.2f} GiB (free after the warm-up less a "
-                         f"{self.config.token2wav_memory_margin_gib:g} GiB margin)")
-            else:
-                limit = f"{budget / GIB:.2f} GiB (configured)"
-            per_stream = "unknown" if not bound else f"{bound / MIB:.1f} MiB"
-            fit = "" if budget is None or not bound else f"; {budget // bound} such streams fit"
-            if budget is not None and bound and budget // bound < self._capacity[index]:
-                logger.warning("token2wav worker %d on %s: device memory bounds it to %d streams of the "
-                               "default voice, below its %d of --max-streams", index, worker.device,
-                               max(1, budget // bound), self._capacity[index])
-            logger.info("token2wav memory admission, worker %d on %s: budget %s; bound per stream of the "
-                        "default voice %s (%d tokens)%s", index, worker.device, limit, per_stream,
-                        self._max_tokens, fit)
+        bounds: list[int | None] = ([self._stream_bytes(index, voice) for index, voice in enumerate(default)]
+                                    if default is not None else [None] * len(devices))
+        measured = config.token2wav_memory_bytes is None
+        log_budgets(self._memory_budgets.budgets, devices, bounds, self._capacity, self._max_tokens,
+                    config.token2wav_memory_margin_gib if measured else None)
 
     def _stream_bytes(self, index: int, voice: PreparedVoice) -> int:
         """What a stream of `voice` on token2wav worker `index` reserves: its state's bound (0 where
@@ -358,13 +327,14 @@ class Runtime:
         return [
             (str(worker.device), WorkerLoad(placed, capacity, worker.alive, reserved, budget))
             for worker, placed, capacity, reserved, budget in zip(
-                self._workers, self._placed, self._capacity, self._reserved, self._budget, strict=True)
+                self._workers, self._placed, self._capacity, self._memory_budgets.reserved,
+                self._memory_budgets.budgets, strict=True)
         ]
 
     def _place(self, voice: Sequence[PreparedVoice]) -> tuple[int, _Engines, int]:
         """The token2wav worker a new stream of `voice` goes to (the one with the most room), the LLM
         engine that serves it (the one on the same device, else the least busy) and the bytes it
-        reserves there, reserved now (`_unreserve` gives them back); ServiceError `busy` when every
+        reserves there, reserved now (`MemoryBudgets.release` gives them back); ServiceError `busy` when every
         worker is full in streams or bytes, or dead."""
         engines = self._running()
         loads = [load for _, load in self._worker_loads()]
@@ -381,11 +351,8 @@ class Runtime:
                                self.config.retry_after_s)
         same_device = engines.plan.llm_for(index)
         llm = engines.llms[same_device] if same_device is not None else min(engines.llms, key=_requests_held)
-        self._reserved[index] += needs[index]
+        self._memory_budgets.reserve(index, needs[index])
         return index, _Engines(llm, self._workers[index]), needs[index]
-
-    def _unreserve(self, index: int, nbytes: int) -> None:
-        self._reserved[index] -= nbytes
 
     # -- synthesis -----------------------------------------------------------------------------
 
@@ -434,7 +401,7 @@ class Runtime:
         try:
             placed.check_mode(mode)
         except ServiceError:
-            self._unreserve(index, reserved)
+            self._memory_budgets.release(index, reserved)
             raise
         session_id = secrets.token_hex(4)
         session: Session
@@ -442,7 +409,7 @@ class Runtime:
         def release() -> None:
             if session in self._sessions:
                 self._placed[index] -= 1
-                self._unreserve(index, reserved)
+                self._memory_budgets.release(index, reserved)
             self._sessions.discard(session)
             self._track_sessions()
 
@@ -539,7 +506,7 @@ class Runtime:
             except LLMError as exc:
                 raise ServiceError(exc.code, str(exc), 500) from exc
             finally:
-                self._unreserve(worker, reserved)
+                self._memory_budgets.release(worker, reserved)
                 for token_stream in token_streams:
                     token_stream.cancel()
         return np.concatenate(pieces)
@@ -672,15 +639,6 @@ def _summed(pairs: Iterable[tuple[int, int]]) -> tuple[int, int]:
     for device_free, device_total in pairs:
         free, total = free + device_free, total + device_total
     return free, total
-
-
-def _usable_device_bytes(device: torch.device) -> int:
-    """What new tensors on `device` can still take: its free memory once the caching allocator has
-    handed back the blocks it holds unused (its reserved-but-unallocated bytes; those it keeps per CUDA
-    stream would not serve the token2wav thread's stream, and the graphs' private pools stay)."""
-    with torch.cuda.device(device):
-        torch.cuda.empty_cache()
-    return torch.cuda.mem_get_info(device)[0]
 
 
 def _requests_held(llm: LLMEngine) -> int:

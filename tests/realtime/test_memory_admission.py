@@ -21,6 +21,7 @@ from engines.token2wav.base import ChunkJob
 from engines.token2wav.stream_memory import stream_state_bytes
 from engines.token2wav.torch_backend import TorchToken2Wav
 from engines.voice import VoicePrompt
+from realtime.memory_budget import MemoryBudgets, device_budgets
 from realtime.placement import WorkerLoad, least_loaded
 from realtime.session import SpeechRequest
 
@@ -40,6 +41,21 @@ def test_placement_needs_room_in_bytes_as_in_streams() -> None:
     # The larger share in use decides: 1/4 of the streams but 90 % of the bytes loses to 2/4 streams.
     assert least_loaded([WorkerLoad(1, 4, reserved_bytes=90, budget_bytes=100),
                          WorkerLoad(2, 4, reserved_bytes=0, budget_bytes=100)], [5, 5]) == 1
+
+
+def test_budgets_are_configured_or_none_off_cuda_and_reservations_outlive_them() -> None:
+    cpu = torch.device("cpu")
+    assert device_budgets([cpu, cpu], None, margin=8 << 30) == [None, None]  # the CPU: no byte limit
+    assert device_budgets([cpu, cpu], 100, margin=8 << 30) == [100, 100]  # configured: per worker
+    budgets = MemoryBudgets(2)
+    assert budgets.budgets == (None, None) and budgets.reserved == (0, 0)
+    budgets.reserve(1, 30)
+    budgets.limit([100, 50])  # set after the warm-up: what is reserved stays
+    assert budgets.budgets == (100, 50) and budgets.reserved == (0, 30)
+    budgets.release(1, 30)
+    assert budgets.reserved == (0, 0)
+    with pytest.raises(ValueError, match="3 budgets for 2"):
+        budgets.limit([1, 2, 3])
 
 
 def default_stream_bytes(models: Path) -> int:
@@ -152,3 +168,4 @@ async def test_a_budget_for_two_streams_admits_two_and_refuses_the_third(
             assert await reserved() == bound
         await held.aclose()
         assert await reserved() == 0
+

@@ -395,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "working memory")
         sub.add_argument("--first-chunk-gap-ms", type=float, default=FirstChunkHold().gap_s * 1000,
                          help="a first chunk waits for other new streams' first chunks while one came within "
-                              "this many ms")
+                              "this many ms (or 1.5 recent LLM decode steps if longer)")
         sub.add_argument("--first-chunk-hold-ms", type=float, default=FirstChunkHold().max_s * 1000,
                          help="and at most this many ms in all (0: no waiting)")
         if name == "serve":

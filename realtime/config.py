@@ -19,6 +19,7 @@ from realtime.voice_aliases import DEFAULT_VOICE_ALIASES
 
 FlowKind = Literal["dit", "unet"]
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "cosyvoice-realtime"
+GIB = 1 << 30
 
 
 def _require_above_zero(config: object, names: Iterable[str], label: str = "") -> None:
@@ -321,15 +322,15 @@ class ServiceConfig:
 
     @property
     def token2wav_solve_bytes(self) -> int | None:
-        return None if self.token2wav_solve_gib is None else int(self.token2wav_solve_gib * (1 << 30))
+        return None if self.token2wav_solve_gib is None else int(self.token2wav_solve_gib * GIB)
 
     @property
     def token2wav_memory_bytes(self) -> int | None:
-        return None if self.token2wav_memory_gib is None else int(self.token2wav_memory_gib * (1 << 30))
+        return None if self.token2wav_memory_gib is None else int(self.token2wav_memory_gib * GIB)
 
     @property
     def token2wav_memory_margin_bytes(self) -> int:
-        return int(self.token2wav_memory_margin_gib * (1 << 30))
+        return int(self.token2wav_memory_margin_gib * GIB)
 
     @property
     def voice_store(self) -> Path:

@@ -31,8 +31,6 @@ from dataclasses import dataclass
 from engines.token2wav.batching import SolveShape
 from engines.token2wav.graphs import SolverLayout
 
-GIB = 1 << 30
-
 
 @dataclass(frozen=True)
 class SolveMemory:

@@ -8,9 +8,10 @@ import torch
 from engines.config import ModelConfigs
 from engines.token2wav.batching import Buckets, SolveShape
 from engines.token2wav.graphs import SolverLayout
-from engines.token2wav.solve_memory import GIB, SolveMemory
+from engines.token2wav.solve_memory import SolveMemory
 
 MIB = 1 << 20
+GIB = 1 << 30
 FULL = SolverLayout.of(ModelConfigs.full().dit_flow, torch.float16, torch.device("cpu"))
 PROMPT = 512  # a prompt-frames bucket of the released voices (≤ 10 s prompts)
 

@@ -364,7 +364,13 @@ class Runtime:
         await self.ensure_voice(request.voice)
         session = self.speak(request, continuing)
         if not continuing:
-            await session.prepare()
+            try:
+                await session.prepare()
+            except BaseException:
+                # Cancelled while the text was cut (a client gone): no caller will ever hold the session,
+                # so it closes here, giving back its admission and reserved bytes (a refusal closed it).
+                await session.aclose()
+                raise
         return session
 
     def speak(self, request: SpeechRequest, continuing: bool = False) -> Session:
@@ -398,11 +404,6 @@ class Runtime:
         if isinstance(decision, Refuse):
             raise ServiceError("busy", decision.reason, 429, decision.retry_after_s)
         index, placed, reserved = self._place(voices)
-        try:
-            placed.check_mode(mode)
-        except ServiceError:
-            self._memory_budgets.release(index, reserved)
-            raise
         session_id = secrets.token_hex(4)
         session: Session
 
@@ -413,20 +414,25 @@ class Runtime:
             self._sessions.discard(session)
             self._track_sessions()
 
-        session = Session(
-            session_id,
-            request,
-            voices[index],
-            prompt,
-            functools.partial(self._segments, request.text),
-            placed,
-            self.metrics,
-            self.config.chunk_queue,
-            on_close=release,
-            pace_llm=self.config.llm_pacing,
-            schedule=self.config.schedule,
-            retry_after_s=self.config.retry_after_s,
-        )
+        try:
+            placed.check_mode(mode)
+            session = Session(
+                session_id,
+                request,
+                voices[index],
+                prompt,
+                functools.partial(self._segments, request.text),
+                placed,
+                self.metrics,
+                self.config.chunk_queue,
+                on_close=release,
+                pace_llm=self.config.llm_pacing,
+                schedule=self.config.schedule,
+                retry_after_s=self.config.retry_after_s,
+            )
+        except BaseException:  # not handed to a session: nothing else would give the bytes back
+            self._memory_budgets.release(index, reserved)
+            raise
         self._sessions.add(session)
         self._placed[index] += 1
         self._track_sessions()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
@@ -23,7 +24,8 @@ from engines.token2wav.torch_backend import TorchToken2Wav
 from engines.voice import VoicePrompt
 from realtime.memory_budget import MemoryBudgets, device_budgets
 from realtime.placement import WorkerLoad, least_loaded
-from realtime.session import SpeechRequest
+from realtime.runtime import Runtime
+from realtime.session import Segment, SpeechRequest
 
 FLOAT32_BYTES = 4  # the flow's dtype on the CPU
 LLM_CONTEXT = 2048  # the PyTorch LLM engine's default context: the most tokens of one request
@@ -169,3 +171,34 @@ async def test_a_budget_for_two_streams_admits_two_and_refuses_the_third(
         await held.aclose()
         assert await reserved() == 0
 
+
+async def test_a_session_cancelled_while_its_text_is_cut_gives_its_bytes_back(
+    tiny_models: Path, tmp_path: Path, eventually: Eventually, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`open_session` cancelled (a client gone) while the text is normalised and cut, after admission:
+    no caller ever holds that session, so it closes itself, giving back its stream and its bytes."""
+    cutting, go_on = threading.Event(), threading.Event()
+    segments = Runtime._segments
+
+    def slow_segments(self: Runtime, text: str) -> list[Segment]:
+        cutting.set()
+        go_on.wait()
+        return segments(self, text)
+
+    monkeypatch.setattr(Runtime, "_segments", slow_segments)
+    bound = default_stream_bytes(tiny_models)
+    config = service_config(tiny_models, tmp_path, device="cpu", token2wav_memory_gib=4 * bound / (1 << 30))
+    async with serve(config) as server:
+        runtime = server.runtime
+        try:
+            opening = asyncio.ensure_future(runtime.open_session(SpeechRequest("Hello there.")))
+            await asyncio.to_thread(cutting.wait)
+            assert runtime.stats().active_streams == 1
+            assert reserved_bytes(runtime.metrics.render().decode()) == bound
+            opening.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await opening
+            assert runtime.stats().active_streams == 0
+            assert reserved_bytes(runtime.metrics.render().decode()) == 0
+        finally:
+            go_on.set()

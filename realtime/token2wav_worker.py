@@ -229,6 +229,23 @@ class _Lane:
             self._fail_all(self.failure)
 
 
+def _close_on(lane: _Lane, stream: Token2WavStream) -> None:
+    """Queue the close of `stream` on `lane`, the thread that opened it."""
+
+    def close() -> None:
+        stream.close()
+        lane.open_streams -= 1
+        lane.fresh.discard(stream)
+
+    lane.put(_Call(close, None))
+
+
+def _close_opened(lane: _Lane, opened: Future[Token2WavStream]) -> None:
+    """Close the stream `opened` brought, if it brought one (its opener was gone by then)."""
+    if not opened.cancelled() and opened.exception() is None:
+        _close_on(lane, opened.result())
+
+
 def _died(exc: BaseException) -> RuntimeError:
     return RuntimeError(f"the token2wav worker thread died ({type(exc).__name__})")
 
@@ -307,10 +324,16 @@ class Token2WavWorker:
             return stream
 
         lane.assigned += 1
+        opened: Future[Token2WavStream] = Future()
+        lane.put(_Call(open_, opened))
         try:
-            stream = await self._call(lane, open_)
+            stream = await asyncio.wrap_future(opened)
         except BaseException:
             lane.assigned -= 1
+            # Cancelled while the thread was opening it: the stream opens all the same and is closed
+            # there, else it would keep its caches and stay a fresh stream whose first chunk the batch
+            # policy holds for.
+            opened.add_done_callback(lambda done: _close_opened(lane, done))
             raise
         self._lane_of[stream] = lane
         return stream
@@ -318,13 +341,7 @@ class Token2WavWorker:
     def close_stream(self, stream: Token2WavStream) -> None:
         lane = self._lane_of.pop(stream)
         lane.assigned -= 1
-
-        def close() -> None:
-            stream.close()
-            lane.open_streams -= 1
-            lane.fresh.discard(stream)
-
-        lane.put(_Call(close, None))
+        _close_on(lane, stream)
 
     async def synthesize(
         self, stream: Token2WavStream, tokens: Sequence[int], last: bool, due: float

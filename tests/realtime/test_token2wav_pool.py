@@ -15,7 +15,7 @@ import torch
 
 from engines.config import SAMPLES_PER_TOKEN, ModelPaths
 from engines.llm.base import SamplingParams
-from engines.token2wav.base import ChunkJob
+from engines.token2wav.base import ChunkJob, SpeakerState, Token2WavStream
 from engines.token2wav.torch_backend import TorchToken2Wav
 from engines.voice import VoicePrompt
 from realtime.batch_policy import FirstChunkHold
@@ -143,6 +143,41 @@ async def test_first_chunks_of_streams_opened_together_share_a_batch(tiny_models
         for stream in (*together, lone, silent):
             worker.close_stream(stream)
     finally:
+        await asyncio.to_thread(worker.stop)
+
+
+async def test_a_stream_whose_opener_was_cancelled_is_closed_once_open(tiny_models: Path) -> None:
+    """An opener cancelled (a client gone) while the thread opens its stream: the stream is closed on
+    that thread once open, instead of keeping its caches and counting as a fresh stream whose first
+    chunk the batch policy would wait for."""
+    backend = TorchToken2Wav.from_models_dir(tiny_models, "dit", "cpu")
+    voice = VoicePrompt.load(ModelPaths(tiny_models).voices / "default.safetensors")
+    worker = Token2WavWorker(backend, max_batch=8, capacity=8)
+    opening, go_on = threading.Event(), threading.Event()
+    open_stream = backend.open_stream
+
+    def slow_open(speaker: SpeakerState) -> Token2WavStream:
+        opening.set()
+        go_on.wait()
+        return open_stream(speaker)
+
+    backend.open_stream = slow_open  # type: ignore[method-assign]
+    worker.start()
+    try:
+        speaker = await worker.prepare_speaker(voice)
+        opener = asyncio.ensure_future(worker.open_stream(speaker))
+        await asyncio.to_thread(opening.wait)
+        opener.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await opener
+        go_on.set()
+        # The close is queued as the open finishes: two calls later it has run.
+        await worker.call(lambda: None)
+        await worker.call(lambda: None)
+        assert worker.open_streams == 0
+        assert not any(lane.fresh for lane in worker._lanes)
+    finally:
+        go_on.set()
         await asyncio.to_thread(worker.stop)
 
 

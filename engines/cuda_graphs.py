@@ -31,7 +31,7 @@ import torch
 # captures share (see the module docstring).
 _CAPTURING = threading.Lock()
 # Below this share of the device free, a capture first releases the allocator's cached blocks.
-LOW_MEMORY = 0.2
+LOW_FREE_SHARE = 0.2
 
 
 def capture_graph(fn: Callable[[], object], pool: Any, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
@@ -45,7 +45,7 @@ def capture_graph(fn: Callable[[], object], pool: Any, stream: torch.cuda.Stream
     graph = torch.cuda.CUDAGraph()
     with _CAPTURING:
         free, total = torch.cuda.mem_get_info(stream.device)
-        if free < LOW_MEMORY * total:
+        if free < LOW_FREE_SHARE * total:
             # Without torch.cuda.graph's empty_cache before every capture, blocks cached for other
             # streams can fill the device; hand them back when it is nearly full (no capture is under
             # way while the lock is held).

@@ -17,15 +17,11 @@ import contextlib
 import json
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
-
-from realtime.bench import free_port
+from realtime.bench import spawned_process
 
 PHASES = {  # when each phase ended, read off the log's time stamps
     "first_log": re.compile(r"compiled kernels cached|token2wav backend"),
@@ -45,26 +41,12 @@ STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})")
 
 def one_start(models: Path, serve_args: list[str], log: Path, timeout_s: float) -> dict[str, object]:
     """Start a server, time /readyz, read the phase marks off its log, stop it."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "realtime", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--models", str(models), *serve_args]
     started = time.time()
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-        ready_s = None
-        try:
-            while time.time() - started < timeout_s and proc.poll() is None:
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                        ready_s = time.time() - started
-                        break
-                time.sleep(0.2)
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    ready_s = None
+    # A server that exits or is never ready leaves ready_s None; its log says why.
+    server = spawned_process(models, serve_args, log, ready_timeout_s=timeout_s)
+    with contextlib.suppress(RuntimeError), server:
+        ready_s = time.time() - started
     marks: dict[str, float] = {}
     durations: dict[str, float] = {}
     for line in log.read_text(errors="replace").splitlines():

@@ -14,14 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from testing import speak_samples
 
 from engines.config import SAMPLES_PER_TOKEN
-from engines.llm.base import SamplingParams
 from engines.token2wav.base import ChunkJob, Token2WavStream
 from engines.token2wav.torch_backend import TorchToken2Wav
 from realtime.config import ServiceConfig
 from realtime.runtime import Runtime
-from realtime.session import SpeechRequest
 from realtime.token2wav_worker import Token2WavWorker
 
 TOKENS = 70  # chunks of 18 and 28 tokens, then the last 30
@@ -81,15 +80,10 @@ async def test_first_chunks_run_before_later_chunks_waiting_beside_them(
     runtime = Runtime(config)
     await runtime.start()
     try:
-
-        async def speak(seed: int) -> int:
-            request = SpeechRequest("Hello there.", sampling=SamplingParams(seed=seed, fixed_length=TOKENS))
-            async with runtime.speak(request) as session:
-                return sum([chunk.pcm.size async for chunk in session])
-
-        early = [asyncio.create_task(speak(seed)) for seed in range(EARLY)]
+        early = [asyncio.create_task(speak_samples(runtime, seed, TOKENS)) for seed in range(EARLY)]
         await eventually(lambda: len(submitted) >= EARLY)
-        late = [asyncio.create_task(speak(seed)) for seed in range(EARLY, EARLY + LATE)]
+        late = [asyncio.create_task(speak_samples(runtime, seed, TOKENS))
+                for seed in range(EARLY, EARLY + LATE)]
         lengths = await asyncio.gather(*early, *late)
     finally:
         await runtime.stop(config.drain_timeout_s)

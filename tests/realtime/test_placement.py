@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from testing import serve, service_config
+from testing import serve, service_config, speak_samples
 
 from engines.llm.base import SamplingParams
 from engines.token2wav.base import ChunkJob
@@ -125,14 +125,8 @@ async def test_streams_spread_over_workers_stay_on_theirs_and_a_dead_worker_take
                             max_streams=4)
     async with serve(config) as server, httpx.AsyncClient(base_url=server.http_url) as client:
         runtime = server.runtime
-
-        async def speak(seed: int) -> int:
-            request = SpeechRequest("Hello there.", sampling=SamplingParams(seed=seed, fixed_length=TOKENS))
-            async with runtime.speak(request) as session:
-                return sum([chunk.pcm.size async for chunk in session])
-
         # Four streams at once: two on each worker (capacity 2 each), each run by its worker's thread.
-        await asyncio.gather(*(speak(seed) for seed in range(4)))
+        await asyncio.gather(*(speak_samples(runtime, seed, TOKENS) for seed in range(4)))
         assert len(threads_of) == 4 and all(len(names) == 1 for names in threads_of.values())
         placed = sorted(next(iter(names)) for names in threads_of.values())
         assert placed == ["token2wav0-0", "token2wav0-0", "token2wav1-0", "token2wav1-0"]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from testing import speak_samples
 
 from engines.config import SAMPLES_PER_TOKEN, ModelPaths
 from engines.llm.base import SamplingParams
@@ -58,13 +59,7 @@ async def test_baseline_pool_runs_each_stream_on_one_of_several_threads(
     runtime = Runtime(config)
     await runtime.start()
     try:
-
-        async def speak(seed: int) -> int:
-            request = SpeechRequest("Hello there.", sampling=SamplingParams(seed=seed, fixed_length=TOKENS))
-            async with runtime.speak(request) as session:
-                return sum([chunk.pcm.size async for chunk in session])
-
-        lengths = await asyncio.gather(*(speak(seed) for seed in range(3)))
+        lengths = await asyncio.gather(*(speak_samples(runtime, seed, TOKENS) for seed in range(3)))
         await eventually(lambda: runtime.stats().token2wav_streams == 0)  # closes run on the threads
     finally:
         await runtime.stop(config.drain_timeout_s)

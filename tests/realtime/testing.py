@@ -16,10 +16,12 @@ from pathlib import Path
 
 import uvicorn
 
+from engines.llm.base import SamplingParams
 from realtime.app import create_app, server_config
 from realtime.config import ServiceConfig, WebRTCConfig
 from realtime.engine_loader import LoadedEngines, load_engines
 from realtime.runtime import Runtime
+from realtime.session import SpeechRequest
 
 LOOPBACK = "127.0.0.1"
 
@@ -39,6 +41,13 @@ class LiveServer:
     @property
     def ws_url(self) -> str:
         return f"ws://{LOOPBACK}:{self.port}"
+
+
+async def speak_samples(runtime: Runtime, seed: int, tokens: int) -> int:
+    """Speak a short text through `runtime` for exactly `tokens` speech tokens; the samples heard."""
+    request = SpeechRequest("Hello there.", sampling=SamplingParams(seed=seed, fixed_length=tokens))
+    async with runtime.speak(request) as session:
+        return sum([chunk.pcm.size async for chunk in session])
 
 
 def service_config(models: Path, voices: Path, **overrides: object) -> ServiceConfig:

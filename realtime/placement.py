@@ -39,6 +39,12 @@ class DevicePlan:
             if not getattr(self, name):
                 raise ValueError(f"{name} is empty: give at least one device")
 
+    @property
+    def shared_gpus(self) -> tuple[str, ...]:
+        """The GPUs that hold an LLM engine and a token2wav worker both."""
+        return tuple(device for device in dict.fromkeys(self.llm_devices)
+                     if device.startswith("cuda") and device in self.token2wav_devices)
+
     def llm_for(self, token2wav_index: int) -> int | None:
         """The (first) LLM engine on the same device as token2wav worker `token2wav_index`, if any."""
         device = self.token2wav_devices[token2wav_index]

@@ -184,14 +184,13 @@ class Runtime:
             )
         self.metrics.track_llm(lambda: [llm.stats() for llm in engines.llms])
         started = time.perf_counter()
-        llm_gpus = {_indexed(name) for name in engines.plan.llm_devices} - {None}
-        if llm_gpus & {_indexed(name) for name in engines.plan.token2wav_devices}:
+        if engines.plan.shared_gpus:
             # On a shared GPU the two build one after the other: at once they needed both warm-ups'
             # peaks plus two allocator caches (one per stream) and ran an 80 GB H100 out of memory
             # (docs/benchmarks.md, 2026-11-24 start-up).
             await asyncio.gather(*(llm.start() for llm in engines.llms))
-            for index in llm_gpus:
-                with torch.cuda.device(index):
+            for device in engines.plan.shared_gpus:
+                with torch.cuda.device(device):
                     torch.cuda.empty_cache()  # the LLM warm-up's cached blocks, for token2wav's stream
             warmed_up = await self._prepare_voices(warm_up=bool(gpus))
         else:
@@ -629,14 +628,6 @@ class Runtime:
         if self._prompts is not None:
             self._prompts.forget(voice_id)
 
-
-
-def _indexed(name: str) -> int | None:
-    """The CUDA device index `name` denotes ("cuda" is the current one); None for other devices."""
-    device = torch.device(name)
-    if device.type != "cuda":
-        return None
-    return torch.cuda.current_device() if device.index is None else device.index
 
 
 def _summed(pairs: Iterable[tuple[int, int]]) -> tuple[int, int]:

@@ -77,6 +77,15 @@ def test_device_plans() -> None:
         DevicePlan((), ("cpu",))
 
 
+def test_shared_gpus_are_those_holding_both_engines() -> None:
+    """On such a GPU the engines build one after the other at start-up (realtime/runtime.py)."""
+    assert plan_devices("auto", 2).shared_gpus == ("cuda:0",)
+    assert plan_devices("auto", 4, PlacementKind.REPLICATED).shared_gpus == ("cuda:0", "cuda:1", "cuda:2",
+                                                                              "cuda:3")
+    assert plan_devices("auto", 4, llm_devices=("cuda:0",), token2wav_devices=("cuda:1",)).shared_gpus == ()
+    assert plan_devices("auto", 0).shared_gpus == ()  # the CPU is not a GPU
+
+
 def test_cli_placement_flags(tiny_models: Path) -> None:
     args = build_parser().parse_args([
         "serve", "--models", str(tiny_models), "--llm-device", "cuda:0",

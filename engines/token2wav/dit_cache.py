@@ -26,6 +26,12 @@ CacheRule = Literal["reference", "prompt_recent"]
 CACHE_RULES: tuple[CacheRule, ...] = get_args(CacheRule)
 
 
+def cached_frame_elements(steps: int, depth: int, heads: int, head_dim: int) -> int:
+    """Elements one cached frame of one stream takes: a key and a value per head, in every block of every
+    Euler step, for both guidance halves (the memory bounds' u, times the dtype's size)."""
+    return steps * depth * 2 * heads * 2 * head_dim
+
+
 @dataclass(frozen=True)
 class EstimatorKeys:
     """The frames a stream's estimator cache holds before its next chunk.

@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass
 
 from engines.token2wav.batching import SolveShape
+from engines.token2wav.dit_cache import cached_frame_elements
 from engines.token2wav.graphs import SolverLayout
 
 
@@ -47,7 +48,8 @@ class SolveMemory:
     def cached_frame_bytes(self) -> int:
         """u: one cached frame of one row in every step and block, both guidance halves."""
         layout = self.layout
-        return layout.steps * layout.depth * 2 * layout.heads * 2 * layout.head_dim * layout.dtype.itemsize
+        elements = cached_frame_elements(layout.steps, layout.depth, layout.heads, layout.head_dim)
+        return elements * layout.dtype.itemsize
 
     def static_bytes(self, shape: SolveShape) -> int:
         """The solve's input and output tensors."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from engines.config import FlowConfig, HiFTConfig
 from engines.token2wav.conformer import PRE_LOOKAHEAD_LEFT, UPSAMPLE_KERNEL_GROWTH
-from engines.token2wav.dit_cache import CacheRule
+from engines.token2wav.dit_cache import CacheRule, cached_frame_elements
 
 FLOAT32_BYTES = 4
 
@@ -44,7 +44,7 @@ def stream_state_bytes(flow: FlowConfig, hift: HiFTConfig, itemsize: int, prompt
     at most `max_tokens` speech tokens, with the flow's tensors `itemsize` bytes per element."""
     dit, enc, steps = flow.dit, flow.encoder, flow.n_timesteps
     own = most_own_frames(flow.att_cache_rule, flow.att_cache_recent_frames, prompt_frames)
-    estimator_kv = steps * dit.depth * 2 * dit.num_heads * 2 * dit.head_dim * own
+    estimator_kv = cached_frame_elements(steps, dit.depth, dit.num_heads, dit.head_dim) * own
     estimator_cnn = steps * dit.depth * 2 * 2 * dit.hidden_size * 2
     encoder_convs = enc.d_model * (PRE_LOOKAHEAD_LEFT + UPSAMPLE_KERNEL_GROWTH * enc.up_stride)
     encoder_kv = (enc.num_blocks + enc.up_stride * enc.num_up_blocks) * enc.num_heads * 2 * enc.head_dim

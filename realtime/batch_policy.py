@@ -39,9 +39,10 @@ class FirstChunkHold:
     steps: float = 1.5
 
     def __post_init__(self) -> None:
-        if self.gap_s < 0 or self.max_s < 0:  # max_s bounds the gap too: max_s = 0 turns holding off
+        # max_s bounds the gap too: max_s = 0 turns holding off. (`not >= 0` refuses NaN as well.)
+        if not (self.gap_s >= 0 and self.max_s >= 0):
             raise ValueError(f"need gap_s >= 0 and max_s >= 0, got gap_s={self.gap_s} max_s={self.max_s}")
-        if self.steps < 0:
+        if not self.steps >= 0:
             raise ValueError(f"steps must be >= 0, got {self.steps}")
 
     def gap(self, llm_step_s: float) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from harness import ClientRunner, SlotsFreed
 from testing import LiveServer
@@ -15,12 +17,15 @@ def _seconds(result: dict[str, object], rate: int, bytes_per_sample: int = 2) ->
     return audio_bytes / bytes_per_sample / rate
 
 
+async def run_sdk(run_client: ClientRunner, server: LiveServer, *args: str) -> dict[str, Any]:
+    """cartesia_sdk.py's result against `server` with `args`."""
+    return await run_client("vendor-sdks", "cartesia_sdk.py", "--http-url", server.http_url, *args)
+
+
 async def test_sdk_websocket_token_paced_with_timestamps(
     live_server: LiveServer, run_client: ClientRunner, slots_freed: SlotsFreed
 ) -> None:
-    result = await run_client(
-        "vendor-sdks", "cartesia_sdk.py", "--http-url", live_server.http_url, "--sample-rate", "16000"
-    )
+    result = await run_sdk(run_client, live_server, "--sample-rate", "16000")
     assert "error" not in result, result
     assert _seconds(result, 16000) > 0.5
     assert result["types"] == ["chunk", "done", "timestamps"]
@@ -35,9 +40,7 @@ async def test_sdk_websocket_token_paced_with_timestamps(
 async def test_sdk_websocket_cancel_frees_the_slot(
     live_server: LiveServer, run_client: ClientRunner, slots_freed: SlotsFreed
 ) -> None:
-    result = await run_client(
-        "vendor-sdks", "cartesia_sdk.py", "--http-url", live_server.http_url, "--interrupt"
-    )
+    result = await run_sdk(run_client, live_server, "--interrupt")
     assert "error" not in result, result
     assert result["audio_bytes"] > 0
     await slots_freed()
@@ -46,9 +49,7 @@ async def test_sdk_websocket_cancel_frees_the_slot(
 async def test_sdk_websocket_manual_flushes_report_flush_done(
     live_server: LiveServer, run_client: ClientRunner, slots_freed: SlotsFreed
 ) -> None:
-    result = await run_client(
-        "vendor-sdks", "cartesia_sdk.py", "--http-url", live_server.http_url, "--mode", "flush"
-    )
+    result = await run_sdk(run_client, live_server, "--mode", "flush")
     assert "error" not in result, result
     events = result["events"]
     # The first transcript's audio carries flush_id 1, then its flush_done; the second's carries 2,
@@ -70,10 +71,7 @@ async def test_sdk_websocket_manual_flushes_report_flush_done(
 async def test_sdk_http_routes(
     live_server: LiveServer, run_client: ClientRunner, slots_freed: SlotsFreed, mode: str
 ) -> None:
-    result = await run_client(
-        "vendor-sdks", "cartesia_sdk.py", "--http-url", live_server.http_url, "--mode", mode,
-        "--sample-rate", "22050",
-    )
+    result = await run_sdk(run_client, live_server, "--mode", mode, "--sample-rate", "22050")
     assert "error" not in result, result
     if mode == "bytes":  # a WAV file at the requested rate
         assert result["head"] == "RIFF" and result["content_type"] == "audio/wav"

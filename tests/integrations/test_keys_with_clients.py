@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -23,6 +24,13 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 KEY = "client-key-97531"
 
 
+async def run_with_key(
+    run_client: ClientRunner, server: LiveServer, env: str, script: str, mode: str
+) -> dict[str, Any]:
+    """`script`'s result, its client in `mode` configured with KEY against `server`."""
+    return await run_client(env, script, "--http-url", server.http_url, "--mode", mode, "--api-key", KEY)
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def keyed(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[LiveServer]:
     config = service_config(
@@ -34,61 +42,30 @@ async def keyed(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.mark.parametrize("mode", ["websocket", "bytes"])
 async def test_cartesia_sdk_with_a_key(keyed: LiveServer, run_client: ClientRunner, mode: str) -> None:
-    result = await run_client(
-        "vendor-sdks", "cartesia_sdk.py", "--http-url", keyed.http_url, "--mode", mode, "--api-key", KEY
-    )
+    result = await run_with_key(run_client, keyed, "vendor-sdks", "cartesia_sdk.py", mode)
     assert "error" not in result, result
     assert result["audio_bytes"] > 0
 
 
 async def test_elevenlabs_sdk_with_a_key(keyed: LiveServer, run_client: ClientRunner) -> None:
-    result = await run_client(
-        "vendor-sdks",
-        "elevenlabs_sdk.py",
-        "--http-url",
-        keyed.http_url,
-        "--mode",
-        "convert",
-        "--api-key",
-        KEY,
-    )
+    result = await run_with_key(run_client, keyed, "vendor-sdks", "elevenlabs_sdk.py", "convert")
     assert len(base64.b64decode(result["audio_b64"])) > 0
 
 
 @pytest.mark.parametrize("mode", ["cartesia", "openai"])
 async def test_pipecat_services_with_a_key(keyed: LiveServer, run_client: ClientRunner, mode: str) -> None:
-    result = await run_client(
-        "pipecat", "pipecat_tts.py", "--http-url", keyed.http_url, "--mode", mode, "--api-key", KEY
-    )
+    result = await run_with_key(run_client, keyed, "pipecat", "pipecat_tts.py", mode)
     assert result["errors"] == [], result["_stderr"][-3000:]
     assert result["audio_bytes"] > 0
 
 
 async def test_pipecat_elevenlabs_websocket_with_a_key(keyed: LiveServer, run_client: ClientRunner) -> None:
-    result = await run_client(
-        "pipecat",
-        "pipecat_elevenlabs.py",
-        "--http-url",
-        keyed.http_url,
-        "--mode",
-        "websocket",
-        "--api-key",
-        KEY,
-    )
+    result = await run_with_key(run_client, keyed, "pipecat", "pipecat_elevenlabs.py", "websocket")
     assert result["errors"] == []
     assert result["audio_bytes"] > 0
 
 
 async def test_livekit_cartesia_stream_with_a_key(keyed: LiveServer, run_client: ClientRunner) -> None:
-    result = await run_client(
-        "livekit",
-        "livekit_tts.py",
-        "--http-url",
-        keyed.http_url,
-        "--mode",
-        "cartesia-stream",
-        "--api-key",
-        KEY,
-    )
+    result = await run_with_key(run_client, keyed, "livekit", "livekit_tts.py", "cartesia-stream")
     assert result["errors"] == [], result["_stderr"][-3000:]
     assert result["audio_bytes"] > 0

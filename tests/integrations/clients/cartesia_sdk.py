@@ -8,6 +8,7 @@ the websocket (it appends `/tts/bytes`, `/tts/sse` and `/tts/websocket`).
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from cartesia import AsyncCartesia
 from common import llm_tokens, parse_args, report
@@ -15,19 +16,23 @@ from common import llm_tokens, parse_args, report
 MODEL = "sonic-3"
 
 
+def timed_context(connection: Any, voice: str, rate: int) -> Any:
+    """A context on the websocket `connection`: raw 16-bit PCM at `rate` with word timestamps."""
+    return connection.context(
+        model_id=MODEL,
+        voice={"mode": "id", "id": voice},
+        output_format={"container": "raw", "encoding": "pcm_s16le", "sample_rate": rate},
+        add_timestamps=True,
+    )
+
+
 async def websocket(client: AsyncCartesia, voice: str, rate: int, interrupt: bool) -> None:
-    output_format = {"container": "raw", "encoding": "pcm_s16le", "sample_rate": rate}
     audio = bytearray()
     words: list[str] = []
     starts: list[float] = []
     types: list[str] = []
     async with client.tts.websocket_connect() as connection:
-        context = connection.context(
-            model_id=MODEL,
-            voice={"mode": "id", "id": voice},
-            output_format=output_format,
-            add_timestamps=True,
-        )
+        context = timed_context(connection, voice, rate)
         for token in llm_tokens():
             await context.push(token)
             await asyncio.sleep(0.02)  # an LLM's token rate
@@ -53,16 +58,10 @@ async def flushes(client: AsyncCartesia, voice: str, rate: int) -> None:
     """Two transcripts each followed by a manual flush (`push("", flush=True)`), as Cartesia's flushing
     example does: the events in order, as `chunk:<flush_id>`, `timestamps:<flush_id>`,
     `flush_done:<flush_id>` and `done`, and the words of each flush id."""
-    output_format = {"container": "raw", "encoding": "pcm_s16le", "sample_rate": rate}
     events: list[str] = []
     words: dict[int, list[str]] = {}
     async with client.tts.websocket_connect() as connection:
-        context = connection.context(
-            model_id=MODEL,
-            voice={"mode": "id", "id": voice},
-            output_format=output_format,
-            add_timestamps=True,
-        )
+        context = timed_context(connection, voice, rate)
         for transcript in ("Hello there, it is sunny today.", " Shall we walk to the park?"):
             await context.push(transcript)
             await context.push("", flush=True)

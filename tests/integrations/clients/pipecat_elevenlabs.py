@@ -14,48 +14,13 @@ import argparse
 import asyncio
 
 import aiohttp
-from common import llm_tokens, report
-from pipecat.frames.frames import (
-    EndFrame,
-    ErrorFrame,
-    Frame,
-    InterruptionFrame,
-    LLMFullResponseEndFrame,
-    LLMFullResponseStartFrame,
-    LLMTextFrame,
-    TTSAudioRawFrame,
-    TTSStoppedFrame,
-    TTSTextFrame,
-)
-from pipecat.pipeline.pipeline import Pipeline
-from pipecat.pipeline.worker import PipelineParams, PipelineWorker
-from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
+from common import report
+from pipecat.processors.frame_processor import FrameProcessor
 from pipecat.services.elevenlabs.tts import ElevenLabsHttpTTSService, ElevenLabsTTSService
 from pipecat.services.tts_service import TextAggregationMode
-from pipecat.workers.runner import WorkerRunner
+from pipecat_turn import speak_turn
 
 STOP_FRAME_TIMEOUT_S = 15.0
-
-
-class Recorder(FrameProcessor):
-    """Passes every frame on and keeps what it sees in one direction."""
-
-    def __init__(self, direction: FrameDirection) -> None:
-        super().__init__()
-        self.direction = direction
-        self.frames: list[Frame] = []
-        self.audio = asyncio.Event()
-        self.stopped = asyncio.Event()
-
-    async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
-        await super().process_frame(frame, direction)
-        if direction == self.direction:
-            self.frames.append(frame)
-            if isinstance(frame, TTSAudioRawFrame):
-                self.audio.set()
-            elif isinstance(frame, TTSStoppedFrame):
-                self.stopped.set()
-        await self.push_frame(frame, direction)
 
 
 async def main() -> None:
@@ -85,43 +50,16 @@ async def main() -> None:
                 settings=ElevenLabsHttpTTSService.Settings(voice=args.voice),
                 stop_frame_timeout_s=STOP_FRAME_TIMEOUT_S,
             )
-        upstream, downstream = Recorder(FrameDirection.UPSTREAM), Recorder(FrameDirection.DOWNSTREAM)
-        worker = PipelineWorker(
-            Pipeline([upstream, tts, downstream]),
-            cancel_on_idle_timeout=False,
-            params=PipelineParams(audio_out_sample_rate=args.sample_rate),
+        turn = await speak_turn(
+            tts,
+            sample_rate=args.sample_rate,
+            interrupt=args.interrupt,
+            token_gap_s=0.02,
+            audio_timeout_s=120,
+            stopped_timeout_s=200,
+            after_interrupt_s=1.0,
         )
-        started = asyncio.Event()
-
-        @worker.event_handler("on_pipeline_started")
-        async def on_started(worker: PipelineWorker, frame: Frame) -> None:
-            started.set()
-
-        async def drive() -> None:
-            await asyncio.wait_for(started.wait(), 30)
-            await worker.queue_frame(LLMFullResponseStartFrame())
-            for token in llm_tokens():
-                await worker.queue_frame(LLMTextFrame(token))
-                await asyncio.sleep(0.02)  # an LLM's token rate
-            await worker.queue_frame(LLMFullResponseEndFrame())
-            if args.interrupt:
-                await asyncio.wait_for(downstream.audio.wait(), 120)
-                await worker.queue_frame(InterruptionFrame())
-                await asyncio.sleep(1.0)
-            else:
-                await asyncio.wait_for(downstream.stopped.wait(), 200)
-            await worker.queue_frame(EndFrame())
-
-        runner = WorkerRunner()
-        await runner.add_workers(worker)
-        await asyncio.gather(runner.run(), drive())
-    audio = [f for f in downstream.frames if isinstance(f, TTSAudioRawFrame)]
-    report(
-        audio_bytes=sum(len(f.audio) for f in audio),
-        sample_rates=sorted({f.sample_rate for f in audio}),
-        words=[f.text for f in downstream.frames if isinstance(f, TTSTextFrame)],
-        errors=[str(f.error) for f in upstream.frames + downstream.frames if isinstance(f, ErrorFrame)],
-    )
+    report(**turn.result())
 
 
 if __name__ == "__main__":

@@ -9,49 +9,10 @@ Modes: `cartesia` (CartesiaTTSService, websocket, its default sentence aggregati
 from __future__ import annotations
 
 import asyncio
-import time
 
-from common import llm_tokens, parse_args, report
-from pipecat.frames.frames import (
-    EndFrame,
-    ErrorFrame,
-    Frame,
-    InterruptionFrame,
-    LLMFullResponseEndFrame,
-    LLMFullResponseStartFrame,
-    LLMTextFrame,
-    TTSAudioRawFrame,
-    TTSStoppedFrame,
-    TTSTextFrame,
-)
-from pipecat.pipeline.pipeline import Pipeline
-from pipecat.pipeline.worker import PipelineParams, PipelineWorker
-from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
-from pipecat.workers.runner import WorkerRunner
-
-
-class Collector(FrameProcessor):
-    """Records the frames passing one way; `stopped` is set at the first TTSStoppedFrame."""
-
-    def __init__(self, direction: FrameDirection) -> None:
-        super().__init__()
-        self.direction = direction
-        self.frames: list[Frame] = []
-        self.stopped = asyncio.Event()
-        self.audio = asyncio.Event()
-        self.first_audio_at: float | None = None
-
-    async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
-        await super().process_frame(frame, direction)
-        if direction == self.direction:
-            self.frames.append(frame)
-            if isinstance(frame, TTSAudioRawFrame) and self.first_audio_at is None:
-                self.first_audio_at = time.monotonic()
-                self.audio.set()
-            if isinstance(frame, TTSStoppedFrame | ErrorFrame):
-                self.stopped.set()
-        await self.push_frame(frame, direction)
-
+from common import parse_args, report
+from pipecat.processors.frame_processor import FrameProcessor
+from pipecat_turn import speak_turn
 
 # Pipecat ends a turn that stays silent for 3 s; the tiny model on a busy 2-core CI machine can take that
 # long to start, so the tests allow more (an agent would tune it the same way for a slow provider).
@@ -88,52 +49,23 @@ async def main() -> None:
     args = parse_args("cartesia", "cartesia-http", "openai")
     rate = args.sample_rate or 24000
     tts = make_service(args.mode, args.http_url, args.voice, args.api_key)
-    upstream, downstream = Collector(FrameDirection.UPSTREAM), Collector(FrameDirection.DOWNSTREAM)
-    worker = PipelineWorker(
-        Pipeline([upstream, tts, downstream]),
-        params=PipelineParams(audio_out_sample_rate=rate),
-        cancel_on_idle_timeout=False,
+    turn = await speak_turn(
+        tts,
+        sample_rate=rate,
+        interrupt=args.interrupt,
+        token_gap_s=0.03,
+        audio_timeout_s=180,
+        stopped_timeout_s=180,
+        after_interrupt_s=0.5,
+        after_stopped_s=0.3,
+        stop_on_error=True,
     )
-    started = asyncio.Event()
-
-    @worker.event_handler("on_pipeline_started")
-    async def on_started(worker: PipelineWorker, frame: Frame) -> None:
-        started.set()
-
-    last_sentence_token_at = 0.0
-
-    async def drive() -> None:
-        nonlocal last_sentence_token_at
-        await asyncio.wait_for(started.wait(), 30)
-        await worker.queue_frame(LLMFullResponseStartFrame())
-        for token in llm_tokens():
-            await worker.queue_frame(LLMTextFrame(text=token))
-            if token.endswith("today.") and not last_sentence_token_at:
-                last_sentence_token_at = time.monotonic()
-            await asyncio.sleep(0.03)  # an LLM's token rate
-        await worker.queue_frame(LLMFullResponseEndFrame())
-        if args.interrupt:
-            await asyncio.wait_for(downstream.audio.wait(), 180)
-            await worker.queue_frame(InterruptionFrame())
-            await asyncio.sleep(0.5)
-        else:
-            await asyncio.wait_for(downstream.stopped.wait(), 180)
-            await asyncio.sleep(0.3)  # let the last frames of the turn through
-        await worker.queue_frame(EndFrame())
-
-    runner = WorkerRunner()
-    await runner.add_workers(worker)
-    await asyncio.gather(runner.run(), drive())
-
-    audio = [f for f in downstream.frames if isinstance(f, TTSAudioRawFrame)]
-    errors = [str(f.error) for f in upstream.frames + downstream.frames if isinstance(f, ErrorFrame)]
+    last_sentence_token_at = next((at for token, at in turn.queued_at if token.endswith("today.")), 0.0)
+    first_audio_at = turn.downstream.first_audio_at
     report(
-        audio_bytes=sum(len(f.audio) for f in audio),
-        sample_rates=sorted({f.sample_rate for f in audio}),
-        words=[f.text for f in downstream.frames if isinstance(f, TTSTextFrame)],
-        errors=errors,
+        **turn.result(),
         first_audio_after_first_sentence_s=(
-            downstream.first_audio_at - last_sentence_token_at if downstream.first_audio_at else None
+            first_audio_at - last_sentence_token_at if first_audio_at else None
         ),
     )
 

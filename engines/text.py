@@ -88,12 +88,16 @@ def split_sentences(text: str) -> list[str]:
 
 def load_text_tokenizer(tokenizer_dir: Path) -> PreTrainedTokenizerBase:
     """The tokenizer of a `CosyVoice-BlankEN` directory with CosyVoice2's special tokens added."""
-    from transformers import AutoTokenizer
+    # The class AutoTokenizer picks for the directory's "Qwen2Tokenizer" (the fast one, by that name or as
+    # an alias), named directly: the Auto classes import transformers' model registry and generation
+    # code (with scikit-learn where installed), ~3 s of every start on the GPU image. (transformers 5
+    # keeps the Fast name as a runtime alias its type stubs do not declare.)
+    from transformers import Qwen2TokenizerFast  # type: ignore[attr-defined]
 
     tokenizer_dir = Path(tokenizer_dir)
     if not tokenizer_dir.is_dir():
         raise FileNotFoundError(f"tokenizer directory {tokenizer_dir} does not exist")
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer = Qwen2TokenizerFast.from_pretrained(str(tokenizer_dir))
     tokenizer.add_special_tokens(
         {"eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN, "additional_special_tokens": [*SPECIAL_TOKENS]}
     )

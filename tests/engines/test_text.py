@@ -14,6 +14,7 @@ from engines.text import (
     TextError,
     TextFrontend,
     collapse_whitespace,
+    load_text_tokenizer,
     split_sentences,
 )
 
@@ -45,6 +46,18 @@ def test_special_tokens_follow_the_base_vocabulary_in_order(
     added = [frontend.token_id(t) for t in SPECIAL_TOKENS[2:]]
     assert added == list(range(base + 3, base + 3 + len(added)))
     assert frontend.vocab_size == base + 3 + len(added)
+
+
+def test_tokenizer_is_the_one_auto_tokenizer_picks(tokenizer_dir: Path) -> None:
+    # The loader names the class to skip the Auto machinery's imports; it must stay the class (and so the
+    # ids) that transformers' AutoTokenizer chooses for the directory's tokenizer_config.json.
+    from transformers import AutoTokenizer
+
+    ours = load_text_tokenizer(tokenizer_dir)
+    auto = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    assert type(ours) is type(auto)
+    for text in ("Hello there, how are you?", "你好，世界！ 42 🎉", "a  b\tc\nd", "It's 3:45pm; ok?"):
+        assert ours(text)["input_ids"] == auto(text)["input_ids"]
 
 
 def test_encode_adds_no_bos_or_eos_and_round_trips(frontend: TextFrontend) -> None:

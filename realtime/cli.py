@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, get_args
 
+from engines.cuda_memory import use_expandable_segments
 from engines.llm.auto import LLMBackend
 from engines.token2wav.auto import Token2WavBackend
 from engines.token2wav.dit_cache import CACHE_RULES
@@ -224,6 +225,13 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _configure_allocator() -> None:
+    """Expandable segments for the CUDA allocator (engines/cuda_memory.py), before the engines allocate."""
+    kept = use_expandable_segments()
+    logging.getLogger(__name__).info(
+        "CUDA allocator: %s", f"as {kept} sets it" if kept else "expandable segments (memory freed returns)")
+
+
 def serve(config: ServiceConfig) -> int:
     """Run the server until SIGTERM/SIGINT, then drain: running streams get `drain_timeout_s` to finish
     (realtime.app.DrainingServer); exit 0 after a clean drain."""
@@ -241,6 +249,7 @@ def serve(config: ServiceConfig) -> int:
     except (OSError, ValueError) as exc:
         print(f"realtime serve: {exc}", file=sys.stderr)
         return 2
+    _configure_allocator()
     app = create_app(config)
     uvicorn_config = server_config(app, config, host=config.host, port=config.port, log_level="info")
     server = DrainingServer(uvicorn_config, app.state.drain, config.drain_timeout_s)
@@ -265,6 +274,7 @@ def synth(config: ServiceConfig, args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"realtime synth: {exc}", file=sys.stderr)
         return 2
+    _configure_allocator()
     try:
         report = run(config, items, sampling)
     except ServiceError as exc:

@@ -4,6 +4,7 @@ expected lengths (fixed-length requests), and the single-text form still writes 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from engines.config import SAMPLE_RATE, SAMPLES_PER_TOKEN
+from engines.cuda_memory import ALLOCATOR_ENV, EXPANDABLE_SEGMENTS, OPERATOR_ENVS
 from engines.llm.base import LLMRequest, PromptMode, TokenStream
 from engines.llm.torch_engine import TorchLLMEngine
 from engines.token2wav.base import ChunkJob
@@ -29,6 +31,13 @@ def decode(path: Path) -> tuple[np.ndarray, int]:
         frames = [frame.to_ndarray().reshape(-1) for frame in container.decode(audio=0)]
         rate = container.streams.audio[0].rate
     return np.concatenate(frames), rate
+
+
+@pytest.fixture(autouse=True)
+def allocator_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`main` configures the CUDA allocator through the environment; undone after each test."""
+    for name in OPERATOR_ENVS:
+        monkeypatch.delenv(name, raising=False)
 
 
 def cli(models: Path, *args: str) -> list[str]:
@@ -86,6 +95,7 @@ def test_jsonl_items_become_files_of_the_expected_length(
 def test_single_text_writes_one_wav(tiny_models: Path, tmp_path: Path) -> None:
     out = tmp_path / "speech.wav"
     assert main(cli(tiny_models, "Just one text.", "--out", str(out))) == 0
+    assert os.environ[ALLOCATOR_ENV] == EXPANDABLE_SEGMENTS  # set before the engines started
     samples, rate = decode(out)
     assert rate == SAMPLE_RATE and samples.size == TOKENS * SAMPLES_PER_TOKEN
 

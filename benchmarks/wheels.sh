@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Downloads into .whl/ the wheels (Python 3.12, x86-64 Linux) of the service's packages that the lent GPU
-# machine's image lacks; benchmarks/on_device.sh installs them there. .whl/ is git-ignored (~51 MB).
+# machine's image lacks, and py-spy for benchmarks/startup_profile.sh; benchmarks/on_device.sh installs them
+# there. .whl/ is git-ignored (~54 MB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 platforms=()
@@ -13,5 +14,5 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     aiortc aioice av cryptography google-crc32c pyee pylibsrtp pyopenssl dnspython ifaddr cffi pycparser \
     websockets starlette uvicorn httptools python-multipart soundfile pytest-asyncio \
     wetext kaldifst contractions textsearch anyascii pyahocorasick inflect typeguard more-itertools \
-    jaraco.functools
+    jaraco.functools py-spy
 du -sh .whl

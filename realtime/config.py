@@ -212,7 +212,8 @@ class ServiceConfig:
     token2wav_memory_margin_gib: what the measured budget leaves free for fragmentation and the working
         memory of batches outside the CUDA graphs' pools. 8 GiB: the OOM at 128 streams on an H100 left
         7 GiB reserved but unusable for a 126 MiB block (fragmentation), plus ~1 GiB for eager encoder,
-        vocoder and LLM prefill tensors.
+        vocoder and LLM prefill tensors. Kept since `serve` runs the allocator with expandable segments
+        (engines/cuda_memory.py), which fragments far less: not re-measured at the edge.
     first_chunk_hold: how long a first chunk waits for the first chunks of other new streams to share
         its token2wav call (realtime/batch_policy.py).
     token2wav_workers: token2wav threads (each on its own CUDA stream); a stream stays on the thread

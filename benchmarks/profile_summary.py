@@ -45,7 +45,8 @@ def summarise(path: Path, rate: float, top: int, min_s: float) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("profile", type=Path)
     parser.add_argument("--rate", type=float, default=50.0, help="py-spy's sampling rate (-r)")
     parser.add_argument("--top", type=int, default=40, help="functions per thread")

@@ -78,6 +78,9 @@ class _ContextRunner:
         self._texts: asyncio.Queue[str | None] = asyncio.Queue(
             connection.runtime.config.limits.queued_sentences + 1
         )
+        # A text taken from the queue whose session could not open beside the one playing (`busy`): it
+        # opens once that one has ended and given its stream back.
+        self._deferred: str | None = None
         self._seq = 0
         self._samples_out = 0
         # Ogg Opus is one stream per context (players stop at a second, chained Ogg stream); MP3 frames
@@ -104,13 +107,16 @@ class _ContextRunner:
 
     async def _run(self) -> None:
         """Drain one session after another. While one is sent, the next queued text's session is
-        already synthesising (bounded by the session's own queue), so sentences follow without a gap."""
+        already synthesising (bounded by the session's own queue), so sentences follow without a gap;
+        when the server has no room for that second stream, the next text opens after this one ends."""
         session: Session | None = None
         upcoming: Session | None = None
         try:
             while True:
                 if upcoming is None:
-                    text = await self._texts.get()
+                    text, self._deferred = self._deferred, None
+                    if text is None:
+                        text = await self._texts.get()
                     if text is None:
                         return
                     upcoming = await self._open(text)
@@ -142,11 +148,19 @@ class _ContextRunner:
         try:
             async for chunk in session:
                 await self._send(chunk, resampler, encoder, offset_s)
-                if upcoming is None and not self._texts.empty():
+                if upcoming is None and self._deferred is None and not self._texts.empty():
                     text = self._texts.get_nowait()
                     assert text is not None, "a context is finished only once every text is spoken"
-                    upcoming = await self._open(text)
-                    upcoming.start()
+                    try:
+                        upcoming = await self._open(text)
+                    except ServiceError as exc:
+                        if exc.code != "busy":
+                            raise
+                        # No room for a second stream now (streams or device memory): the next text
+                        # waits for this one's end rather than failing the text that is playing.
+                        self._deferred = text
+                    else:
+                        upcoming.start()
         except BaseException:
             if upcoming is not None:
                 await upcoming.aclose()

@@ -202,3 +202,29 @@ async def test_a_session_cancelled_while_its_text_is_cut_gives_its_bytes_back(
             assert reserved_bytes(runtime.metrics.render().decode()) == 0
         finally:
             go_on.set()
+
+
+@pytest.mark.parametrize("room", ["bytes", "streams"])
+async def test_a_context_with_room_for_one_stream_speaks_its_texts_one_after_the_other(
+    tiny_models: Path, tmp_path: Path, room: str,
+) -> None:
+    """While a context's text plays, its next text's session opens beside it (no gap between sentences).
+    With no room for that second stream (the byte budget, or the stream limit, holds one), the next text
+    must wait for the first to end, not fail the context: a `busy` for the prefetch ended the text that
+    was playing."""
+    bound = default_stream_bytes(tiny_models)
+    limit = ({"max_streams": 8, "token2wav_memory_gib": (bound + bound // 2) / (1 << 30)} if room == "bytes"
+             else {"max_streams": 1})
+    config = service_config(tiny_models, tmp_path, device="cpu", **limit)
+    async with serve(config) as server, connect(f"{server.ws_url}/v1/ws") as ws:
+        await ws.send(json.dumps({"type": "start", "context_id": "two", "fixed_length": 40, "seed": 1,
+                                  "sample_rate": 24000, "encoding": "pcm_f32le"}))
+        for text in ("Hello there.", "How are you today?"):
+            await ws.send(json.dumps({"type": "text", "context_id": "two", "text": text}))
+        await ws.send(json.dumps({"type": "end", "context_id": "two"}))
+        finals = 0
+        while (event := await next_event(ws, "two"))["type"] == "chunk":
+            finals += event["final"]
+        assert event == {"type": "done", "context_id": "two", "cancelled": False}
+        assert finals == 2  # each text spoken to its end
+        assert reserved_bytes(server.runtime.metrics.render().decode()) == 0

@@ -265,12 +265,14 @@ async def _failed(error: BaseException) -> StreamResult:
 
 
 def _outcomes(results: Sequence[StreamResult]) -> tuple[list[StreamResult], dict[str, int]]:
-    """The streams that completed, and how many failed with each error code."""
+    """The streams that completed, and how many failed with each error code; a stream that failed after
+    its audio began counts under "CODE after audio" (a listener heard it cut off, not refused)."""
     ok = [r for r in results if r.error is None and not math.isnan(r.total_s)]
     errors: dict[str, int] = {}
     for r in results:
         if r.error is not None:
-            errors[r.error] = errors.get(r.error, 0) + 1
+            key = r.error if math.isnan(r.first_chunk_s) else f"{r.error} after audio"
+            errors[key] = errors.get(key, 0) + 1
     return ok, errors
 
 
@@ -465,6 +467,9 @@ def format_level(lv: LevelResult) -> list[str]:
         f"{lv.first_chunk_p99_ms:>8.0f}ms {lv.total_p50_ms:>8.0f}ms {lv.rtf_p50:>6.3f} "
         f"{lv.underrun_streams:>9} {lv.throughput_audio_s_per_s:>10.1f} {gpu}"
     ]
+    if lv.error_codes:
+        codes = ", ".join(f"{n} {code}" for code, n in sorted(lv.error_codes.items()))
+        lines.append(f"{'':>7} errors: {codes}")
     if lv.server is not None:
         sv = lv.server
         lines.append(

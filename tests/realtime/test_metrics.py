@@ -9,7 +9,8 @@ import httpx
 import pytest
 from testing import LiveServer, serve, service_config
 
-from realtime.bench import run_level, run_staggered, scrape
+from realtime.bench import StreamResult, format_level, run_level, run_staggered, scrape
+from realtime.bench import _outcomes as outcomes
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 GIB = 2**30
@@ -76,3 +77,19 @@ async def test_staggered_arrivals_are_measured(live_server: LiveServer) -> None:
     assert load.arrivals >= 1 and load.errors == 0, load.error_codes
     assert load.ok == load.arrivals and 1 <= load.max_in_flight <= load.arrivals
     assert 0 < load.first_chunk_p50_ms <= load.first_chunk_p99_ms
+
+
+async def test_a_bench_level_reports_refusals_by_code(tiny_models: Path, tmp_path: Path) -> None:
+    async with serve(service_config(tiny_models, tmp_path, max_streams=1)) as server:
+        level = await run_level(f"{server.ws_url}/v1/ws", streams=3, tokens=60, voice="default")
+    assert (level.ok, level.errors, level.error_codes) == (1, 2, {"busy": 2})
+    assert "errors: 2 busy" in format_level(level)[1]
+
+
+async def test_failures_after_audio_began_are_told_apart_from_refusals() -> None:
+    done = StreamResult(first_chunk_s=0.05, total_s=1.0, audio_s=2.0)
+    refused = StreamResult(error="busy")
+    cut_off = StreamResult(first_chunk_s=0.05, error="busy")
+    ok, errors = outcomes([done, refused, cut_off, refused])
+    assert ok == [done]
+    assert errors == {"busy": 2, "busy after audio": 1}

@@ -1,10 +1,10 @@
 """The CUDA caching allocator's mode for a serving process: expandable segments.
 
-With fixed-size segments, blocks freed by one stream's work stay cached in segments that also hold live
-blocks and cannot go back to the driver: on an H100 the service sat at 55 GiB in use when idle, ~24 GiB
-of it cached but unusable by other streams, and the token2wav memory budget (free after the warm-up)
-admitted 89 streams of the default voice. With expandable segments each pool grows and shrinks one
-virtual range by mapping pages, so what is freed returns: 46 GiB in use when idle and 141 streams
+With fixed-size segments, a segment goes back to the driver only once every block in it is free, so
+the warm-up's freed blocks mostly stay reserved: on an H100 the service sat at 55 GiB in use when idle
+(31 GiB of tensors outside the graphs' pools) and the token2wav memory budget, what is free after the
+warm-up, admitted 89 streams of the default voice. With expandable segments each pool grows and shrinks
+one virtual range by mapping pages, so freed memory can return: 46 GiB in use when idle and 141 streams
 admitted (docs/benchmarks.md, seventh session). The setting is read when the allocator starts, so it is
 made before the process's first CUDA allocation, and only where the operator has not chosen one.
 """

@@ -28,6 +28,7 @@ from starlette.staticfiles import StaticFiles
 
 from realtime.access import install_log_redaction, is_loopback
 from realtime.config import ServiceConfig
+from realtime.loop_lag import watch_event_loop
 from realtime.runtime import Runtime
 from realtime.session import ServiceError
 from realtime.transports import cartesia_http, elevenlabs_http, http, ws
@@ -126,13 +127,20 @@ def create_app(config: ServiceConfig, runtime: Runtime | None = None) -> Starlet
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await runtime.start()
+        loop_lag = asyncio.create_task(watch_event_loop(runtime.metrics.event_loop_lag.observe),
+                                       name="event-loop-lag")
         try:
-            yield
+            await runtime.start()
+            try:
+                yield
+            finally:
+                logger.info("shutting down: draining streams for up to %.1f s", config.drain_timeout_s)
+                await webrtc.aclose()
+                await runtime.stop(config.drain_timeout_s)
         finally:
-            logger.info("shutting down: draining streams for up to %.1f s", config.drain_timeout_s)
-            await webrtc.aclose()
-            await runtime.stop(config.drain_timeout_s)
+            loop_lag.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loop_lag
 
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})

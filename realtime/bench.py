@@ -136,6 +136,8 @@ class ServerFigures:
     first_chunks_per_call: float  # mean first-audio chunks in those calls
     first_tokens_ms: float  # mean time from admission to the first chunk's speech tokens
     first_chunk_ms: float  # mean time from admission to the first audio, as the server sees it
+    event_loop_lag_ms: float = math.nan  # how late the server's event loop ran its timers, on average
+    event_loop_lag_p99_ms: float = math.nan  # the upper bound of the bucket holding the 99th percentile
 
     @staticmethod
     def between(before: dict[str, float], after: dict[str, float]) -> ServerFigures:
@@ -148,6 +150,13 @@ class ServerFigures:
 
         def histogram_mean(name: str, scale: float = 1000.0) -> float:
             return mean(f"{name}_sum", f"{name}_count", scale)
+
+        def histogram_quantile_bound(name: str, q: float, scale: float = 1000.0) -> float:
+            prefix = f'{name}_bucket{{le="'
+            total = delta(f"{name}_count")
+            bounds = sorted((float(key[len(prefix):-2]), key) for key in after if key.startswith(prefix))
+            reaching = (bound for bound, key in bounds if total and delta(key) >= q * total)
+            return next(reaching, math.nan) * scale
 
         def waited(chunk: str) -> tuple[str, str]:  # the sum and count samples of one kind of chunk
             return (f'tts_token2wav_wait_seconds_sum{{chunk="{chunk}"}}',
@@ -169,6 +178,8 @@ class ServerFigures:
             first_chunks_per_call=histogram_mean("tts_token2wav_batch_first_chunks", scale=1.0),
             first_tokens_ms=histogram_mean("tts_first_chunk_tokens_seconds"),
             first_chunk_ms=histogram_mean("tts_first_chunk_latency_seconds"),
+            event_loop_lag_ms=histogram_mean("realtime_event_loop_lag_seconds"),
+            event_loop_lag_p99_ms=histogram_quantile_bound("realtime_event_loop_lag_seconds", 0.99),
         )
 
 
@@ -479,7 +490,8 @@ def format_level(lv: LevelResult) -> list[str]:
             f"(first {sv.first_chunk_wait_ms:.1f}, later {sv.later_chunk_wait_ms:.1f}); first chunks in "
             f"{sv.calls_with_first_chunks} calls of {sv.first_chunks_per_call:.1f}; "
             f"first chunk: tokens at {sv.first_tokens_ms:.0f} ms, audio at {sv.first_chunk_ms:.0f} ms; "
-            f"longest stall {lv.stall_max_ms:.0f} ms"
+            f"longest stall {lv.stall_max_ms:.0f} ms; event loop late {sv.event_loop_lag_ms:.1f} ms on "
+            f"average, p99 ≤ {sv.event_loop_lag_p99_ms:g} ms"
         )
     if lv.gpus:
         lines.append(f"{'':>7} {format_gpus(lv.gpus)}")

@@ -16,6 +16,7 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 BATCH_SECONDS_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
 BATCH_CHUNKS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+LOOP_LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
 
 class Metrics:
@@ -42,6 +43,12 @@ class Metrics:
             "tts_real_time_factor",
             "Synthesis wall time divided by audio duration, per finished stream",
             buckets=RTF_BUCKETS,
+            registry=self.registry,
+        )
+        self.event_loop_lag = Histogram(
+            "realtime_event_loop_lag_seconds",
+            "How late the event loop ran a timer due every 50 ms (realtime/loop_lag.py)",
+            buckets=LOOP_LAG_BUCKETS,
             registry=self.registry,
         )
         self.active_streams = Gauge("tts_active_streams", "Streams being synthesised", registry=self.registry)

@@ -9,8 +9,11 @@
 #    admission), staggered Poisson loads at 50/80/100 % of that ceiling, and the baseline server in the
 #    same run at 1 and 16 streams.
 # 2. Offline synthesis (`realtime synth --jsonl`): 64 items of 250 tokens each, token2wav batch 64.
+# 3. (PARTS with "startup") start-up cold and restarted (benchmarks/startup.py --starts 2).
+# 4. (PARTS with "tests") the GPU-marked tests under the project's pytest configuration (make test-gpu).
 #
-# Reports land in $OUT (or bench-results/): bench.json, bench.log, offline.log.
+# Reports land in $OUT (or bench-results/): bench.json, bench.log, offline.log, startup.json and its
+# logs, gpu-tests.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STREAMS=${1:-1,16,64,128,256}
@@ -25,6 +28,15 @@ if [[ " $PARTS " == *" bench "* ]]; then
         --staggered 0.5,0.8,1 --staggered-s 30 --baseline-streams 1,16 \
         --server-arg=--device --server-arg=cuda --server-arg=--max-streams --server-arg="$SEARCH_MAX" \
         --json "$DEST/bench.json" 2>&1 | tee "$DEST/bench.log"
+fi
+
+if [[ " $PARTS " == *" startup "* ]]; then
+    python3 benchmarks/startup.py --models "$MODELS" --starts 2 --json "$DEST/startup.json" -- --device cuda \
+        --max-streams "$SEARCH_MAX" 2>&1 | tee "$DEST/startup.log"
+fi
+
+if [[ " $PARTS " == *" tests "* ]]; then
+    make test-gpu PYTHON=python3 2>&1 | tee "$DEST/gpu-tests.log"
 fi
 
 [[ " $PARTS " == *" offline "* ]] || exit 0

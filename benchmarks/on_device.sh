@@ -13,6 +13,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    export PATH=/tmp/site/bin:$PATH  # the wheels' commands (py-spy)
 fi
 # The repository itself too: benchmarks/*.py scripts import `realtime` and `engines` from it.
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}

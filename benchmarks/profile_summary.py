@@ -1,5 +1,5 @@
 """Seconds per thread and per function (inclusive) in a py-spy raw profile (`py-spy record -f raw
---threads`), e.g. a server start from benchmarks/startup_profile.sh:
+--threads`), e.g. a server start sampled by `benchmarks/startup.py --profile`:
 
     python3 benchmarks/profile_summary.py restart.txt [--top 40] [--min-s 0.5]
 

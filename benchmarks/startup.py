@@ -8,6 +8,13 @@ with the same models volume) does. Each start's server log is kept next to the J
 the log lines that end the phases came (engines loaded, LLM engine ready, token2wav warmed up) and the
 durations the log reports (token2wav weights, LLM weights and graph captures, token2wav warm-up), which
 overlap since the LLM engine builds while token2wav warms up.
+
+With `--profile`, py-spy (from benchmarks/wheels.sh's wheels, through on_device.sh) samples each start
+from process start to /readyz, every thread and idle ones too: the raw stacks land next to the JSON
+(`-startN.prof.txt`) with benchmarks/profile_summary.py's seconds per thread and function
+(`-startN-profile.txt`):
+
+    bash benchmarks/on_device.sh python3 benchmarks/startup.py --models /tmp/m --profile -- --device cuda
 """
 
 from __future__ import annotations
@@ -17,9 +24,13 @@ import contextlib
 import json
 import re
 import shutil
+import signal
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+
+from profile_summary import summarise
 
 from realtime.bench import spawned_process
 
@@ -37,14 +48,26 @@ DURATIONS = {  # seconds the log reports for parts of the phases (which may over
     "token2wav_warmup_s": re.compile(r"token2wav warmed up for batches .* in ([\d.]+) s"),
 }
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})")
+PROFILE_HZ = 50
 
 
-def one_start(models: Path, serve_args: list[str], log: Path, timeout_s: float) -> dict[str, object]:
-    """Start a server, time /readyz, read the phase marks off its log, stop it."""
+def py_spy_launcher(py_spy: str, out: Path) -> list[str]:
+    """py-spy sampling the server it starts into `out` (raw stacks per thread, idle threads too, without
+    pausing the process). It writes them when interrupted, which also stops the server."""
+    return [py_spy, "record", "-r", str(PROFILE_HZ), "--nonblocking", "--idle", "--threads", "-f", "raw",
+            "-o", str(out), "--"]
+
+
+def one_start(models: Path, serve_args: list[str], log: Path, timeout_s: float,
+              launcher: Sequence[str] = ()) -> dict[str, object]:
+    """Start a server (through `launcher` if given), time /readyz, read the phase marks off its log, stop
+    it."""
     started = time.time()
     ready_s = None
-    # A server that exits or is never ready leaves ready_s None; its log says why.
-    server = spawned_process(models, serve_args, log, ready_timeout_s=timeout_s)
+    # A server that exits or is never ready leaves ready_s None; its log says why. SIGINT: what a
+    # profiler in front of the server stops on (and the server drains on it as on SIGTERM).
+    server = spawned_process(models, serve_args, log, ready_timeout_s=timeout_s, launcher=launcher,
+                             stop_signal=signal.SIGINT)
     with contextlib.suppress(RuntimeError), server:
         ready_s = time.time() - started
     marks: dict[str, float] = {}
@@ -73,15 +96,28 @@ def main() -> int:
     parser.add_argument("--keep-cache", action="store_true", help="do not clear the compile cache first")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--json", type=Path, default=Path("startup.json"))
+    parser.add_argument("--profile", action="store_true", help="sample each start with py-spy")
     parser.add_argument("serve_args", nargs="*", help="after --: arguments of `realtime serve`")
     args = parser.parse_args()
+    py_spy = shutil.which("py-spy") if args.profile else None
+    if args.profile and py_spy is None:
+        print("startup.py: --profile needs py-spy on PATH (benchmarks/wheels.sh, then on_device.sh)",
+              file=sys.stderr)
+        return 2
     cache = args.models / "compile-cache"
     if not args.keep_cache:
         shutil.rmtree(cache, ignore_errors=True)
     results = []
     for index in range(args.starts):
-        log = args.json.with_name(f"{args.json.stem}-start{index + 1}.log")
-        result = one_start(args.models, args.serve_args, log, args.timeout)
+        name = f"{args.json.stem}-start{index + 1}"
+        log = args.json.with_name(f"{name}.log")
+        stacks = args.json.with_name(f"{name}.prof.txt")
+        launcher = py_spy_launcher(py_spy, stacks) if py_spy is not None else []
+        result = one_start(args.models, args.serve_args, log, args.timeout, launcher)
+        if py_spy is not None and stacks.is_file():
+            summary = args.json.with_name(f"{name}-profile.txt")
+            summary.write_text(summarise(stacks, PROFILE_HZ, top=40, min_s=0.5) + "\n")
+            result["profile"] = summary.name
         result["cache_before"] = "none" if index == 0 and not args.keep_cache else "kept"
         results.append(result)
         print(f"start {index + 1} ({result['cache_before']} cache): ready in {result['ready_s']} s; "

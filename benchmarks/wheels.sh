@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Downloads into .whl/ the wheels (Python 3.12, x86-64 Linux) of the service's packages that the lent GPU
-# machine's image lacks, and py-spy for benchmarks/startup_profile.sh; benchmarks/on_device.sh installs them
+# machine's image lacks, and py-spy for `benchmarks/startup.py --profile`; benchmarks/on_device.sh installs them
 # there. .whl/ is git-ignored (~54 MB).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -520,13 +520,16 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def spawned_process(
-    models: Path | str | None, extra: Sequence[str], log: Path | None = None, ready_timeout_s: float = 900.0
+    models: Path | str | None, extra: Sequence[str], log: Path | None = None, ready_timeout_s: float = 900.0,
+    launcher: Sequence[str] = (), stop_signal: signal.Signals = signal.SIGTERM,
 ) -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
-    """A `realtime serve` subprocess on a free loopback port (its output in `log`, else inherited);
-    yields (port, process) once /readyz answers, and sends SIGTERM (then kills) at the end.
-    RuntimeError when it exits first or is not ready within `ready_timeout_s`."""
+    """A `realtime serve` subprocess on a free loopback port (its output in `log`, else inherited),
+    started through `launcher` if given (a command prefix, e.g. a sampling profiler); yields (port,
+    process) once /readyz answers, and sends `stop_signal` (then kills) at the end. RuntimeError when it
+    exits first or is not ready within `ready_timeout_s`."""
     port = free_port()
-    cmd = [sys.executable, "-m", "realtime", "serve", "--host", "127.0.0.1", "--port", str(port), *extra]
+    cmd = [*launcher, sys.executable, "-m", "realtime", "serve", "--host", "127.0.0.1", "--port", str(port),
+           *extra]
     if models is not None:
         cmd += ["--models", str(models)]
     with contextlib.ExitStack() as files:
@@ -549,7 +552,7 @@ def spawned_process(
                 raise RuntimeError(f"server was not ready within {ready_timeout_s:g} s")
             yield port, proc
         finally:
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(stop_signal)
             try:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:

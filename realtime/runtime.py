@@ -629,7 +629,6 @@ class Runtime:
             self._prompts.forget(voice_id)
 
 
-
 def _summed(pairs: Iterable[tuple[int, int]]) -> tuple[int, int]:
     """(free, total) device memory over several GPUs."""
     free = total = 0

@@ -19,7 +19,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -50,34 +52,60 @@ def time_schedule(t2w: TorchToken2Wav, speaker: SpeakerState, batch: int, hops: 
     return times
 
 
-def profile_call(t2w: TorchToken2Wav, speaker: SpeakerState, batch: int, hop: int, tokens: torch.Tensor,
-                 out: Path) -> None:
-    """Write the top operators of one call of `batch` first chunks to `out`: as run (CPU time, i.e.
-    Python and launch overhead), and on CUDA once more without graphs, by GPU time per kernel."""
-    from torch.profiler import ProfilerActivity, profile
+def profile_call(t2w: TorchToken2Wav, speaker: SpeakerState, batch: int, hops: list[int], hop: int,
+                 tokens: torch.Tensor, out: Path) -> None:
+    """Write the top operators of one call of `batch` streams' chunk of `hop` tokens (one of `hops`,
+    after the earlier ones) to `out`: as run (CPU time, i.e. Python and launch overhead), and on CUDA
+    once more without graphs, by GPU time per kernel."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
+    import engines.token2wav.torch_backend as backend
+
+    def labelled(label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with record_function(label):
+                return fn(*args, **kwargs)
+        return run
+
+    # The flow's and the vocoder's share of the call, as two labelled ranges in the tables.
+    flow = t2w.flow
+    if not isinstance(flow, DiTFlow):
+        raise TypeError("profiles are of the DiT flow")
+    flow_chunks, vocode = flow.chunks, backend.vocode_streams
+    flow.chunks = labelled("token2wav: flow", flow_chunks)  # type: ignore[method-assign]
+    backend.vocode_streams = labelled("token2wav: vocoder", vocode)
     cuda = t2w.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    flow, vocoder_graphs = t2w.flow, t2w.vocoder_graphs
-    graphs = flow.graphs if isinstance(flow, DiTFlow) else None
+    vocoder_graphs = t2w.vocoder_graphs
+    graphs = flow.graphs
     tables = []
     for graphed in (True, False) if cuda and graphs is not None else (True,):
-        if not graphed and isinstance(flow, DiTFlow):
+        if not graphed:
             flow.use_bucketed_solver(None)
             t2w.vocoder_graphs = None
         for _ in range(2):  # the first call runs (and captures) every shape once; the second is kept
             streams = [t2w.open_stream(speaker) for _row in range(batch)]
-            jobs = [ChunkJob(stream, tokens[: hop + PRE_LOOKAHEAD], last=False) for stream in streams]
+            start = 0
+            for earlier in hops[: hops.index(hop)]:  # the chunks before this one, unprofiled
+                piece = tokens[start : start + earlier + PRE_LOOKAHEAD]
+                t2w.run_chunks([ChunkJob(stream, piece, last=False) for stream in streams])
+                start += earlier
+            piece = tokens[start : start + hop + PRE_LOOKAHEAD]
+            jobs = [ChunkJob(stream, piece, last=False) for stream in streams]
             with profile(activities=activities) as prof:
                 t2w.run_chunks(jobs)
             for stream in streams:
                 stream.close()
         sort = "self_cuda_time_total" if cuda and not graphed else "self_cpu_time_total"
-        title = f"{batch} first chunks of {hop}+{PRE_LOOKAHEAD} tokens, {'graphs' if graphed else 'eager'}"
-        tables.append(f"{title}\n{prof.key_averages().table(sort_by=sort, row_limit=40)}")
-    if graphs is not None and isinstance(flow, DiTFlow):
+        which = "first chunks" if hop == hops[0] else "chunks"
+        title = f"{batch} {which} of {hop}+{PRE_LOOKAHEAD} tokens, {'graphs' if graphed else 'eager'}"
+        table = prof.key_averages().table(sort_by=sort, row_limit=45, max_name_column_width=90)
+        tables.append(f"{title}\n{table}")
+    if graphs is not None:
         flow.use_bucketed_solver(graphs)
         t2w.vocoder_graphs = vocoder_graphs
+    flow.chunks = flow_chunks  # type: ignore[method-assign]
+    backend.vocode_streams = vocode
     out.write_text("\n\n".join(tables))
 
 
@@ -93,8 +121,13 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--eager-vocoder", action="store_true", help="CUDA graphs for the flow only")
     parser.add_argument("--profile", type=Path, help="directory for operator profiles of some calls")
+    parser.add_argument("--profile-hops", type=int, nargs="+",
+                        help="the chunks (of --hops) to profile, at the smallest and largest batch "
+                             "(default: the first)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if not set(args.profile_hops or ()) <= set(args.hops):
+        parser.error(f"--profile-hops {args.profile_hops} must be among --hops {args.hops}")
 
     device = torch.device(args.device)
     models = args.models or Path(tempfile.gettempdir()) / f"cosyvoice-synthetic-{args.size}"
@@ -136,8 +169,10 @@ def main() -> None:
         print(f"peak GPU memory: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
-        for batch in (min(args.batches), max(args.batches)):
-            profile_call(t2w, speaker, batch, args.hops[0], tokens, args.profile / f"profile_b{batch}.txt")
+        for batch in sorted({min(args.batches), max(args.batches)}):
+            for hop in args.profile_hops or args.hops[:1]:
+                profile_call(t2w, speaker, batch, args.hops, hop, tokens,
+                             args.profile / f"profile_b{batch}_hop{hop}.txt")
     if args.json:
         report = {"device": name, "models": str(models), "mode": mode, "warmup_s": warmup_s, "rows": rows}
         args.json.write_text(json.dumps(report, indent=2))

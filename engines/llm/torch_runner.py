@@ -45,8 +45,11 @@ class TorchLLMConfig:
     decode_attention_kernel: bool = True
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     min_kv_bucket: int = 256  # attended cache lengths: doubling from here up to max_context
-    # Prefill calls attending to at most this many positions replay graphs; longer prompts (rare: a
-    # voice prompt and its text fit 512) prefill eagerly, where launches hide behind the matmuls.
+    # Prefill calls attending to at most this many positions replay graphs, all captured at this one
+    # attended length (padding keys are masked by position, so a shorter prompt's call computes the
+    # same): half the captures of one graph per cache bucket, for ~0.14 s each at start-up. Longer
+    # prompts (rare: a voice prompt and its text fit 512) prefill eagerly, where launches hide behind
+    # the matmuls.
     prefill_graph_kv: int = 512
     prefill_length_step: int = 64  # prefill chunk lengths: multiples of this up to prefill_chunk
     ras_history: int = 32  # longest RAS window a request may ask for
@@ -100,6 +103,18 @@ class TorchLLMConfig:
         """(rows, chunk length) of every prefill call: the padded positions stay within `prefill_tokens`."""
         return tuple((rows, length) for rows in sorted(set(self.prefill_rows))
                      for length in self.prefill_lengths if rows * length <= self.prefill_tokens)
+
+    @cached_property
+    def prefill_graph_kv_len(self) -> int:
+        """The attended length of every prefill graph: the cache bucket holding `prefill_graph_kv`."""
+        return bucket(self.kv_lengths, min(self.prefill_graph_kv, self.max_context))
+
+    def prefill_kv_len(self, needed: int) -> int:
+        """The attended length of a prefill call whose rows reach `needed` positions: the graphs' one
+        up to it, else the cache bucket holding `needed` (eagerly)."""
+        if needed <= self.prefill_graph_kv_len:
+            return self.prefill_graph_kv_len
+        return bucket(self.kv_lengths, needed)
 
     def prefill_shape(self, rows: int, longest: int) -> tuple[int, int] | None:
         """The smallest prefill call shape for `rows` chunks of at most `longest` positions, if any."""
@@ -220,10 +235,11 @@ class ModelRunner:
             return graph
 
         self.prefill_rows[0].fill_(self.scratch_slot)  # capture on the scratch slot, like padding rows
+        prefill_kv = self.config.prefill_graph_kv_len
         for kv_len in reversed(self.config.kv_lengths):
             for size in reversed(self.config.batch_sizes):
                 self.decode_graphs[size, kv_len] = capture(partial(self._decode_step, size, kv_len))
-            if kv_len > self.config.prefill_graph_kv:
+            if kv_len != prefill_kv:
                 continue
             for rows, length in reversed(self.config.prefill_shapes):
                 self.prefill_graphs[rows, length, kv_len] = capture(
@@ -270,7 +286,7 @@ class ModelRunner:
         self.prefill_rows[:, :rows].copy_(upload(columns, self.config.torch_device))
         for row, chunk in enumerate(chunks):
             self.prefill_input[row, : chunk.embeddings.shape[0]] = chunk.embeddings
-        kv_len = bucket(self.config.kv_lengths, max(c.start + c.embeddings.shape[0] for c in chunks))
+        kv_len = self.config.prefill_kv_len(max(c.start + c.embeddings.shape[0] for c in chunks))
         graph = self.prefill_graphs.get((rows, length, kv_len))
         if graph is not None:
             graph.replay()

@@ -252,6 +252,28 @@ def test_prefill_calls_are_the_smallest_padded_shape_within_the_position_budget(
         TorchLLMConfig(prefill_chunk=512, prefill_tokens=256)
 
 
+def test_prefill_graphs_attend_to_one_length_up_to_their_limit() -> None:
+    config = TorchLLMConfig(max_context=2048, min_kv_bucket=256, prefill_graph_kv=512)
+    assert config.prefill_graph_kv_len == 512
+    needed = (1, 256, 257, 512, 513, 1500)
+    assert [config.prefill_kv_len(n) for n in needed] == [512, 512, 512, 512, 1024, 2048]
+    assert TorchLLMConfig(max_context=160, min_kv_bucket=32).prefill_graph_kv_len == 160
+
+
+async def test_prefill_over_a_longer_padded_cache_samples_the_same_tokens() -> None:
+    """Prefill calls attend to the graphs' one length (masked past each position), not the shortest
+    bucket: the tokens are those of the shortest bucket."""
+    results = []
+    for graph_kv in (32, 160):  # CONFIG's cache buckets: 32, 64, 128, 160
+        config = dataclasses.replace(CONFIG, prefill_graph_kv=graph_kv)
+        assert config.prefill_kv_len(20) == graph_kv
+        async with running(config) as engine:
+            streams = [engine.submit(request(f"p{i}", speech_len=3 + 4 * i, fixed_length=12, seed=i))
+                       for i in range(4)]
+            results.append(await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 60))
+    assert results[0] == results[1]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 async def test_cuda_graphs_replay_the_eager_computation() -> None:

@@ -56,6 +56,8 @@ class StreamResult:
     audio_s: float = 0.0
     underruns: int = 0
     stall_s: float = 0.0  # total time the simulated player waited after it started
+    # Each underrun: (seconds of audio played before it, how long the player waited)
+    gaps: list[tuple[float, float]] = field(default_factory=list)
     error: str | None = None
 
 
@@ -79,6 +81,24 @@ class LevelResult:
     server: ServerFigures | None = None
     gpus: list[GpuFigures] = field(default_factory=list)  # per GPU while the level ran (nvidia-smi)
     memory: MemoryFigures | None = None
+    # Underruns by where in the audio they came (seconds played before, to 0.1 s: the schedule's chunk
+    # boundaries tell which chunk was late), with their waits' median and longest in ms.
+    gaps_at: dict[str, UnderrunGaps] = field(default_factory=dict)
+
+
+@dataclass
+class UnderrunGaps:
+    count: int
+    wait_p50_ms: float
+    wait_max_ms: float
+
+    @staticmethod
+    def by_position(gaps: Sequence[tuple[float, float]]) -> dict[str, UnderrunGaps]:
+        waits: dict[float, list[float]] = {}
+        for played_s, wait_s in gaps:
+            waits.setdefault(round(played_s, 1), []).append(wait_s * 1000)
+        return {f"{at:.1f}": UnderrunGaps(len(ms), statistics.median(ms), max(ms))
+                for at, ms in sorted(waits.items())}
 
 
 @dataclass
@@ -200,6 +220,7 @@ class Player:
         self.buffered_s = 0.0  # audio received, in seconds
         self.stall_s = 0.0
         self.underruns = 0
+        self.gaps: list[tuple[float, float]] = []  # (audio played before, wait) per underrun
 
     def receive(self, now: float, seconds: float) -> None:
         if self.start is None:
@@ -208,6 +229,7 @@ class Player:
             played_until = self.start + self.stall_s + self.buffered_s
             if now > played_until:  # the player ran out before this chunk came
                 self.underruns += 1
+                self.gaps.append((self.buffered_s, now - played_until))
                 self.stall_s += now - played_until
         self.buffered_s += seconds
 
@@ -248,6 +270,7 @@ async def run_stream(ws: ClientConnection, index: int, tokens: int, voice: str) 
         result.error = type(exc).__name__
     result.underruns = player.underruns
     result.stall_s = player.stall_s
+    result.gaps = player.gaps
     return result
 
 
@@ -347,6 +370,7 @@ async def run_level(url: str, streams: int, tokens: int, voice: str) -> LevelRes
         underrun_streams=sum(1 for r in ok if r.underruns),
         underruns=sum(r.underruns for r in ok),
         stall_max_ms=max((r.stall_s * 1000 for r in ok), default=0.0),
+        gaps_at=UnderrunGaps.by_position([gap for r in ok for gap in r.gaps]),
         throughput_audio_s_per_s=sum(r.audio_s for r in ok) / wall,
         wall_s=wall,
         peak_gpu_memory_gib=None if peak is None else peak / 2**30,
@@ -456,6 +480,8 @@ async def largest_without_underrun(url: str, tokens: int, voice: str, low: int, 
         level = await run_level(url, mid, tokens, voice)
         print(f"  search: {mid} streams -> {level.underrun_streams} underrun streams, {level.errors} errors",
               flush=True)
+        for line in format_level(level)[1:]:  # errors, underruns and the server's figures
+            print(f"  {line}", flush=True)
         if level.underrun_streams == 0 and level.errors == 0:
             best, low = mid, mid + 1
         else:
@@ -481,6 +507,10 @@ def format_level(lv: LevelResult) -> list[str]:
     if lv.error_codes:
         codes = ", ".join(f"{n} {code}" for code, n in sorted(lv.error_codes.items()))
         lines.append(f"{'':>7} errors: {codes}")
+    if lv.gaps_at:
+        gaps = ", ".join(f"{g.count} after {at} s (wait p50 {g.wait_p50_ms:.0f} / max {g.wait_max_ms:.0f} ms)"
+                         for at, g in lv.gaps_at.items())
+        lines.append(f"{'':>7} underruns: {gaps}")
     if lv.server is not None:
         sv = lv.server
         lines.append(

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from testing import LiveServer, serve, service_config
 
-from realtime.bench import StreamResult, format_level, run_level, run_staggered, scrape
+from realtime.bench import Player, StreamResult, UnderrunGaps, format_level, run_level, run_staggered, scrape
 from realtime.bench import _outcomes as outcomes
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -95,3 +95,16 @@ async def test_failures_after_audio_began_are_told_apart_from_refusals() -> None
     ok, errors = outcomes([done, refused, cut_off, refused])
     assert ok == [done]
     assert errors == {"busy": 2, "busy after audio": 1}
+
+
+async def test_the_player_tells_where_in_the_audio_it_ran_dry() -> None:
+    player = Player()
+    player.receive(0.0, 0.44)  # first audio; plays until 0.44
+    player.receive(0.40, 1.0)  # in time; plays until 1.44
+    player.receive(1.50, 2.0)  # 60 ms late, after 1.44 s of audio
+    player.receive(3.54, 1.0)  # plays until 3.50 (3.44 s of audio + 0.06 s waited): 40 ms late
+    assert player.underruns == 2
+    assert [(round(at, 2), round(wait, 3)) for at, wait in player.gaps] == [(1.44, 0.06), (3.44, 0.04)]
+    gaps = UnderrunGaps.by_position([*player.gaps, (1.46, 0.02)])
+    assert list(gaps) == ["1.4", "1.5", "3.4"]
+    assert (gaps["1.4"].count, round(gaps["1.4"].wait_max_ms)) == (1, 60)

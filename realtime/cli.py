@@ -57,6 +57,13 @@ def _levels(spec: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {spec!r}") from None
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def _devices(spec: str) -> tuple[str, ...]:
     try:
         return parse_devices(spec)
@@ -112,6 +119,7 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         token2wav_memory_gib=args.token2wav_memory_gib or None,
         token2wav_memory_margin_gib=args.token2wav_memory_margin_gib,
         first_chunk_hold=FirstChunkHold(args.first_chunk_gap_ms / 1000, args.first_chunk_hold_ms / 1000),
+        token2wav_call_tokens=args.token2wav_call_tokens or None,
         token2wav_workers=BASELINE_TOKEN2WAV_WORKERS if args.baseline else 1,
         llm_pacing=not args.baseline,
         webrtc=webrtc,
@@ -408,6 +416,10 @@ def build_parser() -> argparse.ArgumentParser:
                               "this many ms (or 1.5 recent LLM decode steps if longer)")
         sub.add_argument("--first-chunk-hold-ms", type=float, default=FirstChunkHold().max_s * 1000,
                          help="and at most this many ms in all (0: no waiting)")
+        sub.add_argument("--token2wav-call-tokens", type=_non_negative_int,
+                         default=ServiceConfig.token2wav_call_tokens,
+                         help="the most speech tokens one token2wav call takes, so that an urgent chunk "
+                              "never waits behind a long call (0: no limit beyond --batch chunks)")
         if name == "serve":
             _add_serve_flags(sub)
             _add_access_flags(sub)

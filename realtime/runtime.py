@@ -160,6 +160,7 @@ class Runtime:
                 threads=self.config.token2wav_workers,
                 metrics=self.metrics,
                 hold=self.config.first_chunk_hold,
+                max_call_tokens=self.config.token2wav_call_tokens,
                 llm_steps=lambda: _llm_steps(engines.llms),
                 name="token2wav" if len(engines.token2wavs) == 1 else f"token2wav{index}",
             )

@@ -45,7 +45,7 @@ class _ChunkTask:
 
     @property
     def waiting(self) -> WaitingChunk:
-        return WaitingChunk(self.due, self.order, self.submitted)
+        return WaitingChunk(self.due, self.order, self.submitted, self.job.tokens.numel())
 
 
 @dataclass
@@ -259,16 +259,18 @@ class Token2WavWorker:
 
     `hold`: how new streams' first chunks wait for each other (`BatchPolicy`); `llm_steps`: the LLM
     engines' cumulative decode steps and step seconds (`LLMStats`), from which the hold's gap follows
-    the recent step time (read on the worker threads, only while new streams' first chunks are due).
+    the recent step time (read on the worker threads, only while new streams' first chunks are due);
+    `max_call_tokens`: the most speech tokens in one call (`BatchPolicy.max_tokens`).
     """
 
     def __init__(self, backend: Token2Wav, max_batch: int, capacity: int, threads: int = 1,
                  metrics: Metrics | None = None, hold: FirstChunkHold | None = None,
-                 llm_steps: Callable[[], tuple[int, float]] | None = None, name: str = "token2wav") -> None:
+                 llm_steps: Callable[[], tuple[int, float]] | None = None, name: str = "token2wav",
+                 max_call_tokens: int | None = None) -> None:
         if threads < 1:
             raise ValueError(f"a token2wav worker needs at least one thread, got {threads}")
         self._backend = backend
-        policy = BatchPolicy(max_batch, hold or FirstChunkHold())
+        policy = BatchPolicy(max_batch, hold or FirstChunkHold(), max_call_tokens)
         self._lanes = [_Lane(f"{name}-{i}", backend, policy, metrics, llm_steps) for i in range(threads)]
         self._lane_of: dict[Token2WavStream, _Lane] = {}
         self._slots = asyncio.Semaphore(capacity)

@@ -13,8 +13,8 @@ FIRST = -math.inf
 HOLD = FirstChunkHold(gap_s=0.004, max_s=0.012)
 
 
-def chunk(due: float, order: int, arrived: float = 0.0) -> WaitingChunk:
-    return WaitingChunk(due, order, arrived)
+def chunk(due: float, order: int, arrived: float = 0.0, tokens: int = 28) -> WaitingChunk:
+    return WaitingChunk(due, order, arrived, tokens)
 
 
 def test_nothing_waiting_runs_nothing() -> None:
@@ -112,3 +112,32 @@ def test_a_hold_is_not_negative(gap_s: float, max_s: float, steps: float) -> Non
 def test_a_call_needs_a_row() -> None:
     with pytest.raises(ValueError, match="max_rows"):
         BatchPolicy(0)
+
+
+def test_a_call_takes_chunks_by_deadline_up_to_the_token_cap() -> None:
+    """Long chunks fill a call sooner: the cap bounds the call's work, hence how long a chunk that
+    becomes urgent meanwhile waits for it."""
+    policy = BatchPolicy(64, HOLD, max_tokens=250)
+    long_ones = [chunk(5.0 + i, i, tokens=103) for i in range(6)]
+    assert policy.decide(long_ones, expected_first=0, now=0.0).run == (0, 1)  # 206; a third makes 309
+    mixed = [chunk(9.0, 0, tokens=103), chunk(1.0, 1, tokens=28), chunk(2.0, 2, tokens=53),
+             chunk(3.0, 3, tokens=203)]
+    # By deadline: 28 + 53 fit, the 203-token chunk would pass the cap, and nothing after it is taken.
+    assert policy.decide(mixed, expected_first=0, now=0.0).run == (1, 2)
+    assert BatchPolicy(64, HOLD).decide(mixed, expected_first=0, now=0.0).run == (1, 2, 3, 0)
+
+
+def test_a_chunk_beyond_the_token_cap_runs_alone() -> None:
+    huge = [chunk(1.0, 0, tokens=403), chunk(2.0, 1, tokens=28)]
+    assert BatchPolicy(64, HOLD, max_tokens=250).decide(huge, expected_first=0, now=0.0).run == (0,)
+
+
+def test_first_chunks_keep_to_the_token_cap_too() -> None:
+    firsts = [chunk(FIRST, order, tokens=18) for order in range(10)]
+    assert BatchPolicy(64, HOLD, max_tokens=100).decide(firsts, expected_first=0, now=0.0).run == (
+        0, 1, 2, 3, 4)
+
+
+def test_a_token_cap_is_positive() -> None:
+    with pytest.raises(ValueError, match="max_tokens"):
+        BatchPolicy(8, HOLD, max_tokens=0)

@@ -102,3 +102,30 @@ async def test_first_chunks_run_before_later_chunks_waiting_beside_them(
     late_first_calls = [i for i, call in enumerate(calls) if i > held and call.chunks[0][1]]
     assert len(late_first_calls) >= LATE // config.token2wav_batch
     assert late_first_calls == list(range(held + 1, held + 1 + len(late_first_calls)))
+
+
+async def test_a_call_takes_no_more_speech_tokens_than_its_cap(
+    tiny_models: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The service's token cap reaches the worker: with room for 8 chunks a call, calls that batch several
+    chunks carry at most the cap's tokens; a chunk longer than the cap runs alone."""
+    cap = 60  # two chunks of 18 or 28 tokens, never three
+    calls: list[list[int]] = []
+    run_chunks = TorchToken2Wav.run_chunks
+
+    def recording_run_chunks(self: TorchToken2Wav, jobs: Sequence[ChunkJob]) -> list[torch.Tensor]:
+        calls.append([job.tokens.numel() for job in jobs])
+        return run_chunks(self, jobs)
+
+    monkeypatch.setattr(TorchToken2Wav, "run_chunks", recording_run_chunks)
+    config = ServiceConfig(models_dir=tiny_models, voices_dir=tmp_path, device="cpu", max_streams=6,
+                           llm_pacing=False, token2wav_batch=8, token2wav_call_tokens=cap)
+    runtime = Runtime(config)
+    await runtime.start()
+    try:
+        lengths = await asyncio.gather(*(speak_samples(runtime, seed, TOKENS) for seed in range(6)))
+    finally:
+        await runtime.stop(config.drain_timeout_s)
+    assert lengths == [TOKENS * SAMPLES_PER_TOKEN] * 6
+    assert all(len(call) == 1 or sum(call) <= cap for call in calls)
+    assert any(len(call) > 1 for call in calls)

@@ -41,6 +41,11 @@ class Snake(nn.Module):
         self.alpha = nn.Parameter(torch.ones(channels))
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.is_cuda and x.dtype == torch.float32:
+            # One kernel instead of four (engines/token2wav/snake.py); Triton comes with CUDA torch.
+            from engines.token2wav.snake import snake
+
+            return snake(x, self.alpha)
         alpha = self.alpha[None, :, None]
         # The epsilon keeps a zero α finite, as in the trained model.
         return torch.addcmul(x, torch.sin(alpha * x).square(), (alpha + 1e-9).reciprocal())

@@ -120,6 +120,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--eager-vocoder", action="store_true", help="CUDA graphs for the flow only")
+    parser.add_argument("--cudnn-benchmark", action="store_true",
+                        help="let cuDNN time its convolution algorithms per shape (HiFT's convolutions)")
     parser.add_argument("--profile", type=Path, help="directory for operator profiles of some calls")
     parser.add_argument("--profile-hops", type=int, nargs="+",
                         help="the chunks (of --hops) to profile, at the smallest and largest batch "
@@ -130,6 +132,7 @@ def main() -> None:
         parser.error(f"--profile-hops {args.profile_hops} must be among --hops {args.hops}")
 
     device = torch.device(args.device)
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
     models = args.models or Path(tempfile.gettempdir()) / f"cosyvoice-synthetic-{args.size}"
     if args.models is None:
         build_random(models, args.size)
@@ -157,6 +160,8 @@ def main() -> None:
     mode = "eager" if args.eager or device.type != "cuda" else "CUDA graphs"
     if mode != "eager" and args.eager_vocoder:
         mode += " (flow only)"
+    if args.cudnn_benchmark:
+        mode += ", cuDNN benchmark"
     source = f"{args.size} synthetic" if args.models is None else f"{models}"
     print(f"\ntoken2wav run_chunks: {source} DiT flow ({t2w.flow.dtype}, {mode}), HiFT fp32, "
           f"{name}, torch {torch.__version__}; warm-up {warmup_s:.1f} s; {SAMPLE_RATE} Hz")

@@ -16,11 +16,11 @@ hold for more. The rules:
    groups come a step or more apart; the next step's join, a later one's do not). With none expected
    it runs at once (a lone stream never waits).
 3. Otherwise, earliest deadline first: the `max_rows` chunks whose listeners run out of audio soonest.
-4. A call takes at most `max_tokens` speech tokens in all (at least one chunk): a call cannot be
-   interrupted, so its length is how long a chunk that becomes urgent meanwhile waits. A stream's second
-   chunk has the least slack (its listener has 0.44 s of first audio, part of which the LLM spends
-   decoding the chunk's 25 tokens); a call of 64 streams' 100-token chunks ran 586 ms on an H100 and
-   made second chunks of a burst of 79 streams late, while 64 second chunks (1600 tokens) take ~160 ms.
+4. With `max_tokens`, a call takes at most that many speech tokens in all (at least one chunk): a call
+   cannot be interrupted, so its length is how long a chunk that becomes urgent meanwhile waits. A
+   stream's second chunk has the least slack (its listener has 0.44 s of first audio, part of which the
+   LLM spends decoding the chunk's 25 tokens); on an H100 64 streams' 100-token chunks take 586 ms in
+   one call, 64 second chunks (1600 tokens) ~160 ms.
 
 Nothing here reads a clock or touches a thread: time comes in as `now`, on the clock the arrivals were
 stamped with.

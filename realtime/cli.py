@@ -416,10 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "this many ms (or 1.5 recent LLM decode steps if longer)")
         sub.add_argument("--first-chunk-hold-ms", type=float, default=FirstChunkHold().max_s * 1000,
                          help="and at most this many ms in all (0: no waiting)")
-        sub.add_argument("--token2wav-call-tokens", type=_non_negative_int,
-                         default=ServiceConfig.token2wav_call_tokens,
+        sub.add_argument("--token2wav-call-tokens", type=_non_negative_int, default=0,
                          help="the most speech tokens one token2wav call takes, so that an urgent chunk "
-                              "never waits behind a long call (0: no limit beyond --batch chunks)")
+                              "never waits long behind a call (0: no limit beyond --batch chunks)")
         if name == "serve":
             _add_serve_flags(sub)
             _add_access_flags(sub)

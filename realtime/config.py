@@ -218,8 +218,9 @@ class ServiceConfig:
         its token2wav call (realtime/batch_policy.py).
     token2wav_call_tokens: the most speech tokens one token2wav call takes (None: up to
         `token2wav_batch` chunks whatever their size). A call is not interrupted, so this bounds how
-        long an urgent chunk waits: 1600 is 64 second chunks of the exponential schedule, ~160 ms on
-        an H100, where 64 chunks of 100 tokens took 586 ms (realtime/batch_policy.py).
+        long an urgent chunk waits (realtime/batch_policy.py). Off by default: on an H100, 1600 (64
+        second chunks, ~160 ms) cut the bursts' underruns at 79 and 95 streams but raised them at 128
+        (docs/benchmarks.md, eighth session).
     token2wav_workers: token2wav threads (each on its own CUDA stream); a stream stays on the thread
         that opened it. More than one turns the PyTorch backend's CUDA graphs off.
     chunk_queue: chunks (per stream) synthesised ahead of a slow consumer before the stream waits.
@@ -261,7 +262,7 @@ class ServiceConfig:
     token2wav_memory_gib: float | None = None
     token2wav_memory_margin_gib: float = 8.0
     first_chunk_hold: FirstChunkHold = field(default_factory=FirstChunkHold)
-    token2wav_call_tokens: int | None = 1600
+    token2wav_call_tokens: int | None = None
     token2wav_workers: int = 1
     chunk_queue: int = 4
     llm_pacing: bool = True

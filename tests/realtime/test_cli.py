@@ -75,7 +75,7 @@ def test_scheduling_flags_reach_the_service_config(tmp_path):
     tuned = config("--token2wav-solve-gib", "0", "--first-chunk-gap-ms", "6", "--first-chunk-hold-ms", "20")
     assert tuned.token2wav_solve_bytes is None
     assert tuned.first_chunk_hold == FirstChunkHold(gap_s=0.006, max_s=0.020)
-    assert default.token2wav_call_tokens == 1600
+    assert default.token2wav_call_tokens is None
     assert config("--token2wav-call-tokens", "800").token2wav_call_tokens == 800
     assert config("--token2wav-call-tokens", "0").token2wav_call_tokens is None
     with pytest.raises(SystemExit):

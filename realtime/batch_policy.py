@@ -7,7 +7,11 @@ hold for more. The rules:
 1. First audio before everything. While any stream waits for its first chunk (due -inf, see
    `realtime.schedule.chunk_due`), a call holds first chunks only, earliest arrival first: a first chunk
    never shares a call with (and so never waits for) another stream's later chunk. Later chunks, whose
-   listeners have audio to play, go in the next call.
+   listeners have audio to play, go in the next call — unless one would run dry first: a later chunk
+   due within `urgent_calls` recent token2wav calls (this call and its own) goes before the first
+   chunks, with every other later chunk that urgent, earliest deadline first. In a burst the first
+   chunks take several calls, and a stream whose first audio came in the first of them needs its second
+   chunk 0.44 s later: an underrun is worse than first audio one call later.
 2. First chunks that become ready close together share one call. Streams opened on the thread that
    have not sent their first chunk yet (`expected_first`) are the ones the LLM is still delivering
    first chunks for: while some are left and the call is not full, the policy holds until a gap after
@@ -88,18 +92,27 @@ class BatchPolicy:
     max_rows: int
     hold: FirstChunkHold = FirstChunkHold()
     max_tokens: int | None = None
+    urgent_calls: float = 2.0  # 0: first chunks always go first
 
     def __post_init__(self) -> None:
         if self.max_rows < 1:
             raise ValueError(f"a call needs at least one row, got max_rows={self.max_rows}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be positive or None, got {self.max_tokens}")
+        if not self.urgent_calls >= 0:
+            raise ValueError(f"urgent_calls must be >= 0, got {self.urgent_calls}")
 
     def decide(self, waiting: Sequence[WaitingChunk], expected_first: int, now: float,
-               llm_step_s: float = 0.0) -> Decision:
-        """The next call for `waiting`, with `expected_first` streams yet to send their first chunk and
-        the LLM's recent decode step (`llm_step_s`; 0: unknown)."""
+               llm_step_s: float = 0.0, call_s: float = 0.0) -> Decision:
+        """The next call for `waiting`, with `expected_first` streams yet to send their first chunk, the
+        LLM's recent decode step (`llm_step_s`) and the recent token2wav call (`call_s`; 0: unknown)."""
         firsts = [i for i, chunk in enumerate(waiting) if chunk.first]
+        if firsts and call_s > 0 and self.urgent_calls > 0:
+            horizon = now + self.urgent_calls * call_s
+            urgent = [i for i, chunk in enumerate(waiting) if not chunk.first and chunk.due < horizon]
+            if urgent:
+                urgent.sort(key=lambda i: (waiting[i].due, waiting[i].order))
+                return Decision(run=self._call(waiting, urgent))
         if firsts:
             if expected_first > 0 and len(firsts) < self.max_rows:
                 hold_until = min(
@@ -127,8 +140,9 @@ class BatchPolicy:
 
 
 class RecentStepTime:
-    """The LLM's recent decode step time, from its cumulative step count and step seconds (`LLMStats`):
-    the mean over the steps since the previous reading, smoothed by `weight` (the newest reading's)."""
+    """A recent step time from a cumulative step count and step seconds (the LLM's decode steps from
+    `LLMStats`, a token2wav thread's calls): the mean over the steps since the previous reading, smoothed
+    by `weight` (the newest reading's)."""
 
     def __init__(self, weight: float = 0.5) -> None:
         if not 0 < weight <= 1:

@@ -64,6 +64,13 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of 0 or more, got {text}")
+    return value
+
+
 def _devices(spec: str) -> tuple[str, ...]:
     try:
         return parse_devices(spec)
@@ -120,6 +127,7 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         token2wav_memory_margin_gib=args.token2wav_memory_margin_gib,
         first_chunk_hold=FirstChunkHold(args.first_chunk_gap_ms / 1000, args.first_chunk_hold_ms / 1000),
         token2wav_call_tokens=args.token2wav_call_tokens or None,
+        urgent_chunk_calls=args.urgent_chunk_calls,
         token2wav_workers=BASELINE_TOKEN2WAV_WORKERS if args.baseline else 1,
         llm_pacing=not args.baseline,
         webrtc=webrtc,
@@ -416,6 +424,10 @@ def build_parser() -> argparse.ArgumentParser:
                               "this many ms (or 1.5 recent LLM decode steps if longer)")
         sub.add_argument("--first-chunk-hold-ms", type=float, default=FirstChunkHold().max_s * 1000,
                          help="and at most this many ms in all (0: no waiting)")
+        sub.add_argument("--urgent-chunk-calls", type=_non_negative_float,
+                         default=ServiceConfig.urgent_chunk_calls,
+                         help="a later chunk due within this many recent token2wav calls goes before "
+                              "new streams' first chunks (0: first chunks always first)")
         sub.add_argument("--token2wav-call-tokens", type=_non_negative_int, default=0,
                          help="the most speech tokens one token2wav call takes, so that an urgent chunk "
                               "never waits long behind a call (0: no limit beyond --batch chunks)")

@@ -216,6 +216,8 @@ class ServiceConfig:
         (engines/cuda_memory.py), which fragments far less: not re-measured at the edge.
     first_chunk_hold: how long a first chunk waits for the first chunks of other new streams to share
         its token2wav call (realtime/batch_policy.py).
+    urgent_chunk_calls: a later chunk due within this many recent token2wav calls goes before waiting
+        first chunks (0: first chunks always go first; realtime/batch_policy.py).
     token2wav_call_tokens: the most speech tokens one token2wav call takes (None: up to
         `token2wav_batch` chunks whatever their size). A call is not interrupted, so this bounds how
         long an urgent chunk waits (realtime/batch_policy.py). Off by default: on an H100, 1600 (64
@@ -263,6 +265,7 @@ class ServiceConfig:
     token2wav_memory_margin_gib: float = 8.0
     first_chunk_hold: FirstChunkHold = field(default_factory=FirstChunkHold)
     token2wav_call_tokens: int | None = None
+    urgent_chunk_calls: float = 2.0
     token2wav_workers: int = 1
     chunk_queue: int = 4
     llm_pacing: bool = True

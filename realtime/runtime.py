@@ -161,6 +161,7 @@ class Runtime:
                 metrics=self.metrics,
                 hold=self.config.first_chunk_hold,
                 max_call_tokens=self.config.token2wav_call_tokens,
+                urgent_calls=self.config.urgent_chunk_calls,
                 llm_steps=lambda: _llm_steps(engines.llms),
                 name="token2wav" if len(engines.token2wavs) == 1 else f"token2wav{index}",
             )

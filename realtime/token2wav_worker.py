@@ -41,7 +41,7 @@ class _ChunkTask:
     due: float  # when the listener needs this chunk; earliest first
     future: Future[np.ndarray]
     order: int  # arrival order, breaks ties between equal deadlines
-    submitted: float = field(default_factory=time.perf_counter)
+    submitted: float = field(default_factory=time.monotonic)
 
     @property
     def waiting(self) -> WaitingChunk:
@@ -74,6 +74,11 @@ class _Lane:
         self._policy = policy
         self._llm_steps = llm_steps
         self._llm_step = RecentStepTime()
+        # This thread's token2wav calls: their count and seconds, and the recent call time the policy
+        # weighs a later chunk's deadline against (this thread's).
+        self._calls = 0
+        self._call_seconds = 0.0
+        self._call_time = RecentStepTime()
         self._backend = backend
         self._metrics = metrics
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -134,7 +139,8 @@ class _Lane:
             pending[:] = [chunk for chunk in pending if not chunk.future.cancelled()]
             expected = 0 if stop else len(self.fresh)
             decision = self._policy.decide([chunk.waiting for chunk in pending], expected,
-                                           time.perf_counter(), self._recent_llm_step() if expected else 0.0)
+                                           time.monotonic(), self._recent_llm_step() if expected else 0.0,
+                                           self._call_time.read(self._calls, self._call_seconds))
             hold_until = decision.hold_until
             self._run_chunks(self._take(decision.run))
             for call in calls:
@@ -153,7 +159,7 @@ class _Lane:
             items.append(self.inbox.get())
         elif hold_until is not None:
             with contextlib.suppress(queue.Empty):
-                items.append(self.inbox.get(timeout=max(0.0, hold_until - time.perf_counter())))
+                items.append(self.inbox.get(timeout=max(0.0, hold_until - time.monotonic())))
         self._drain(items)
         return items
 
@@ -177,9 +183,11 @@ class _Lane:
         live = [c for c in chunks if c.future.set_running_or_notify_cancel()]
         if not live:
             return
-        started = time.perf_counter()
+        started = time.monotonic()
         try:
             results = self._backend.run_chunks([c.job for c in live])
+            self._calls += 1
+            self._call_seconds += time.monotonic() - started
             for chunk, audio in zip(live, results, strict=True):
                 chunk.future.set_result(audio.detach().to("cpu", torch.float32).numpy())
             if self._metrics is not None:
@@ -195,7 +203,7 @@ class _Lane:
 
     def _observe(self, chunks: list[_ChunkTask], started: float) -> None:
         assert self._metrics is not None
-        self._metrics.token2wav_batch_seconds.observe(time.perf_counter() - started)
+        self._metrics.token2wav_batch_seconds.observe(time.monotonic() - started)
         self._metrics.token2wav_batch_chunks.observe(len(chunks))
         firsts = sum(chunk.waiting.first for chunk in chunks)
         if firsts:
@@ -260,17 +268,18 @@ class Token2WavWorker:
     `hold`: how new streams' first chunks wait for each other (`BatchPolicy`); `llm_steps`: the LLM
     engines' cumulative decode steps and step seconds (`LLMStats`), from which the hold's gap follows
     the recent step time (read on the worker threads, only while new streams' first chunks are due);
-    `max_call_tokens`: the most speech tokens in one call (`BatchPolicy.max_tokens`).
+    `max_call_tokens`: the most speech tokens in one call (`BatchPolicy.max_tokens`); `urgent_calls`:
+    `BatchPolicy.urgent_calls`.
     """
 
     def __init__(self, backend: Token2Wav, max_batch: int, capacity: int, threads: int = 1,
                  metrics: Metrics | None = None, hold: FirstChunkHold | None = None,
                  llm_steps: Callable[[], tuple[int, float]] | None = None, name: str = "token2wav",
-                 max_call_tokens: int | None = None) -> None:
+                 max_call_tokens: int | None = None, urgent_calls: float = 2.0) -> None:
         if threads < 1:
             raise ValueError(f"a token2wav worker needs at least one thread, got {threads}")
         self._backend = backend
-        policy = BatchPolicy(max_batch, hold or FirstChunkHold(), max_call_tokens)
+        policy = BatchPolicy(max_batch, hold or FirstChunkHold(), max_call_tokens, urgent_calls)
         self._lanes = [_Lane(f"{name}-{i}", backend, policy, metrics, llm_steps) for i in range(threads)]
         self._lane_of: dict[Token2WavStream, _Lane] = {}
         self._slots = asyncio.Semaphore(capacity)
@@ -348,8 +357,8 @@ class Token2WavWorker:
     async def synthesize(
         self, stream: Token2WavStream, tokens: Sequence[int], last: bool, due: float
     ) -> np.ndarray:
-        """Audio of one chunk, scheduled by `due`; waits while `capacity` chunks are already queued.
-        Call from the loop."""
+        """Audio of one chunk, scheduled by `due` (on `time.monotonic`'s clock; -inf for a first chunk);
+        waits while `capacity` chunks are already queued. Call from the loop."""
         lane = self._lane_of[stream]
         job = ChunkJob(stream, torch.tensor(list(tokens), dtype=torch.int64), last)
         async with self._slots:

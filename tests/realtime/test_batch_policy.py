@@ -141,3 +141,29 @@ def test_first_chunks_keep_to_the_token_cap_too() -> None:
 def test_a_token_cap_is_positive() -> None:
     with pytest.raises(ValueError, match="max_tokens"):
         BatchPolicy(8, HOLD, max_tokens=0)
+
+
+def test_a_later_chunk_due_within_two_calls_goes_before_first_chunks() -> None:
+    """With calls of 0.2 s, a later chunk due within 0.4 s would run dry waiting out a call of first
+    chunks and then its own: it goes first, with the other later chunks that urgent, by deadline; the
+    first chunks wait one call."""
+    waiting = [chunk(FIRST, 0), chunk(1.30, 1), chunk(FIRST, 2), chunk(1.05, 3), chunk(2.0, 4)]
+    policy = BatchPolicy(8, HOLD)
+    assert policy.decide(waiting, expected_first=0, now=1.0, call_s=0.2).run == (3, 1)
+    # Not urgent yet, or no call time known yet: first audio first.
+    assert policy.decide(waiting, expected_first=0, now=0.5, call_s=0.2).run == (0, 2)
+    assert policy.decide(waiting, expected_first=0, now=1.0).run == (0, 2)
+    patient = BatchPolicy(8, HOLD, urgent_calls=0)
+    assert patient.decide(waiting, expected_first=0, now=1.0, call_s=0.2).run == (0, 2)
+
+
+def test_an_urgent_later_chunk_does_not_wait_out_a_first_chunk_hold() -> None:
+    waiting = [chunk(FIRST, 0, arrived=0.998), chunk(1.1, 1)]
+    policy = BatchPolicy(8, HOLD)
+    assert policy.decide(waiting, expected_first=3, now=1.0).hold_until is not None
+    assert policy.decide(waiting, expected_first=3, now=1.0, call_s=0.1).run == (1,)
+
+
+def test_urgent_calls_are_not_negative() -> None:
+    with pytest.raises(ValueError, match="urgent_calls"):
+        BatchPolicy(8, HOLD, urgent_calls=-1.0)

@@ -76,6 +76,11 @@ def test_scheduling_flags_reach_the_service_config(tmp_path):
     assert tuned.token2wav_solve_bytes is None
     assert tuned.first_chunk_hold == FirstChunkHold(gap_s=0.006, max_s=0.020)
     assert default.token2wav_call_tokens is None
+    assert default.urgent_chunk_calls == 2.0
+    assert config("--urgent-chunk-calls", "0").urgent_chunk_calls == 0
+    for bad in ("-1", "nan", "inf"):
+        with pytest.raises(SystemExit):
+            config("--urgent-chunk-calls", bad)
     assert config("--token2wav-call-tokens", "800").token2wav_call_tokens == 800
     assert config("--token2wav-call-tokens", "0").token2wav_call_tokens is None
     with pytest.raises(SystemExit):

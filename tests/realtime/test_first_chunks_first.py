@@ -75,8 +75,10 @@ async def test_first_chunks_run_before_later_chunks_waiting_beside_them(
     # token (no pacing): the late streams are open, their first chunks come while the worker is held.
     # Three rows a call: the held call leaves an early stream's later chunk waiting beside four first
     # chunks, so earliest-deadline-first alone would put it in a call with the fourth.
+    # Later chunks never outrank first chunks here (no urgency): this is rule 1 alone.
     config = ServiceConfig(models_dir=tiny_models, voices_dir=tmp_path, device="cpu",
-                           max_streams=EARLY + LATE, llm_slots=EARLY, llm_pacing=False, token2wav_batch=3)
+                           max_streams=EARLY + LATE, llm_slots=EARLY, llm_pacing=False, token2wav_batch=3,
+                           urgent_chunk_calls=0)
     runtime = Runtime(config)
     await runtime.start()
     try:

@@ -123,8 +123,8 @@ class BatchPolicy:
                     return Decision(hold_until=hold_until)
             firsts.sort(key=lambda i: waiting[i].order)
             return Decision(run=self._call(waiting, firsts))
-        urgent = sorted(range(len(waiting)), key=lambda i: (waiting[i].due, waiting[i].order))
-        return Decision(run=self._call(waiting, urgent))
+        by_deadline = sorted(range(len(waiting)), key=lambda i: (waiting[i].due, waiting[i].order))
+        return Decision(run=self._call(waiting, by_deadline))
 
     def _call(self, waiting: Sequence[WaitingChunk], ranked: Sequence[int]) -> tuple[int, ...]:
         """The leading chunks of `ranked` that fit one call: `max_rows`, and `max_tokens` past the first."""

@@ -87,7 +87,8 @@ class Decision:
 @dataclass(frozen=True)
 class BatchPolicy:
     """`max_rows`: most chunks in one call; `hold`: how first chunks wait for each other; `max_tokens`:
-    most speech tokens in one call (None: no limit), though a call always takes one chunk."""
+    most speech tokens in one call (None: no limit), though a call always takes one chunk;
+    `urgent_calls`: how many recent calls ahead a later chunk's deadline makes it urgent (rule 1)."""
 
     max_rows: int
     hold: FirstChunkHold = FirstChunkHold()

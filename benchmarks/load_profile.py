@@ -25,7 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from profile_summary import summarise
+from profile_summary import py_spy_record, summarise
 
 from realtime.bench import format_level, run_level, spawned_process
 
@@ -34,8 +34,7 @@ PROFILE_HZ = 100
 
 def sampler(py_spy: str, pid: int, out: Path) -> subprocess.Popen[bytes]:
     """py-spy attached to `pid`, sampling every thread into `out` until interrupted."""
-    return subprocess.Popen([py_spy, "record", "--pid", str(pid), "-r", str(PROFILE_HZ), "--nonblocking",
-                             "--idle", "--threads", "-f", "raw", "-o", str(out)],
+    return subprocess.Popen([*py_spy_record(py_spy, out, PROFILE_HZ), "--pid", str(pid)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 

@@ -15,6 +15,14 @@ import collections
 from pathlib import Path
 
 
+def py_spy_record(py_spy: str, out: Path, rate: float) -> list[str]:
+    """The py-spy command that samples into `out` what `summarise` reads: raw stacks per thread, idle
+    threads too, without pausing the process; it writes them when interrupted. Append the target: `--`
+    and a command to start, or `--pid` and a running process."""
+    return [py_spy, "record", "-r", f"{rate:g}", "--nonblocking", "--idle", "--threads", "-f", "raw",
+            "-o", str(out)]
+
+
 def frame_name(frame: str) -> str:
     """`function (file)` without the line number, so that a function's lines add up."""
     function, _, location = frame.rpartition(" (")

@@ -30,7 +30,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from profile_summary import summarise
+from profile_summary import py_spy_record, summarise
 
 from realtime.bench import spawned_process
 
@@ -52,10 +52,8 @@ PROFILE_HZ = 50
 
 
 def py_spy_launcher(py_spy: str, out: Path) -> list[str]:
-    """py-spy sampling the server it starts into `out` (raw stacks per thread, idle threads too, without
-    pausing the process). It writes them when interrupted, which also stops the server."""
-    return [py_spy, "record", "-r", str(PROFILE_HZ), "--nonblocking", "--idle", "--threads", "-f", "raw",
-            "-o", str(out), "--"]
+    """py-spy sampling the server it starts into `out`; interrupting it also stops the server."""
+    return [*py_spy_record(py_spy, out, PROFILE_HZ), "--"]
 
 
 def one_start(models: Path, serve_args: list[str], log: Path, timeout_s: float,

@@ -162,5 +162,9 @@ class RecentStepTime:
         self._steps, self._seconds = steps, seconds
         return self.seconds
 
+    def record(self, seconds: float) -> None:
+        """Take one more step of `seconds` (for a caller that times its own steps)."""
+        self.read(self._steps + 1, self._seconds + seconds)
+
 
 __all__ = ["BatchPolicy", "Decision", "FirstChunkHold", "RecentStepTime", "WaitingChunk"]

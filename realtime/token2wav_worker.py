@@ -74,10 +74,7 @@ class _Lane:
         self._policy = policy
         self._llm_steps = llm_steps
         self._llm_step = RecentStepTime()
-        # This thread's token2wav calls: their count and seconds, and the recent call time the policy
-        # weighs a later chunk's deadline against (this thread's).
-        self._calls = 0
-        self._call_seconds = 0.0
+        # This thread's recent token2wav call, which the policy weighs later chunks' deadlines against.
         self._call_time = RecentStepTime()
         self._backend = backend
         self._metrics = metrics
@@ -140,7 +137,7 @@ class _Lane:
             expected = 0 if stop else len(self.fresh)
             decision = self._policy.decide([chunk.waiting for chunk in pending], expected,
                                            time.monotonic(), self._recent_llm_step() if expected else 0.0,
-                                           self._call_time.read(self._calls, self._call_seconds))
+                                           self._call_time.seconds)
             hold_until = decision.hold_until
             self._run_chunks(self._take(decision.run))
             for call in calls:
@@ -186,12 +183,12 @@ class _Lane:
         started = time.monotonic()
         try:
             results = self._backend.run_chunks([c.job for c in live])
-            self._calls += 1
-            self._call_seconds += time.monotonic() - started
             for chunk, audio in zip(live, results, strict=True):
                 chunk.future.set_result(audio.detach().to("cpu", torch.float32).numpy())
+            elapsed = time.monotonic() - started
+            self._call_time.record(elapsed)
             if self._metrics is not None:
-                self._observe(live, started)
+                self._observe(live, started, elapsed)
         except BaseException as exc:  # the backend failed this batch: every chunk in it fails
             if isinstance(exc, Exception):
                 logger.exception("token2wav batch of %d chunks failed", len(live))
@@ -201,9 +198,9 @@ class _Lane:
             if not isinstance(exc, Exception):
                 raise  # it ends the thread (see `_run`)
 
-    def _observe(self, chunks: list[_ChunkTask], started: float) -> None:
+    def _observe(self, chunks: list[_ChunkTask], started: float, elapsed: float) -> None:
         assert self._metrics is not None
-        self._metrics.token2wav_batch_seconds.observe(time.monotonic() - started)
+        self._metrics.token2wav_batch_seconds.observe(elapsed)
         self._metrics.token2wav_batch_chunks.observe(len(chunks))
         firsts = sum(chunk.waiting.first for chunk in chunks)
         if firsts:

@@ -167,3 +167,10 @@ def test_an_urgent_later_chunk_does_not_wait_out_a_first_chunk_hold() -> None:
 def test_urgent_calls_are_not_negative() -> None:
     with pytest.raises(ValueError, match="urgent_calls"):
         BatchPolicy(8, HOLD, urgent_calls=-1.0)
+
+
+def test_recorded_steps_are_smoothed_like_read_ones() -> None:
+    timed = RecentStepTime()
+    timed.record(0.2)
+    timed.record(0.4)
+    assert timed.seconds == pytest.approx(0.3)

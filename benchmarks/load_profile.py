@@ -43,8 +43,8 @@ async def profile_levels(url: str, pid: int, py_spy: str, streams: list[int], to
     for count in streams:
         stacks = out / f"streams-{count}.prof.txt"
         recorder = sampler(py_spy, pid, stacks)
-        await asyncio.sleep(1.0)  # py-spy attaches before the burst starts
         try:
+            await asyncio.sleep(1.0)  # py-spy attaches before the burst starts
             level = await run_level(url, count, tokens, "default")
         finally:
             recorder.send_signal(signal.SIGINT)  # py-spy writes its samples when interrupted

@@ -377,27 +377,48 @@ class HiFTStream:
                              f"with the cache, got {mel.shape[2]}")
         return mel
 
-    def _emit(self, mel: Tensor, out: Vocoded, last: bool) -> Tensor:
-        """The final audio of one vocoded row (on the vocoder's device); keeps the caches unless `last`."""
-        hift = self.generator
-        cfg = hift.cfg
-        speech = out.speech[0]
-        overlap = cfg.source_cache_samples
-        if self._speech_tail is not None:
-            fade_in, fade_out = hift.crossfade.split(overlap)
-            speech = torch.cat([speech[:overlap] * fade_in + self._speech_tail * fade_out, speech[overlap:]])
-        if last:
-            self.close()
-            return speech
-        self._mel = mel[:, :, -cfg.mel_cache_frames:]
-        self._source = out.source[:, :, -overlap:]
-        self._speech_tail = speech[-overlap:]
-        return speech[:-overlap]
+    def _held_tail(self) -> Tensor:
+        """The speech samples held back from the previous call (there was one)."""
+        if self._speech_tail is None:
+            raise RuntimeError("no speech held back: the stream has not vocoded a chunk")
+        return self._speech_tail
+
+    def _keep(self, mel: Tensor, source: Tensor, speech_tail: Tensor) -> None:
+        """Hold the caches of a call that was not the last (one row each)."""
+        self._mel, self._source, self._speech_tail = mel, source, speech_tail
 
     def close(self) -> None:
         """Drop the caches; later `process` calls raise. Idempotent."""
         self._hift = None
         self._mel = self._source = self._speech_tail = None
+
+
+def _emit_rows(streams: Sequence[HiFTStream], lasts: Sequence[bool], mel: Tensor, out: Vocoded,
+               speech_tails: Tensor | None) -> list[Tensor]:
+    """The final audio of each row of one batched call (on the vocoder's device), all rows at once:
+    the first `source_cache_samples` cross-faded with the row's held-back tail (`speech_tails`, one row
+    each, None for first chunks) under the Hamming window; unless its stream's chunk is `last`, the row
+    holds back its last samples and keeps its caches (the last mel frames and source samples)."""
+    hift = streams[0].generator
+    overlap, frames = hift.cfg.source_cache_samples, hift.cfg.mel_cache_frames
+    speech = out.speech
+    if speech_tails is not None:
+        fade_in, fade_out = hift.crossfade.split(overlap)
+        faded = speech[:, :overlap] * fade_in + speech_tails * fade_out
+        speech = torch.cat([faded, speech[:, overlap:]], dim=1)
+    audio: list[Tensor] = []
+    if not all(lasts):
+        # Copies: the caches outlive this call's batch tensors.
+        mel_cache, source_cache = mel[:, :, -frames:].clone(), out.source[:, :, -overlap:].clone()
+        tail_cache = speech[:, -overlap:].clone()
+    for row, (stream, last) in enumerate(zip(streams, lasts, strict=True)):
+        if last:
+            stream.close()
+            audio.append(speech[row])
+            continue
+        stream._keep(mel_cache[row : row + 1], source_cache[row : row + 1], tail_cache[row])
+        audio.append(speech[row, :-overlap])
+    return audio
 
 
 class VocoderGraphs(Protocol):
@@ -439,10 +460,9 @@ def vocode_streams(
             out = hift.vocode_with_noise(mel, source, noise)
         else:
             out = graphs.vocode(mel, source, noise)
-        for row, index in enumerate(indices):
-            rows = slice(row, row + 1)
-            row_out = Vocoded(out.speech[rows], out.source[rows])
-            speech[index] = streams[index]._emit(mel[rows], row_out, lasts[index])
+        tails = None if source is None else torch.stack([s._held_tail() for s in members])
+        rows_audio = _emit_rows(members, [lasts[i] for i in indices], mel, out, tails)
+        speech.update(zip(indices, rows_audio, strict=True))
     # One transfer for the whole batch; streams that produced nothing get empty CPU audio.
     order = sorted(speech)
     joined = torch.cat([speech[i].float() for i in order]).cpu() if order else torch.zeros(0)

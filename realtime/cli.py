@@ -128,7 +128,6 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         first_chunk_hold=FirstChunkHold(args.first_chunk_gap_ms / 1000, args.first_chunk_hold_ms / 1000),
         token2wav_call_tokens=args.token2wav_call_tokens or None,
         urgent_chunk_calls=args.urgent_chunk_calls,
-        llm_decode_sms=args.llm_decode_sms or None,
         token2wav_workers=BASELINE_TOKEN2WAV_WORKERS if args.baseline else 1,
         llm_pacing=not args.baseline,
         webrtc=webrtc,
@@ -429,9 +428,6 @@ def build_parser() -> argparse.ArgumentParser:
                          default=ServiceConfig.urgent_chunk_calls,
                          help="a later chunk due within this many recent token2wav calls goes before "
                               "new streams' first chunks (0: first chunks always first)")
-        sub.add_argument("--llm-decode-sms", type=_non_negative_int, default=0,
-                         help="on a GPU running both engines, this many SMs for LLM decode steps alone and "
-                              "the rest for token2wav (CUDA green contexts; 0: every SM shared)")
         sub.add_argument("--token2wav-call-tokens", type=_non_negative_int, default=0,
                          help="the most speech tokens one token2wav call takes, so that an urgent chunk "
                               "never waits long behind a call (0: no limit beyond --batch chunks)")

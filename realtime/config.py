@@ -223,10 +223,6 @@ class ServiceConfig:
         long an urgent chunk waits (realtime/batch_policy.py). Off by default: on an H100, 1600 (64
         second chunks, ~160 ms) cut the bursts' underruns at 79 and 95 streams but raised them at 128
         (docs/benchmarks.md, eighth session).
-    llm_decode_sms: on a GPU that runs both the LLM engine and token2wav (PyTorch backends), give the LLM's
-        decode steps this many SMs of their own and token2wav the rest (CUDA green contexts,
-        engines/sm_partition.py; the driver rounds up to its granularity, 8 on Hopper), so that decode
-        steps do not wait behind token2wav's kernels; prefill keeps every SM. None: all share every SM.
     token2wav_workers: token2wav threads (each on its own CUDA stream); a stream stays on the thread
         that opened it. More than one turns the PyTorch backend's CUDA graphs off.
     chunk_queue: chunks (per stream) synthesised ahead of a slow consumer before the stream waits.
@@ -270,7 +266,6 @@ class ServiceConfig:
     first_chunk_hold: FirstChunkHold = field(default_factory=FirstChunkHold)
     token2wav_call_tokens: int | None = None
     urgent_chunk_calls: float = 2.0
-    llm_decode_sms: int | None = None
     token2wav_workers: int = 1
     chunk_queue: int = 4
     llm_pacing: bool = True
@@ -319,8 +314,6 @@ class ServiceConfig:
                              f"got {self.token2wav_memory_margin_gib}")
         if self.llm_slots is not None and self.llm_slots < 1:
             raise ValueError(f"llm_slots must be >= 1, got {self.llm_slots}")
-        if self.llm_decode_sms is not None and self.llm_decode_sms < 1:
-            raise ValueError(f"llm_decode_sms must be >= 1, got {self.llm_decode_sms}")
         if not self.voice_sync_s > 0:
             raise ValueError(f"voice_sync_s must be > 0, got {self.voice_sync_s}")
         if not self.drain_timeout_s > 0:

@@ -19,7 +19,6 @@ from engines.config import ModelPaths
 from engines.llm.auto import select_llm
 from engines.llm.base import LLMEngine
 from engines.normalize import ReferenceNormalizer
-from engines.sm_partition import SmPartition, StreamSource, split_sms
 from engines.text import TextFrontend
 from engines.token2wav.auto import select_token2wav
 from engines.token2wav.base import Token2Wav
@@ -40,9 +39,6 @@ class LoadedEngines:
     text: TextFrontend
     voice_encoder: VoiceEncoder
     plan: DevicePlan
-    # Per token2wav device, the SMs its worker threads' streams run on when the device is split with an
-    # LLM engine (engines/sm_partition.py); None: the whole device.
-    token2wav_streams: tuple[StreamSource | None, ...] | None = None
 
     def __post_init__(self) -> None:
         if (len(self.llms), len(self.token2wavs)) != (len(self.plan.llm_devices),
@@ -50,20 +46,7 @@ class LoadedEngines:
             raise ValueError("one LLM engine per LLM device and one token2wav backend per token2wav device")
 
 
-def _split_sms(config: ServiceConfig) -> dict[str, SmPartition]:
-    """Per CUDA device that runs both an LLM engine and token2wav, its SMs split between them when
-    `config.llm_decode_sms` asks for it."""
-    if config.llm_decode_sms is None:
-        return {}
-    plan = config.device_plan
-    shared = [device for device in dict.fromkeys(plan.llm_devices)
-              if device in plan.token2wav_devices and torch.device(device).type == "cuda"]
-    if not shared:
-        logger.warning("llm_decode_sms ignored: no GPU runs both the LLM engine and token2wav")
-    return {device: split_sms(torch.device(device), config.llm_decode_sms) for device in shared}
-
-
-def _load_token2wav(config: ServiceConfig, device: str, streams: StreamSource | None) -> Token2Wav:
+def _load_token2wav(config: ServiceConfig, device: str) -> Token2Wav:
     started = time.perf_counter()
     backend = select_token2wav(
         config.models_dir,
@@ -75,7 +58,6 @@ def _load_token2wav(config: ServiceConfig, device: str, streams: StreamSource | 
         cuda_graphs=config.token2wav_workers == 1,
         dit_cache_rule=config.dit_cache_rule,
         solve_memory_bytes=config.token2wav_solve_bytes,
-        streams=streams,
     )
     logger.info("token2wav %s loaded on %s in %.1f s", backend.name, device, time.perf_counter() - started)
     return backend
@@ -110,16 +92,11 @@ def load_engines(config: ServiceConfig) -> LoadedEngines:
             use_tf32_matmuls()
             cache = keep_compiled_artifacts(compile_cache_dir(config.models_dir, gpus[0]))
             logger.info("compiled kernels cached in %s", cache or "Inductor's default folder")
-        partitions = _split_sms(config)
-        token2wav_streams = tuple(partitions[d].token2wav if d in partitions else None
-                                  for d in plan.token2wav_devices)
-        token2wav_loads = [pool.submit(_load_token2wav, config, device, streams)
-                           for device, streams in zip(plan.token2wav_devices, token2wav_streams, strict=True)]
+        token2wav_loads = [pool.submit(_load_token2wav, config, device) for device in plan.token2wav_devices]
         slots = config.llm_slots or config.max_streams
         # Constructing an LLM engine is cheap: its weights load when it starts.
         llms = tuple(
-            select_llm(config.models_dir, config.llm_backend, device, max_slots=slots,
-                       **({"decode_streams": partitions[device].decode} if device in partitions else {}))
+            select_llm(config.models_dir, config.llm_backend, device, max_slots=slots)
             for device in plan.llm_devices
         )
         token2wavs = tuple(load.result() for load in token2wav_loads)
@@ -128,11 +105,5 @@ def load_engines(config: ServiceConfig) -> LoadedEngines:
         if llm.stats().max_slots != slots:
             logger.warning("the %s LLM engine batches up to %d requests, not %d", llm.name,
                            llm.stats().max_slots, slots)
-    for device in partitions:
-        llm = llms[plan.llm_devices.index(device)]
-        token2wav = token2wavs[plan.token2wav_devices.index(device)]
-        if llm.name != "torch" or not token2wav.name.startswith("torch"):
-            logger.warning("llm_decode_sms on %s covers the PyTorch engines only: here %s LLM, %s token2wav",
-                           device, llm.name, token2wav.name)
     logger.info("engines loaded in %.1f s", time.perf_counter() - started)
-    return LoadedEngines(llms, token2wavs, text, encoder, plan, token2wav_streams)
+    return LoadedEngines(llms, token2wavs, text, encoder, plan)

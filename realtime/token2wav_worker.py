@@ -25,7 +25,6 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from engines.sm_partition import DeviceStreams, StreamSource
 from engines.token2wav.base import ChunkJob, SpeakerState, Token2Wav, Token2WavStream
 from engines.voice import VoicePrompt
 from realtime.batch_policy import BatchPolicy, FirstChunkHold, RecentStepTime, WaitingChunk
@@ -67,7 +66,7 @@ class _Lane:
     """
 
     def __init__(self, name: str, backend: Token2Wav, policy: BatchPolicy, metrics: Metrics | None,
-                 llm_steps: Callable[[], tuple[int, float]] | None, streams: StreamSource) -> None:
+                 llm_steps: Callable[[], tuple[int, float]] | None) -> None:
         self.inbox: queue.SimpleQueue[_ChunkTask | _Call | None] = queue.SimpleQueue()
         self.assigned = 0  # streams routed here and not yet closed (event loop side)
         self.open_streams = 0  # streams opened here and not yet closed (this thread's side)
@@ -78,7 +77,6 @@ class _Lane:
         # This thread's recent token2wav call, which the policy weighs later chunks' deadlines against.
         self._call_time = RecentStepTime()
         self._backend = backend
-        self._streams = streams
         self._metrics = metrics
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._pending: list[_ChunkTask] = []  # chunks taken from the inbox, not yet run (this thread's)
@@ -105,7 +103,7 @@ class _Lane:
                 self._serve()
                 return
             # Other lanes and the LLM engine keep the GPU busy on their own streams meanwhile.
-            with torch.cuda.stream(self._streams.stream()):
+            with torch.cuda.stream(torch.cuda.Stream(device)):
                 self._serve()
         except BaseException as exc:  # noqa: BLE001 - whatever kills the thread fails its work, not the process
             self.failure = exc
@@ -268,22 +266,18 @@ class Token2WavWorker:
     engines' cumulative decode steps and step seconds (`LLMStats`), from which the hold's gap follows
     the recent step time (read on the worker threads, only while new streams' first chunks are due);
     `max_call_tokens`: the most speech tokens in one call (`BatchPolicy.max_tokens`); `urgent_calls`:
-    `BatchPolicy.urgent_calls`; `streams`: where the threads' CUDA streams come from (the SMs token2wav
-    has when the device is split with the LLM engine, engines/sm_partition.py; None: the whole device).
+    `BatchPolicy.urgent_calls`.
     """
 
     def __init__(self, backend: Token2Wav, max_batch: int, capacity: int, threads: int = 1,
                  metrics: Metrics | None = None, hold: FirstChunkHold | None = None,
                  llm_steps: Callable[[], tuple[int, float]] | None = None, name: str = "token2wav",
-                 max_call_tokens: int | None = None, urgent_calls: float = 2.0,
-                 streams: StreamSource | None = None) -> None:
+                 max_call_tokens: int | None = None, urgent_calls: float = 2.0) -> None:
         if threads < 1:
             raise ValueError(f"a token2wav worker needs at least one thread, got {threads}")
         self._backend = backend
         policy = BatchPolicy(max_batch, hold or FirstChunkHold(), max_call_tokens, urgent_calls)
-        source = streams or DeviceStreams(backend.device)
-        self._lanes = [_Lane(f"{name}-{i}", backend, policy, metrics, llm_steps, source)
-                       for i in range(threads)]
+        self._lanes = [_Lane(f"{name}-{i}", backend, policy, metrics, llm_steps) for i in range(threads)]
         self._lane_of: dict[Token2WavStream, _Lane] = {}
         self._slots = asyncio.Semaphore(capacity)
         self._order = itertools.count()

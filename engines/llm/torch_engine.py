@@ -51,7 +51,6 @@ from engines.llm.base import (
 from engines.llm.model import CosyVoice2LM, load_llm, prompt_length
 from engines.llm.qwen2 import EAGER_KERNELS, LayerKernels
 from engines.llm.torch_runner import ModelRunner, PrefillChunk, Readback, TorchLLMConfig, bucket
-from engines.sm_partition import StreamSource
 
 __all__ = ["ModelLoader", "TorchLLMConfig", "TorchLLMEngine"]
 
@@ -130,14 +129,8 @@ class TorchLLMEngine(LLMEngine):
 
     name = "torch"
 
-    def __init__(self, config: TorchLLMConfig, load_model: ModelLoader,
-                 decode_streams: StreamSource | None = None) -> None:
+    def __init__(self, config: TorchLLMConfig, load_model: ModelLoader) -> None:
         self.config = config
-        # Decode steps run on streams of `decode_streams` (SMs of their own, engines/sm_partition.py) when
-        # given; prefill, whose matmuls want every SM, on the whole device. Otherwise both on one stream.
-        self._decode_streams = decode_streams
-        self._decode_stream: torch.cuda.Stream | None = None
-        self._prefill_stream: torch.cuda.Stream | None = None
         self.modes = config.modes
         self._load_model = load_model
         self._runner: ModelRunner | None = None
@@ -154,12 +147,11 @@ class TorchLLMEngine(LLMEngine):
         self._step_seconds = 0.0
 
     @classmethod
-    def from_models_dir(cls, models_dir: Path, device: str = "cuda",
-                        decode_streams: StreamSource | None = None, **options: Any) -> TorchLLMEngine:
+    def from_models_dir(cls, models_dir: Path, device: str = "cuda", **options: Any) -> TorchLLMEngine:
         """The engine over `<models_dir>/CosyVoice2-0.5B/llm.pt`; `options` are `TorchLLMConfig` fields."""
         llm_config = configs_for_models_dir(models_dir).llm
         config = TorchLLMConfig(device=device, **options)
-        return cls(config, partial(load_llm, ModelPaths(Path(models_dir)).llm, llm_config), decode_streams)
+        return cls(config, partial(load_llm, ModelPaths(Path(models_dir)).llm, llm_config))
 
     @property
     def max_context(self) -> int:
@@ -254,15 +246,8 @@ class TorchLLMEngine(LLMEngine):
             model.backbone.ops = self._cuda_kernels(model)
         runner = ModelRunner(model, self.config)
         loaded = time.perf_counter()
-        if self.config.torch_device.type == "cuda":
-            # High priority: steps are short and every stream downstream waits on them, so their kernels
-            # go ahead of token2wav's long batches. The graphs are captured on the serving streams
-            # (never a token2wav thread's: engines/cuda_graphs.py).
-            self._prefill_stream = torch.cuda.Stream(self.config.torch_device, priority=-1)
-            self._decode_stream = (self._prefill_stream if self._decode_streams is None
-                                   else self._decode_streams.stream(priority=-1))
-            if self.config.cuda_graphs:
-                runner.capture_graphs(self._decode_stream, self._prefill_stream)
+        if self.config.cuda_graphs and self.config.torch_device.type == "cuda":
+            runner.capture_graphs()
         logger.info("torch LLM weights and cache ready in %.1f s, CUDA graphs captured in %.1f s",
                     loaded - started, time.perf_counter() - loaded)
         return runner
@@ -281,10 +266,13 @@ class TorchLLMEngine(LLMEngine):
         return kernels
 
     def _run(self) -> None:
-        if self._decode_stream is None:
+        device = self.config.torch_device
+        if device.type != "cuda":
             self._serve()
             return
-        with torch.cuda.stream(self._decode_stream):
+        # Steps are short and every stream downstream waits on them: on a high-priority CUDA stream their
+        # kernels go ahead of token2wav's long batches.
+        with torch.cuda.stream(torch.cuda.Stream(device, priority=-1)):
             self._serve()
 
     def _serve(self) -> None:
@@ -399,7 +387,7 @@ class TorchLLMEngine(LLMEngine):
             last = end == seq.prompt_len
             chunks.append(PrefillChunk(seq.slot, seq.prompt[seq.prefilled:end], seq.prefilled, last))
         try:
-            self._prefill(chunks)
+            runner.prefill(chunks)
         except Exception:
             logger.exception("prefill of %d LLM requests failed", len(plan))
             for seq, _ in plan:
@@ -414,20 +402,6 @@ class TorchLLMEngine(LLMEngine):
                 self._launched_token(seq)
                 completed.append((seq, row))
         return completed
-
-    def _prefill(self, chunks: list[PrefillChunk]) -> None:
-        """Launch `chunks`' prefill call on the prefill stream, in order with the decode stream both ways:
-        it reads what admission wrote there and writes the slots' inputs decode steps read."""
-        runner, decode, prefill = self._runner, self._decode_stream, self._prefill_stream
-        assert runner is not None
-        if prefill is None or prefill is decode:
-            runner.prefill(chunks)
-            return
-        assert decode is not None
-        prefill.wait_stream(decode)
-        with torch.cuda.stream(prefill):
-            runner.prefill(chunks)
-        decode.wait_stream(prefill)
 
     def _launch_decode(self) -> list[tuple[_Sequence, int]]:
         runner = self._runner

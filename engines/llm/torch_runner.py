@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property, partial
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 import torch
 from torch import Tensor
@@ -221,28 +221,29 @@ class ModelRunner:
         self.prefill_graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
 
     @torch.no_grad()
-    def capture_graphs(self, decode_stream: torch.cuda.Stream, prefill_stream: torch.cuda.Stream) -> None:
-        """Capture every decode shape on `decode_stream` and every prefill shape on `prefill_stream` (a
-        graph's kernels run on the SMs of the stream it was captured on; the two may be one stream);
-        every slot must be idle."""
-        pools: dict[torch.cuda.Stream, Any] = {}  # a pool's graphs are captured on one stream
+    def capture_graphs(self) -> None:
+        """Capture every decode and prefill shape; every slot must be idle."""
+        pool = None
+        # High priority, as the engine's serving stream: never the stream of a token2wav thread that may
+        # be warming up meanwhile (engines/cuda_graphs.py).
+        stream = torch.cuda.Stream(self.config.torch_device, priority=-1)
 
-        def capture(step: Callable[[], None], stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
-            graph = capture_graph(step, pools.get(stream), stream)
-            pools[stream] = graph.pool()
+        def capture(step: Callable[[], None]) -> torch.cuda.CUDAGraph:
+            nonlocal pool
+            graph = capture_graph(step, pool, stream)
+            pool = graph.pool()
             return graph
 
         self.prefill_rows[0].fill_(self.scratch_slot)  # capture on the scratch slot, like padding rows
         prefill_kv = self.config.prefill_graph_kv_len
         for kv_len in reversed(self.config.kv_lengths):
             for size in reversed(self.config.batch_sizes):
-                self.decode_graphs[size, kv_len] = capture(partial(self._decode_step, size, kv_len),
-                                                           decode_stream)
+                self.decode_graphs[size, kv_len] = capture(partial(self._decode_step, size, kv_len))
             if kv_len != prefill_kv:
                 continue
             for rows, length in reversed(self.config.prefill_shapes):
                 self.prefill_graphs[rows, length, kv_len] = capture(
-                    partial(self._prefill_step, rows, length, kv_len), prefill_stream)
+                    partial(self._prefill_step, rows, length, kv_len))
         # This stream only: a device-wide wait is not allowed while another thread captures.
         torch.cuda.current_stream(self.config.torch_device).synchronize()
 

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     import torch
 
-    from engines.sm_partition import StreamSource
     from engines.token2wav.base import Token2Wav
     from engines.token2wav.dit_cache import CacheRule
     from engines.token2wav.torch_backend import FlowVariant
@@ -56,7 +55,6 @@ def select_token2wav(
     cuda_graphs: bool = True,
     dit_cache_rule: CacheRule = "reference",
     solve_memory_bytes: int | None = None,
-    streams: StreamSource | None = None,
 ) -> Token2Wav:
     """The token2wav backend for `models_dir`: `tensorrt` or `torch` as asked, `auto` prefers TensorRT.
 
@@ -65,8 +63,6 @@ def select_token2wav(
         from shared static buffers, so a backend called from several threads at once runs without them.
     dit_cache_rule: the DiT flow's streaming estimator-cache rule (dit_cache.py; "reference" default).
     solve_memory_bytes: the PyTorch DiT flow's cap on one batched solve (solve_memory.py; None: none).
-    streams: the PyTorch backend's CUDA graphs are captured on these (engines/sm_partition.py; None: the
-        whole device). The TensorRT backend runs on the whole device.
     Asking for `tensorrt` where it cannot run raises RuntimeError with the reason.
     """
     reason = None if backend == "torch" else tensorrt_unavailable(models_dir, flow, device, precision)
@@ -81,4 +77,4 @@ def select_token2wav(
 
     logger.info("token2wav backend: PyTorch %s flow (%s)", flow, reason or "requested")
     return TorchToken2Wav.from_models_dir(models_dir, flow, device, torch_dtype, cuda_graphs, dit_cache_rule,
-                                          solve_memory_bytes, streams)
+                                          solve_memory_bytes)

@@ -32,7 +32,6 @@ from pathlib import Path
 import torch
 
 from engines.config import MEL_BINS, FlowConfig
-from engines.sm_partition import StreamSource
 from engines.token2wav.batching import (
     Buckets,
     EncodeShape,
@@ -261,17 +260,15 @@ class DiTFlow(ConformerFlow):
         layout = SolverLayout.of(self.cfg, self.dtype, self.device)
         self.solve_memory = None if budget_bytes is None else SolveMemory(layout, budget_bytes)
 
-    def enable_cuda_graphs(self, buckets: Buckets | None = None,
-                           streams: StreamSource | None = None) -> GraphedSolver:
+    def enable_cuda_graphs(self, buckets: Buckets | None = None) -> GraphedSolver:
         """Encode and solve batches that fit the buckets with CUDA graphs (captured on the first use of a
-        shape, on a stream of `streams`: the whole device by default). Needs the flow on a CUDA device, in
-        its final dtype."""
+        shape). Needs the flow on a CUDA device, in its final dtype."""
         graphs = self.graphs
         if graphs is None:
-            graphs = GraphedSolver(self.decoder, SolverLayout.of(self.cfg, self.dtype, self.device), streams)
+            graphs = GraphedSolver(self.decoder, SolverLayout.of(self.cfg, self.dtype, self.device))
         encoder = self._bucketed_encoder
         if not isinstance(encoder, GraphedEncoder):
-            encoder = GraphedEncoder(self._encode_inputs, self._encoder_layout, streams)
+            encoder = GraphedEncoder(self._encode_inputs, self._encoder_layout)
         self.use_bucketed_solver(graphs, buckets, encoder)
         return graphs
 

@@ -32,7 +32,6 @@ import torch
 
 from engines.config import MEL_BINS, ConformerConfig, FlowConfig
 from engines.cuda_graphs import capture_graph
-from engines.sm_partition import DeviceStreams, StreamSource
 from engines.token2wav.batching import EncodeShape, SolveShape, round_up
 from engines.token2wav.cfm import ConditionalCFM, RaggedInputs, RaggedOutputs
 from engines.token2wav.conformer import PRE_LOOKAHEAD_LEFT, UPSAMPLE_KERNEL_GROWTH, ConformerCache
@@ -188,14 +187,13 @@ class _ShapeGraphs(Generic[ShapeT, InputsT, OutputsT]):
     every stream waiting on it, for tens to hundreds of milliseconds. A shape without a graph then runs
     through `eager` at the same (bucket) shape, and is logged once."""
 
-    def __init__(self, device: torch.device, eager: _EagerCalls[ShapeT, InputsT, OutputsT] | None = None,
-                 streams: StreamSource | None = None) -> None:
+    def __init__(self, device: torch.device,
+                 eager: _EagerCalls[ShapeT, InputsT, OutputsT] | None = None) -> None:
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
         self.device = device
         self._pool = torch.cuda.graph_pool_handle()
-        # Every capture into the pool (engines/cuda_graphs.py); the graphs' kernels run on its SMs.
-        self._stream = (streams or DeviceStreams(device)).stream()
+        self._stream = torch.cuda.Stream(device)  # every capture into the pool (engines/cuda_graphs.py)
         self._arena = _Arena(device)
         self._graphs: dict[ShapeT, _Graph[InputsT, OutputsT]] = {}
         self._eager = eager
@@ -251,9 +249,8 @@ class _ShapeGraphs(Generic[ShapeT, InputsT, OutputsT]):
 class GraphedSolver(_ShapeGraphs[SolveShape, RaggedInputs, RaggedOutputs]):
     """The CFM solve from one CUDA graph per `SolveShape`."""
 
-    def __init__(self, cfm: ConditionalCFM, layout: SolverLayout,
-                 streams: StreamSource | None = None) -> None:
-        super().__init__(layout.device, EagerSolver(cfm, layout), streams)
+    def __init__(self, cfm: ConditionalCFM, layout: SolverLayout) -> None:
+        super().__init__(layout.device, EagerSolver(cfm, layout))
         self.cfm = cfm
         self.layout = layout
         if isinstance(cfm.estimator, DiT):
@@ -364,8 +361,8 @@ class EagerEncoder(_EagerCalls[EncodeShape, EncoderInputs, EncoderOutputs]):
 class GraphedEncoder(_ShapeGraphs[EncodeShape, EncoderInputs, EncoderOutputs]):
     """The encoder from one CUDA graph per `EncodeShape`; outputs are valid until the next `run`."""
 
-    def __init__(self, encode: EncodeFn, layout: EncoderLayout, streams: StreamSource | None = None) -> None:
-        super().__init__(layout.device, EagerEncoder(encode, layout), streams)
+    def __init__(self, encode: EncodeFn, layout: EncoderLayout) -> None:
+        super().__init__(layout.device, EagerEncoder(encode, layout))
         self.encode = encode
         self.layout = layout
 
@@ -414,10 +411,9 @@ class GraphedVocoder(_ShapeGraphs[VocodeShape, _VocoderInputs, Vocoded]):
     """
 
     def __init__(
-        self, hift: HiFTGenerator, chunks: Iterable[tuple[int, int]], batches: tuple[int, ...],
-        streams: StreamSource | None = None,
+        self, hift: HiFTGenerator, chunks: Iterable[tuple[int, int]], batches: tuple[int, ...]
     ) -> None:
-        super().__init__(hift.stft_window.device, streams=streams)
+        super().__init__(hift.stft_window.device)
         self.hift = hift
         self.chunks = frozenset(chunks)
         self.batches = batches

@@ -21,7 +21,6 @@ from typing import Literal
 import torch
 
 from engines.config import PRE_LOOKAHEAD, TOKEN_MEL_RATIO, ModelPaths, configs_for_models_dir
-from engines.sm_partition import StreamSource
 from engines.token2wav.base import ChunkJob, SpeakerState, Token2Wav, Token2WavStream
 from engines.token2wav.dit_cache import CacheRule
 from engines.token2wav.flow_base import FlowModel, FlowSpeaker, FlowStream
@@ -76,13 +75,12 @@ class TorchToken2Wav(Token2Wav):
 
     cuda_graphs: on CUDA, solve batched DiT chunks with CUDA graphs, and vocode chunks of `graph_hops`
     tokens (first chunks, and later ones with HiFT's cached frames) from CUDA graphs; graphs are
-    captured on the first use of a shape, or ahead by `warmup`, on streams of `streams` (the SMs their
-    kernels run on: the whole device by default).
+    captured on the first use of a shape, or ahead by `warmup`.
     """
 
     def __init__(self, flow: FlowModel, hift: HiFTGenerator, name: str = "torch",
                  vocoder_seed: int | None = None, cuda_graphs: bool = True,
-                 graph_hops: Sequence[int] = GRAPH_HOPS, streams: StreamSource | None = None) -> None:
+                 graph_hops: Sequence[int] = GRAPH_HOPS) -> None:
         self.flow = flow.eval()
         self.hift = hift.eval()
         self.name = name
@@ -91,12 +89,12 @@ class TorchToken2Wav(Token2Wav):
         self.vocoder_graphs: GraphedVocoder | None = None
         if cuda_graphs and self.device.type == "cuda":
             if isinstance(flow, DiTFlow) and flow.batches_streams:
-                flow.enable_cuda_graphs(dataclasses.replace(flow.buckets, batch=FLOW_GRAPH_BATCHES), streams)
+                flow.enable_cuda_graphs(dataclasses.replace(flow.buckets, batch=FLOW_GRAPH_BATCHES))
             cfg = hift.cfg
             frames = [TOKEN_MEL_RATIO * hop for hop in self.graph_hops]
             chunks = [(f, 0) for f in frames] + [(f + cfg.mel_cache_frames, cfg.source_cache_samples)
                                                  for f in frames]
-            self.vocoder_graphs = GraphedVocoder(self.hift, chunks, VOCODER_GRAPH_BATCHES, streams)
+            self.vocoder_graphs = GraphedVocoder(self.hift, chunks, VOCODER_GRAPH_BATCHES)
 
     @staticmethod
     def from_models_dir(
@@ -107,7 +105,6 @@ class TorchToken2Wav(Token2Wav):
         cuda_graphs: bool = True,
         dit_cache_rule: CacheRule = "reference",
         solve_memory_bytes: int | None = None,
-        streams: StreamSource | None = None,
     ) -> TorchToken2Wav:
         """Load the `variant` flow of a models directory with its HiFT (Step-Audio2's for the DiT flow,
         CosyVoice2's for the UNet flow); the architecture comes from the directory's manifest.
@@ -115,7 +112,6 @@ class TorchToken2Wav(Token2Wav):
         dtype: the flow's (None: fp16 on CUDA as the reference runs it, fp32 elsewhere); HiFT is fp32.
         cuda_graphs: as for the constructor. dit_cache_rule: the DiT flow's (dit_cache.py).
         solve_memory_bytes: the DiT flow's cap on one batched solve (solve_memory.py; None: none).
-        streams: where the graphs' capture streams come from (engines/sm_partition.py).
         """
         if dtype is None:
             dtype = torch.float16 if torch.device(device).type == "cuda" else torch.float32
@@ -136,7 +132,7 @@ class TorchToken2Wav(Token2Wav):
         else:
             raise ValueError(f"unknown flow variant {variant!r}; expected 'dit' or 'unet'")
         return TorchToken2Wav(flow, load_hift(hift_path, configs.hift, device), name=f"torch-{variant}",
-                              cuda_graphs=cuda_graphs, streams=streams)
+                              cuda_graphs=cuda_graphs)
 
     @property
     def device(self) -> torch.device:

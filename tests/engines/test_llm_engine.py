@@ -17,7 +17,6 @@ from engines.config import MANIFEST_NAME, SPEECH_CODEBOOK, SPEECH_EOS, ModelConf
 from engines.llm.base import LLMError, LLMRequest, SamplingParams, TokenStream
 from engines.llm.model import CosyVoice2LM
 from engines.llm.torch_engine import TorchLLMConfig, TorchLLMEngine
-from engines.sm_partition import StreamSource, split_sms
 
 TINY = ModelConfigs.tiny().llm
 CONFIG = TorchLLMConfig(device="cpu", max_slots=4, max_context=160, max_waiting=16, prefill_chunk=24,
@@ -36,9 +35,8 @@ def tiny_loader(eos_bias: float = 0.0) -> Callable[[torch.device, torch.dtype], 
 
 
 @contextlib.asynccontextmanager
-async def running(config: TorchLLMConfig = CONFIG, eos_bias: float = 0.0,
-                  decode_streams: StreamSource | None = None) -> AsyncIterator[TorchLLMEngine]:
-    engine = TorchLLMEngine(config, tiny_loader(eos_bias), decode_streams)
+async def running(config: TorchLLMConfig = CONFIG, eos_bias: float = 0.0) -> AsyncIterator[TorchLLMEngine]:
+    engine = TorchLLMEngine(config, tiny_loader(eos_bias))
     await engine.start()
     try:
         yield engine
@@ -288,16 +286,3 @@ async def test_cuda_graphs_replay_the_eager_computation() -> None:
             results[graphs] = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 60)
     assert [len(tokens) for tokens in results[True]] == [20 + i for i in range(6)]
     assert results[True] == results[False]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-async def test_decode_steps_on_sms_of_their_own_sample_the_same_tokens() -> None:
-    config = dataclasses.replace(CONFIG, device="cuda")
-    results = []
-    for streams in (None, split_sms(torch.device("cuda"), 16).decode):
-        async with running(config, decode_streams=streams) as engine:
-            requests = [engine.submit(request(f"s{i}", speech_len=5 * i, fixed_length=30, seed=i))
-                        for i in range(4)]
-            results.append(await asyncio.wait_for(asyncio.gather(*(collect(s) for s in requests)), 60))
-    assert results[0] == results[1]

@@ -77,14 +77,3 @@ def test_dit_cache_rule_reaches_the_flow(tiny_models: Path) -> None:
         build_parser().parse_args(["serve", "--dit-cache-rule", "newest"])
     with pytest.raises(ValueError, match="dit_cache_rule must be one of"):
         config(tiny_models, dit_cache_rule="newest")
-
-
-def test_splitting_sms_needs_a_gpu_running_both_engines(
-    tiny_models: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    with pytest.raises(ValueError, match="llm_decode_sms must be >= 1"):
-        config(tiny_models, llm_decode_sms=0)
-    with caplog.at_level(logging.WARNING, logger="realtime"):
-        engines = load_engines(config(tiny_models, llm_decode_sms=16))
-    assert engines.token2wav_streams == (None,)
-    assert "llm_decode_sms ignored: no GPU runs both the LLM engine and token2wav" in caplog.messages

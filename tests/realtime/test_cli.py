@@ -85,8 +85,3 @@ def test_scheduling_flags_reach_the_service_config(tmp_path):
     assert config("--token2wav-call-tokens", "0").token2wav_call_tokens is None
     with pytest.raises(SystemExit):
         config("--token2wav-call-tokens", "-5")
-    assert default.llm_decode_sms is None
-    assert config("--llm-decode-sms", "24").llm_decode_sms == 24
-    assert config("--llm-decode-sms", "0").llm_decode_sms is None
-    with pytest.raises(SystemExit):
-        config("--llm-decode-sms", "-8")

@@ -159,21 +159,45 @@ class PrefillChunk:
 
 
 class Readback:
-    """Device tensors copied into host memory without blocking the host; `lists()` waits for the copy."""
+    """One launch's sampled tokens on their way to the host; `lists()` waits for them.
 
-    def __init__(self, sources: Sequence[Tensor]) -> None:
-        cuda = sources[0].is_cuda
-        self._host = [torch.empty(src.shape, dtype=src.dtype, pin_memory=cuda) for src in sources]
-        for host, src in zip(self._host, sources, strict=True):
-            host.copy_(src, non_blocking=cuda)
-        self._event = torch.cuda.Event() if cuda else None
-        if self._event is not None:
-            self._event.record()
+    The copy lands in one of the runner's pinned buffers (`ReadbackRing`), so starting one costs two
+    calls into torch (copy, event record) and finishing it two (wait, list): each call releases the GIL,
+    and beside a busy token2wav thread every re-acquisition of the GIL can wait up to Python's switch
+    interval (docs/benchmarks.md, ninth session)."""
 
-    def lists(self) -> list[list[int]]:
+    def __init__(self, host: Tensor, event: torch.cuda.Event | None, prefill_rows: int, decode_rows: int,
+                 decode_offset: int) -> None:
+        self._host, self._event = host, event
+        self._prefill_rows, self._decode = prefill_rows, slice(decode_offset, decode_offset + decode_rows)
+
+    def lists(self) -> tuple[list[int], list[int]]:
+        """The prefill rows' first tokens and the decode rows' next tokens."""
         if self._event is not None:
             self._event.synchronize()
-        return [host.tolist() for host in self._host]
+        values = self._host.tolist()
+        return values[: self._prefill_rows], values[self._decode]
+
+
+class ReadbackRing:
+    """Two pinned host buffers and events, used in turn: the engine finishes a launch's read-back before
+    it starts the read-back after next (`_step`: launch N + 1, then complete N)."""
+
+    def __init__(self, source: Tensor) -> None:
+        cuda = source.is_cuda
+        self._source = source
+        self._buffers = [torch.empty(source.shape, dtype=source.dtype, pin_memory=cuda) for _ in range(2)]
+        self._events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self._turn = 0
+
+    def start(self) -> tuple[Tensor, torch.cuda.Event | None]:
+        """Copy the source into the next buffer without waiting; its event marks the copy's end."""
+        host, event = self._buffers[self._turn], self._events[self._turn]
+        self._turn ^= 1
+        host.copy_(self._source, non_blocking=self._source.is_cuda)
+        if event is not None:
+            event.record()
+        return host, event
 
 
 class ModelRunner:
@@ -209,14 +233,18 @@ class ModelRunner:
                                       llm.eos_token, device,
                                       compiled=device.type == "cuda" and config.fused_elementwise)
         # Decode: per-slot input token and position, output token.
-        self.next_token, self.positions, self.sampled = zeros(slots + 1), zeros(slots + 1), zeros(slots)
+        # Sampled tokens, one buffer read back whole each step: prefill rows' first tokens, then each
+        # slot's decoded token.
+        max_rows = max(config.prefill_rows)
+        self.tokens_out = zeros(max_rows + slots)
+        self.prefill_sampled, self.sampled = self.tokens_out[:max_rows], self.tokens_out[max_rows:]
+        self.next_token, self.positions = zeros(slots + 1), zeros(slots + 1)
         self.active = zeros(slots + 1, dtype=torch.bool)
         # Prefill: one chunk per row; per row its slot, start position, index of its last real position and
         # whether it ends the prompt (then its first token is sampled).
-        max_rows = max(config.prefill_rows)
         self.prefill_input = zeros(max_rows, config.prefill_chunk, llm.qwen.hidden_size, dtype=dtype)
         self.prefill_rows = zeros(4, max_rows)
-        self.prefill_sampled = zeros(max_rows)
+        self.readbacks = ReadbackRing(self.tokens_out)
         self.decode_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.prefill_graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
 
@@ -304,7 +332,8 @@ class ModelRunner:
 
     def read_back(self, prefill_rows: int, decode_rows: int) -> Readback:
         """Start copying the tokens of the calls launched so far to the host."""
-        return Readback((self.prefill_sampled[:prefill_rows], self.sampled[:decode_rows]))
+        host, event = self.readbacks.start()
+        return Readback(host, event, prefill_rows, decode_rows, self.prefill_sampled.numel())
 
     def synchronize(self) -> None:
         if self.config.torch_device.type == "cuda":

@@ -17,6 +17,7 @@ from engines.config import MANIFEST_NAME, SPEECH_CODEBOOK, SPEECH_EOS, ModelConf
 from engines.llm.base import LLMError, LLMRequest, SamplingParams, TokenStream
 from engines.llm.model import CosyVoice2LM
 from engines.llm.torch_engine import TorchLLMConfig, TorchLLMEngine
+from engines.llm.torch_runner import Readback, ReadbackRing
 
 TINY = ModelConfigs.tiny().llm
 CONFIG = TorchLLMConfig(device="cpu", max_slots=4, max_context=160, max_waiting=16, prefill_chunk=24,
@@ -286,3 +287,13 @@ async def test_cuda_graphs_replay_the_eager_computation() -> None:
             results[graphs] = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 60)
     assert [len(tokens) for tokens in results[True]] == [20 + i for i in range(6)]
     assert results[True] == results[False]
+
+
+def test_read_backs_alternate_buffers_so_the_one_in_flight_keeps_its_tokens() -> None:
+    tokens = torch.arange(6)
+    ring = ReadbackRing(tokens)
+    first = Readback(*ring.start(), prefill_rows=2, decode_rows=3, decode_offset=2)
+    tokens += 10  # the next step's tokens, read back while the first is still unread
+    second = Readback(*ring.start(), prefill_rows=1, decode_rows=4, decode_offset=2)
+    assert first.lists() == ([0, 1], [2, 3, 4])
+    assert second.lists() == ([10], [12, 13, 14, 15])

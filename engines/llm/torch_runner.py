@@ -162,9 +162,9 @@ class Readback:
     """One launch's sampled tokens on their way to the host; `lists()` waits for them.
 
     The copy lands in one of the runner's pinned buffers (`ReadbackRing`), so starting one costs two
-    calls into torch (copy, event record) and finishing it two (wait, list): each call releases the GIL,
-    and beside a busy token2wav thread every re-acquisition of the GIL can wait up to Python's switch
-    interval (docs/benchmarks.md, ninth session)."""
+    calls into torch (copy, event record) and finishing it two (wait, list). Allocating pinned tensors
+    and an event every step instead cost the engine thread ~1.5 of 7 s beside token2wav at 128 streams,
+    and doubled the step time (docs/benchmarks.md, ninth session)."""
 
     def __init__(self, host: Tensor, event: torch.cuda.Event | None, prefill_rows: int, decode_rows: int,
                  decode_offset: int) -> None:

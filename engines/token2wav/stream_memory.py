@@ -19,9 +19,8 @@ At full size with the default voice (a 4 s clip: L_p = 200 frames) and 2048 toke
 above the 134–172 MiB per stream measured on an H100 (docs/benchmarks.md: those include the batches'
 working memory, but not utterances of 2048 tokens). The working memory of a chunk (the solve's
 transient tensors, the [own, chunk] cache before its trim) is the solve budget's (solve_memory.py), not
-this bound's. Nor are the tensors the vocoder's cached tails are views of (hift.HiFTStream keeps slices
-of its last chunk's mel, source and speech, which keep those alive: up to ~1.5 MiB per stream for a
-200-token chunk at full size); the admission margin covers them.
+this bound's. The vocoder's cached tails are copies (hift.vocode_streams), so they do not keep their
+batch's tensors alive.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ At full size with the default voice (a 4 s clip: L_p = 200 frames) and 2048 toke
 above the 134–172 MiB per stream measured on an H100 (docs/benchmarks.md: those include the batches'
 working memory, but not utterances of 2048 tokens). The working memory of a chunk (the solve's
 transient tensors, the [own, chunk] cache before its trim) is the solve budget's (solve_memory.py), not
-this bound's. The vocoder's cached tails are copies (hift.vocode_streams), so they do not keep their
-batch's tensors alive.
+this bound's. The vocoder's cached tails are rows of one small copy per call (hift.vocode_streams: the
+call's last mel frames, source and speech samples), not views of its outputs.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@
 # PARTS (default "bench offline") picks the parts, so that each fits one 10-minute device call.
 # 1. `realtime bench`: all streams started together at each level (250 tokens each), the no-underrun
 #    ceiling searched up to SEARCH_MAX with --max-streams SEARCH_MAX (so the search is not capped by
-#    admission), staggered Poisson loads at 50/80/100 % of that ceiling, and the baseline server in the
-#    same run at 1 and 16 streams.
+#    admission; SEARCH_REPEATS bursts in a row must pass at a count, default 1), staggered Poisson loads
+#    at 50/80/100 % of that ceiling, and the baseline server in the same run at 1 and 16 streams.
 # 2. Offline synthesis (`realtime synth --jsonl`): 64 items of 250 tokens each, token2wav batch 64.
 # 3. (PARTS with "startup") start-up cold and restarted (benchmarks/startup.py --starts 2).
 # 4. (PARTS with "tests") the GPU-marked tests under the project's pytest configuration (make test-gpu).
@@ -25,6 +25,7 @@ PARTS=${PARTS:-bench offline}
 
 if [[ " $PARTS " == *" bench "* ]]; then
     python3 -m realtime bench --models "$MODELS" --streams "$STREAMS" --tokens 250 --search-max "$SEARCH_MAX" \
+        --search-repeats "${SEARCH_REPEATS:-1}" \
         --staggered 0.5,0.8,1 --staggered-s 30 --baseline-streams 1,16 \
         --server-arg=--device --server-arg=cuda --server-arg=--max-streams --server-arg="$SEARCH_MAX" \
         --json "$DEST/bench.json" 2>&1 | tee "$DEST/bench.log"

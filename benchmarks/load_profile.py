@@ -28,7 +28,8 @@ from pathlib import Path
 
 from profile_summary import py_spy_record, summarise
 
-from realtime.bench import format_level, run_level, spawned_process
+from realtime.bench import format_level, run_level
+from realtime.bench_server import spawned_process
 
 PROFILE_HZ = 100
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 from websockets.asyncio.client import connect
 
-from realtime.bench import spawned_process
+from realtime.bench_server import spawned_process
 
 TURN_TIMEOUT_S = 60.0
 TEXTS = (
@@ -154,7 +154,8 @@ async def soak(ws_url: str, pid: int | None, args: argparse.Namespace) -> tuple[
     http_url = ws_url.replace("ws", "http", 1)
     loop = asyncio.get_running_loop()
     stop_at = loop.time() + args.minutes * 60
-    tally, samples = Tally(), []
+    tally = Tally()
+    samples: list[Sample] = []
     agents = [asyncio.create_task(agent(i, ws_url, args, tally, stop_at)) for i in range(args.agents)]
     await sampler(pid, http_url, tally, stop_at, args.sample_s, samples)
     await asyncio.gather(*agents)

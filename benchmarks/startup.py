@@ -32,7 +32,7 @@ from pathlib import Path
 
 from profile_summary import py_spy_record, summarise
 
-from realtime.bench import spawned_process
+from realtime.bench_server import spawned_process
 
 PHASES = {  # when each phase ended, read off the log's time stamps
     "first_log": re.compile(r"compiled kernels cached|token2wav backend"),

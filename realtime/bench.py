@@ -19,15 +19,10 @@ import asyncio
 import contextlib
 import json
 import math
-import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -36,6 +31,7 @@ import websockets
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import ClientConnection
 
+from realtime.bench_server import spawned_server
 from realtime.gpu_sampler import GpuFigures, GpuSampler, format_gpus
 from realtime.protocol.native import parse_audio_frame
 
@@ -472,21 +468,33 @@ def format_memory(levels: Sequence[LevelResult]) -> str:
     return "\n".join(lines)
 
 
-async def largest_without_underrun(url: str, tokens: int, voice: str, low: int, high: int) -> int:
-    """Binary search for the most concurrent streams with no underrun and no error, in [low, high]."""
+async def largest_without_underrun(measure: Callable[[int], Awaitable[LevelResult]], low: int, high: int,
+                                   repeats: int = 1) -> int:
+    """Binary search for the most concurrent streams with no underrun and no error, in [low, high].
+
+    A count passes only when `repeats` bursts of it in a row have neither: near the edge one burst passes
+    or fails by tens of streams' chance (docs/benchmarks.md, ninth session). `measure(n)` runs a burst."""
     best = 0
     while low <= high:
         mid = (low + high) // 2
-        level = await run_level(url, mid, tokens, voice)
-        print(f"  search: {mid} streams -> {level.underrun_streams} underrun streams, {level.errors} errors",
-              flush=True)
-        for line in format_level(level)[1:]:  # errors, underruns and the server's figures
-            print(f"  {line}", flush=True)
-        if level.underrun_streams == 0 and level.errors == 0:
+        if await _bursts_pass(measure, mid, repeats):
             best, low = mid, mid + 1
         else:
             high = mid - 1
     return best
+
+
+async def _bursts_pass(measure: Callable[[int], Awaitable[LevelResult]], streams: int, repeats: int) -> bool:
+    for attempt in range(1, repeats + 1):
+        level = await measure(streams)
+        tries = f" (burst {attempt} of {repeats})" if repeats > 1 else ""
+        print(f"  search: {streams} streams{tries} -> {level.underrun_streams} underrun streams, "
+              f"{level.errors} errors", flush=True)
+        for line in format_level(level)[1:]:  # errors, underruns and the server's figures
+            print(f"  {line}", flush=True)
+        if level.underrun_streams or level.errors:
+            return False
+    return True
 
 
 def format_table(title: str, levels: Sequence[LevelResult]) -> str:
@@ -542,60 +550,6 @@ def format_ratio(ours: Sequence[LevelResult], base: Sequence[LevelResult]) -> st
     return "\n".join(lines)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def spawned_process(
-    models: Path | str | None, extra: Sequence[str], log: Path | None = None, ready_timeout_s: float = 900.0,
-    launcher: Sequence[str] = (), stop_signal: signal.Signals = signal.SIGTERM,
-) -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
-    """A `realtime serve` subprocess on a free loopback port (its output in `log`, else inherited),
-    started through `launcher` if given (a command prefix, e.g. a sampling profiler); yields (port,
-    process) once /readyz answers, and sends `stop_signal` (then kills) at the end. RuntimeError when it
-    exits first or is not ready within `ready_timeout_s`."""
-    port = free_port()
-    cmd = [*launcher, sys.executable, "-m", "realtime", "serve", "--host", "127.0.0.1", "--port", str(port),
-           *extra]
-    if models is not None:
-        cmd += ["--models", str(models)]
-    with contextlib.ExitStack() as files:
-        output = None
-        if log is not None:
-            log.parent.mkdir(parents=True, exist_ok=True)
-            output = files.enter_context(log.open("w"))
-        proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=output,
-                                stderr=subprocess.STDOUT if output is not None else None)
-        try:
-            deadline = time.monotonic() + ready_timeout_s
-            while time.monotonic() < deadline:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
-                        break
-                time.sleep(0.2)  # benchmarks/startup.py times readiness by this poll
-            else:
-                raise RuntimeError(f"server was not ready within {ready_timeout_s:g} s")
-            yield port, proc
-        finally:
-            proc.send_signal(stop_signal)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-
-@contextlib.contextmanager
-def spawned_server(models: Path | None, extra: Sequence[str]) -> Iterator[str]:
-    """A server subprocess on a free loopback port; yields its websocket URL once /readyz answers."""
-    with spawned_process(models, extra) as (port, _):
-        yield f"ws://127.0.0.1:{port}/v1/ws"
-
-
 @dataclass
 class Measured:
     """One server's results: the burst levels, the burst capacity found, the staggered loads."""
@@ -611,7 +565,7 @@ class Measured:
 
 async def run_levels(url: str, levels: Sequence[int], tokens: int, voice: str, search: bool,
                      search_max: int, staggered: Sequence[float] = (), staggered_s: float = 30.0,
-                     capacity: int | None = None) -> Measured:
+                     capacity: int | None = None, search_repeats: int = 1) -> Measured:
     await run_level(url, 1, tokens, voice)  # warm-up: first requests pay for lazy initialisation
     measured = Measured([])
     for n in levels:
@@ -624,7 +578,8 @@ async def run_levels(url: str, levels: Sequence[int], tokens: int, voice: str, s
         dirty = [r.streams for r in results if r.underrun_streams or r.errors]
         low = max(clean, default=1)
         high = min(dirty, default=search_max) - (1 if dirty else 0)
-        measured.best = await largest_without_underrun(url, tokens, voice, low, max(low, high))
+        measured.best = await largest_without_underrun(lambda n: run_level(url, n, tokens, voice), low,
+                                                       max(low, high), search_repeats)
         print(f"  largest burst with no underrun: {measured.best}", flush=True)
     base = capacity or measured.best
     for fraction in staggered if base else ():
@@ -649,6 +604,7 @@ class BenchOptions:
     baseline_streams: tuple[int, ...] | None = None  # the baseline's levels (default: `streams`)
     search: bool = True
     search_max: int = 320
+    search_repeats: int = 1  # bursts in a row a searched count must pass
     staggered: tuple[float, ...] = ()  # Poisson loads, as fractions of the burst capacity
     staggered_s: float = 30.0  # arrivals per staggered load
     capacity: int | None = None  # the capacity staggered loads refer to (default: the search's)
@@ -662,6 +618,8 @@ class BenchOptions:
             raise ValueError(f"baseline stream counts must be positive, got {self.baseline_streams}")
         if self.tokens < 1:
             raise ValueError(f"tokens must be positive, got {self.tokens}")
+        if self.search_repeats < 1:
+            raise ValueError(f"search_repeats must be positive, got {self.search_repeats}")
         if any(not 0 < f <= 4 for f in self.staggered):
             raise ValueError(f"staggered loads are fractions of capacity in (0, 4], got {self.staggered}")
         if self.staggered and not self.search and self.capacity is None:
@@ -678,7 +636,7 @@ def run(options: BenchOptions) -> int:
 
     def measure(url: str) -> Measured:
         return asyncio.run(run_levels(url, o.streams, o.tokens, o.voice, o.search, o.search_max,
-                                      o.staggered, o.staggered_s, o.capacity))
+                                      o.staggered, o.staggered_s, o.capacity, o.search_repeats))
 
     if o.url:
         ours = measure(o.url)

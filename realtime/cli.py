@@ -467,6 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-search", action="store_true", help="skip the max-concurrency search")
     bench.add_argument("--search-max", type=int, default=320,
                        help="upper end of the capacity search (serve's --max-streams must reach it)")
+    bench.add_argument("--search-repeats", type=int, default=1,
+                       help="bursts in a row a count must pass without underrun in the search")
     bench.add_argument("--baseline-streams", type=_levels, help="the baseline's levels (default: --streams)")
     bench.add_argument("--staggered", type=_fractions, default=(),
                        help="Poisson-arrival loads as fractions of the burst capacity, e.g. 0.5,0.8,1")
@@ -485,7 +487,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def bench(args: argparse.Namespace) -> int:
-    from realtime.bench import BenchOptions, run, spawned_server
+    from realtime.bench import BenchOptions, run
+    from realtime.bench_server import spawned_server
 
     if args.token_paced:
         return token_paced(args, spawned_server)
@@ -501,6 +504,7 @@ def bench(args: argparse.Namespace) -> int:
             baseline=not args.no_baseline,
             search=not args.no_search,
             search_max=args.search_max,
+            search_repeats=args.search_repeats,
             baseline_streams=args.baseline_streams,
             staggered=args.staggered,
             staggered_s=args.staggered_s,

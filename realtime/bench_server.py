@@ -1,0 +1,70 @@
+"""The benchmark's server: `realtime serve` as a subprocess on a free loopback port, ready when /readyz
+answers (used by `realtime bench`, benchmarks/load_profile.py and benchmarks/startup.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def spawned_process(
+    models: Path | str | None, extra: Sequence[str], log: Path | None = None, ready_timeout_s: float = 900.0,
+    launcher: Sequence[str] = (), stop_signal: signal.Signals = signal.SIGTERM,
+) -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
+    """A `realtime serve` subprocess on a free loopback port (its output in `log`, else inherited),
+    started through `launcher` if given (a command prefix, e.g. a sampling profiler); yields (port,
+    process) once /readyz answers, and sends `stop_signal` (then kills) at the end. RuntimeError when it
+    exits first or is not ready within `ready_timeout_s`."""
+    port = free_port()
+    cmd = [*launcher, sys.executable, "-m", "realtime", "serve", "--host", "127.0.0.1", "--port", str(port),
+           *extra]
+    if models is not None:
+        cmd += ["--models", str(models)]
+    with contextlib.ExitStack() as files:
+        output = None
+        if log is not None:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            output = files.enter_context(log.open("w"))
+        proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=output,
+                                stderr=subprocess.STDOUT if output is not None else None)
+        try:
+            deadline = time.monotonic() + ready_timeout_s
+            while time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
+                        break
+                time.sleep(0.2)  # benchmarks/startup.py times readiness by this poll
+            else:
+                raise RuntimeError(f"server was not ready within {ready_timeout_s:g} s")
+            yield port, proc
+        finally:
+            proc.send_signal(stop_signal)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@contextlib.contextmanager
+def spawned_server(models: Path | None, extra: Sequence[str]) -> Iterator[str]:
+    """A server subprocess on a free loopback port; yields its websocket URL once /readyz answers."""
+    with spawned_process(models, extra) as (port, _):
+        yield f"ws://127.0.0.1:{port}/v1/ws"

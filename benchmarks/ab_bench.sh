@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The same `realtime bench` run against two trees on one machine, one after the other, so that the
+# comparison is not between machines (burst figures move by tens of streams between them):
+#
+#   git worktree add .gpu/base <commit>          # here; .gpu/ is ignored, carry it with the call
+#   bash benchmarks/on_device.sh bash benchmarks/ab_bench.sh .gpu/base -- --streams 1,16,64,128 \
+#       --no-search --no-baseline --server-arg=--device --server-arg=cuda
+#
+# The base tree runs first (its server compiles what the cache lacks), then this repository. Each
+# writes its JSON report to $OUT (or bench-results/) as ab-base.json and ab-head.json; the tables go to
+# standard output without the per-request log lines.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ $# -lt 2 ] || [ "$2" != "--" ]; then
+    echo "usage: $0 BASE_TREE -- BENCH_ARGS..." >&2
+    exit 2
+fi
+BASE=$(cd "$1" && pwd)
+shift 2
+DEST=${OUT:-bench-results}
+mkdir -p "$DEST"
+MODELS=${MODELS:-/tmp/m}
+QUIET='INFO realtime.session\|INFO realtime.transports\|GET /metrics\|httpx\|WebSocket /v1/ws\|connection open'
+QUIET+='\|connection closed\|admitted: voice\|captured'
+for side in base head; do
+    tree=$PWD
+    [ "$side" = base ] && tree=$BASE
+    echo "== $side: $(git -C "$tree" log -1 --format='%h %s' 2>/dev/null || echo "$tree")"
+    (cd "$tree" && PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" python3 -m realtime bench --models "$MODELS" \
+        "$@" --json "$DEST/ab-$side.json" 2>&1 | grep -v "$QUIET")
+done

@@ -45,7 +45,8 @@ async def profile_levels(url: str, pid: int, py_spy: str, streams: list[int], to
                          gil: bool) -> None:
     await run_level(url, 1, tokens, "default")  # first requests pay for lazy initialisation
     for count in streams:
-        stacks = {kind: out / f"streams-{count}{kind}.prof.txt" for kind in ("", "-gil")[: 1 + gil]}
+        kinds = ("", "-gil") if gil else ("",)
+        stacks = {kind: out / f"streams-{count}{kind}.prof.txt" for kind in kinds}
         recorders = {kind: sampler(py_spy, pid, path, kind == "-gil") for kind, path in stacks.items()}
         try:
             await asyncio.sleep(1.0)  # py-spy attaches before the burst starts

@@ -493,8 +493,8 @@ def bench(args: argparse.Namespace) -> int:
     if args.token_paced:
         return token_paced(args, spawned_server)
 
-    return run(
-        BenchOptions(
+    try:
+        options = BenchOptions(
             streams=args.streams,
             tokens=args.tokens,
             voice=args.voice,
@@ -511,7 +511,10 @@ def bench(args: argparse.Namespace) -> int:
             capacity=args.capacity,
             json_path=args.json,
         )
-    )
+    except ValueError as exc:  # a bad option: said as serve's are, not as a traceback
+        print(f"realtime bench: {exc}", file=sys.stderr)
+        return 2
+    return run(options)
 
 
 def token_paced(args: argparse.Namespace, spawned_server: Callable[..., Any]) -> int:

@@ -85,3 +85,8 @@ def test_scheduling_flags_reach_the_service_config(tmp_path):
     assert config("--token2wav-call-tokens", "0").token2wav_call_tokens is None
     with pytest.raises(SystemExit):
         config("--token2wav-call-tokens", "-5")
+
+
+def test_a_bad_bench_option_is_refused_with_a_sentence(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--search-repeats", "0", "--no-baseline"]) == 2
+    assert "realtime bench: search_repeats must be positive, got 0" in capsys.readouterr().err

@@ -145,6 +145,8 @@ class ServerFigures:
     token2wav_batches: int
     token2wav_chunks_per_batch: float
     token2wav_batch_ms: float  # mean wall time of one batched call
+    token2wav_launch_ms: float  # mean host time of queueing one call's device work
+    token2wav_device_wait_ms: float  # mean time the thread then waited for a call's audio
     token2wav_wait_ms: float  # mean time a chunk waited for its call to start
     first_chunk_wait_ms: float  # the same for first-audio chunks only
     later_chunk_wait_ms: float  # and for the others
@@ -187,6 +189,8 @@ class ServerFigures:
             token2wav_batches=int(delta("tts_token2wav_batch_seconds_count")),
             token2wav_chunks_per_batch=histogram_mean("tts_token2wav_batch_chunks", scale=1.0),
             token2wav_batch_ms=histogram_mean("tts_token2wav_batch_seconds"),
+            token2wav_launch_ms=histogram_mean("tts_token2wav_launch_seconds"),
+            token2wav_device_wait_ms=histogram_mean("tts_token2wav_device_wait_seconds"),
             token2wav_wait_ms=waited_s / chunks_waited * 1000.0 if chunks_waited else math.nan,
             first_chunk_wait_ms=mean(*waited("first")),
             later_chunk_wait_ms=mean(*waited("later")),
@@ -524,7 +528,9 @@ def format_level(lv: LevelResult) -> list[str]:
         lines.append(
             f"{'':>7} server: {sv.llm_steps} LLM steps of {sv.llm_step_ms:.2f} ms; "
             f"{sv.token2wav_batches} token2wav calls of {sv.token2wav_chunks_per_batch:.1f} chunks, "
-            f"{sv.token2wav_batch_ms:.1f} ms each, chunks waited {sv.token2wav_wait_ms:.1f} ms "
+            f"{sv.token2wav_batch_ms:.1f} ms each (launch {sv.token2wav_launch_ms:.1f} ms on the host, then "
+            f"{sv.token2wav_device_wait_ms:.1f} ms waiting for the device), chunks waited "
+            f"{sv.token2wav_wait_ms:.1f} ms "
             f"(first {sv.first_chunk_wait_ms:.1f}, later {sv.later_chunk_wait_ms:.1f}); first chunks in "
             f"{sv.calls_with_first_chunks} calls of {sv.first_chunks_per_call:.1f}; "
             f"first chunk: tokens at {sv.first_tokens_ms:.0f} ms, audio at {sv.first_chunk_ms:.0f} ms; "

@@ -15,6 +15,7 @@ from realtime.placement import WorkerLoad
 LATENCY_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 BATCH_SECONDS_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
+HOST_SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
 BATCH_CHUNKS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 LOOP_LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
@@ -64,8 +65,22 @@ class Metrics:
         )
         self.token2wav_batch_seconds = Histogram(
             "tts_token2wav_batch_seconds",
-            "Wall time of one batched token2wav call (all its chunks, audio copied to the host)",
+            "Wall time of one batched token2wav call: from its launch (or the previous call's end, when it "
+            "was queued behind it) until its audio reached the host",
             buckets=BATCH_SECONDS_BUCKETS,
+            registry=self.registry,
+        )
+        self.token2wav_launch_seconds = Histogram(
+            "tts_token2wav_launch_seconds",
+            "Host time of queueing one token2wav call's device work (bookkeeping, copies, launches)",
+            buckets=HOST_SECONDS_BUCKETS,
+            registry=self.registry,
+        )
+        self.token2wav_device_wait_seconds = Histogram(
+            "tts_token2wav_device_wait_seconds",
+            "Time a token2wav thread waited for a launched call's audio (near 0: the host, not the device, "
+            "was the slower side)",
+            buckets=HOST_SECONDS_BUCKETS,
             registry=self.registry,
         )
         self.token2wav_batch_chunks = Histogram(

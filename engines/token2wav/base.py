@@ -6,8 +6,9 @@ first 3 tokens of the next chunk), or on the last chunk every remaining token `[
 Each call returns the audio that is final: chunk boundaries are cross-faded inside the stream, so the
 concatenation of all returned pieces is the utterance.
 
-These calls are synchronous, run on an engine thread, and may be batched across streams with
-`run_chunks`. Streams own all per-request tensors; `close()` drops them at once.
+These calls run on an engine thread and may be batched across streams with `run_chunks`, or with
+`launch_chunks`, which returns once the device work is queued so the thread can prepare its next call
+meanwhile. Streams own all per-request tensors; `close()` drops them at once.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -59,6 +61,24 @@ class ChunkJob:
                              f"got {self.tokens.numel()}")
 
 
+class LaunchedChunks(Protocol):
+    """Chunks whose work `Token2Wav.launch_chunks` has queued."""
+
+    def wait(self) -> list[torch.Tensor]:
+        """Their audio, float32 (samples,) on the CPU in the jobs' order (blocks until it is there)."""
+        ...
+
+
+@dataclass(frozen=True)
+class FinishedChunks:
+    """Chunks already synthesised: `wait` returns their audio at once."""
+
+    audio: list[torch.Tensor]
+
+    def wait(self) -> list[torch.Tensor]:
+        return self.audio
+
+
 class Token2Wav(abc.ABC):
     """Speech tokens → 24 kHz mono float waveform in [-1, 1]."""
 
@@ -80,6 +100,12 @@ class Token2Wav(abc.ABC):
     def run_chunks(self, jobs: Sequence[ChunkJob]) -> list[torch.Tensor]:
         """Synthesise chunks of several streams; backends override this to batch them."""
         return [self.run_chunk(job) for job in jobs]
+
+    def launch_chunks(self, jobs: Sequence[ChunkJob]) -> LaunchedChunks:
+        """`run_chunks` that may return before the device has finished: the streams' states are
+        updated (the next chunk of a stream may be launched at once) and the audio comes from `wait()`.
+        Backends that queue device work override it; here the chunks run to the end first."""
+        return FinishedChunks(self.run_chunks(jobs))
 
     def warmup(self, speaker: SpeakerState, batches: Sequence[int]) -> None:  # noqa: B027
         """Before traffic: run the common chunk shapes at these batch sizes (captures graphs, loads

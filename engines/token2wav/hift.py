@@ -22,6 +22,7 @@ from torch.nn.utils.parametrizations import weight_norm
 
 from engines.checkpoints import load_checkpoint, load_strict, strip_prefix
 from engines.config import HiFTConfig
+from engines.transfer import Download
 
 OLD_WEIGHT_NORM_NAMES = {
     ".weight_g": ".parametrizations.weight.original0",
@@ -427,12 +428,39 @@ class VocoderGraphs(Protocol):
     def vocode(self, mel: Tensor, cache_source: Tensor | None, noise: Tensor) -> Vocoded: ...
 
 
-@torch.inference_mode()
+class HostAudio:
+    """The audio of one `launch_vocode_streams` call on its way to the host (one copy for the batch):
+    `wait()` returns float32 (samples,) CPU audio per stream, empty for streams that produced none."""
+
+    def __init__(self, pieces: dict[int, Tensor], streams: int) -> None:
+        self._order = sorted(pieces)
+        self._sizes = [pieces[i].numel() for i in self._order]
+        self._streams = streams
+        joined = [pieces[i].float() for i in self._order]
+        self._download = Download(torch.cat(joined)) if joined else None
+
+    def wait(self) -> list[Tensor]:
+        if self._download is None:
+            return [torch.zeros(0) for _ in range(self._streams)]
+        audio = dict(zip(self._order, self._download.wait().split(self._sizes), strict=True))
+        return [audio.get(i, torch.zeros(0)) for i in range(self._streams)]
+
+
 def vocode_streams(
     streams: Sequence[HiFTStream], mels: Sequence[Tensor], lasts: Sequence[bool],
     graphs: VocoderGraphs | None = None,
 ) -> list[Tensor]:
-    """`HiFTStream.process` for distinct streams of one generator: float32 (samples,) CPU audio each.
+    """`launch_vocode_streams`, waiting for its audio."""
+    return launch_vocode_streams(streams, mels, lasts, graphs).wait()
+
+
+@torch.inference_mode()
+def launch_vocode_streams(
+    streams: Sequence[HiFTStream], mels: Sequence[Tensor], lasts: Sequence[bool],
+    graphs: VocoderGraphs | None = None,
+) -> HostAudio:
+    """`HiFTStream.process` for distinct streams of one generator, without waiting for the device: the
+    streams' caches are updated as the work is queued, and the audio comes from `HostAudio.wait()`.
 
     Streams whose inputs have equal shapes (chunk length with the cached frames, and whether a source
     cache exists) share one batched generator call, from `graphs` where given; each row draws its noise
@@ -463,8 +491,4 @@ def vocode_streams(
         tails = None if source is None else torch.stack([s._held_tail() for s in members])
         rows_audio = _emit_rows(members, [lasts[i] for i in indices], mel, out, tails)
         speech.update(zip(indices, rows_audio, strict=True))
-    # One transfer for the whole batch; streams that produced nothing get empty CPU audio.
-    order = sorted(speech)
-    joined = torch.cat([speech[i].float() for i in order]).cpu() if order else torch.zeros(0)
-    audio = dict(zip(order, joined.split([speech[i].numel() for i in order]), strict=True))
-    return [audio.get(i, torch.zeros(0)) for i in range(len(streams))]
+    return HostAudio(speech, len(streams))

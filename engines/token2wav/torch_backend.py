@@ -5,9 +5,10 @@ MODEL_FACTS §5.6); a chunk runs the flow on its tokens and vocodes the mel it r
 the requested dtype (fp16 on CUDA by default, as the reference), HiFT in fp32. After its last chunk a
 stream frees its tensors.
 
-`run_chunks` batches: the DiT flow solves all the chunks as padded batches (flow_dit.DiTFlow.chunks,
-from CUDA graphs on CUDA) and HiFT vocodes equal-shaped chunks together (hift.vocode_streams, from CUDA
-graphs for the chunk lengths of `graph_hops`). `warmup` captures the usual shapes before traffic.
+`launch_chunks` batches: the DiT flow solves all the chunks as padded batches (flow_dit.DiTFlow.chunks,
+from CUDA graphs on CUDA) and HiFT vocodes equal-shaped chunks together (hift.launch_vocode_streams,
+from CUDA graphs for the chunk lengths of `graph_hops`); only the audio's copy to the host is waited
+for, by the caller, when it wants the audio. `warmup` captures the usual shapes before traffic.
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ from typing import Literal
 import torch
 
 from engines.config import PRE_LOOKAHEAD, TOKEN_MEL_RATIO, ModelPaths, configs_for_models_dir
-from engines.token2wav.base import ChunkJob, SpeakerState, Token2Wav, Token2WavStream
+from engines.token2wav.base import ChunkJob, LaunchedChunks, SpeakerState, Token2Wav, Token2WavStream
 from engines.token2wav.dit_cache import CacheRule
 from engines.token2wav.flow_base import FlowModel, FlowSpeaker, FlowStream
 from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker, load_dit_flow
 from engines.token2wav.graphs import GraphedVocoder
-from engines.token2wav.hift import HiFTGenerator, HiFTStream, load_hift, vocode_streams
+from engines.token2wav.hift import HiFTGenerator, HiFTStream, launch_vocode_streams, load_hift
 from engines.token2wav.stream_memory import stream_state_bytes
 from engines.voice import VoicePrompt
 
@@ -156,13 +157,15 @@ class TorchToken2Wav(Token2Wav):
                                   max_tokens)
 
     def run_chunk(self, job: ChunkJob) -> torch.Tensor:
-        return self._synthesize([job])[0]
+        return self.launch_chunks([job]).wait()[0]
 
     def run_chunks(self, jobs: Sequence[ChunkJob]) -> list[torch.Tensor]:
         """Chunks of distinct streams, batched (see the module docstring); audio in the jobs' order."""
-        return self._synthesize(jobs)
+        return self.launch_chunks(jobs).wait()
 
-    def _synthesize(self, jobs: Sequence[ChunkJob]) -> list[torch.Tensor]:
+    def launch_chunks(self, jobs: Sequence[ChunkJob]) -> LaunchedChunks:
+        """`run_chunks` without waiting for the device: nothing in a call waits for it but the audio's
+        copy to the host, which `wait()` does."""
         streams = []
         for job in jobs:
             if not isinstance(job.stream, TorchStream):
@@ -174,7 +177,7 @@ class TorchToken2Wav(Token2Wav):
             mels = flow.chunks([s.flow for s in streams], [job.tokens for job in jobs], lasts)
         else:
             mels = [flow.chunk(s.flow, job.tokens, job.last) for s, job in zip(streams, jobs, strict=True)]
-        audio = vocode_streams([s.vocoder for s in streams], mels, lasts, self.vocoder_graphs)
+        audio = launch_vocode_streams([s.vocoder for s in streams], mels, lasts, self.vocoder_graphs)
         for stream, last in zip(streams, lasts, strict=True):
             if last:
                 stream.close()

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from engines.config import DiTConfig, ModelPaths, configs_for_models_dir
-from engines.token2wav.base import ChunkJob
+from engines.token2wav.base import ChunkJob, FinishedChunks, LaunchedChunks
 from engines.token2wav.dit import DiT
 from engines.token2wav.dit_cache import CacheRule
 from engines.token2wav.flow_dit import DiTFlow, load_dit_flow
@@ -367,9 +367,15 @@ class TrtToken2Wav(TorchToken2Wav):
         super().__init__(flow, hift, name="tensorrt-dit", cuda_graphs=False)
         self._workers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="token2wav-trt")
 
+    def run_chunk(self, job: ChunkJob) -> torch.Tensor:
+        return super().launch_chunks([job]).wait()[0]
+
     def run_chunks(self, jobs: Sequence[ChunkJob]) -> list[torch.Tensor]:
         # Each chunk takes its own pool context, so chunks of different streams overlap on the GPU.
         return list(self._workers.map(self.run_chunk, jobs))
+
+    def launch_chunks(self, jobs: Sequence[ChunkJob]) -> LaunchedChunks:
+        return FinishedChunks(self.run_chunks(jobs))
 
 
 def load_trt_token2wav(

@@ -455,6 +455,41 @@ def test_backend_with_cuda_graphs_equals_eager() -> None:
         torch.testing.assert_close(graphed, eager, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_launching_chunks_never_waits_for_the_device() -> None:
+    """`launch_chunks` queues a call without one host-device synchronisation (CUDA's sync debug mode
+    raises on any), from graphs and eagerly (the last chunks), and its audio, waited for afterwards, is
+    what `run_chunks` gave the same streams."""
+    streams = plans()
+    chunks = [plan.chunks() for plan in streams]
+    flow, hift = DiTFlow(CONFIGS.dit_flow).eval(), HiFTGenerator(CONFIGS.hift).eval()
+    randomize(flow, seed=3)
+    backend = TorchToken2Wav(flow.cuda(), hift.cuda(), vocoder_seed=5, graph_hops=(4, 10))
+    voices = [backend.prepare_speaker(make_voice(1, 12)), backend.prepare_speaker(make_voice(2, 7))]
+    audio = []
+    for launched in (False, True):  # the first pass captures the graphs (a capture synchronises)
+        opened = [backend.open_stream(voices[plan.voice]) for plan in streams]
+        pieces: list[list[torch.Tensor]] = [[] for _ in streams]
+        for active in rounds(chunks):
+            k = len(pieces[active[0]])
+            jobs = [ChunkJob(opened[i], *chunks[i][k]) for i in active]
+            if launched:
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    call = backend.launch_chunks(jobs)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                results = call.wait()
+            else:
+                results = backend.run_chunks(jobs)
+            for i, piece in zip(active, results, strict=True):
+                pieces[i].append(piece)
+        audio.append([torch.cat(p) for p in pieces])
+    for ran, launched_audio in zip(*audio, strict=True):
+        torch.testing.assert_close(launched_audio, ran, atol=ATOL, rtol=RTOL)
+
+
 def test_compiled_blocks_equal_eager(flow: DiTFlow, speakers: list[DiTSpeaker]) -> None:
     """DiT blocks through torch.compile give the eager blocks' mels: the tracing (dataclass keys, dynamic
     shapes, first and later chunks) with AOT autograd's graphs run eagerly, because Inductor's C++ build

@@ -13,11 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from testing import speak_samples
 
 from engines.config import SAMPLES_PER_TOKEN
-from engines.token2wav.base import ChunkJob, Token2WavStream
+from engines.token2wav.base import ChunkJob, LaunchedChunks, Token2WavStream
 from engines.token2wav.torch_backend import TorchToken2Wav
 from realtime.config import ServiceConfig
 from realtime.runtime import Runtime
@@ -51,7 +50,7 @@ async def test_first_chunks_run_before_later_chunks_waiting_beside_them(
     seen: set[Token2WavStream] = set()
     later_held = threading.Event()  # the worker holds a call of later chunks
     late_firsts_in = threading.Event()  # ... until the late streams' first chunks wait too
-    synthesize, run_chunks = Token2WavWorker.synthesize, TorchToken2Wav.run_chunks
+    synthesize, launch_chunks = Token2WavWorker.synthesize, TorchToken2Wav.launch_chunks
 
     async def recording_synthesize(self: Token2WavWorker, stream: Token2WavStream, tokens: Sequence[int],
                                    last: bool, due: float) -> np.ndarray:
@@ -60,17 +59,17 @@ async def test_first_chunks_run_before_later_chunks_waiting_beside_them(
             late_firsts_in.set()
         return await synthesize(self, stream, tokens, last, due)
 
-    def recording_run_chunks(self: TorchToken2Wav, jobs: Sequence[ChunkJob]) -> list[torch.Tensor]:
+    def recording_launch_chunks(self: TorchToken2Wav, jobs: Sequence[ChunkJob]) -> LaunchedChunks:
         chunks = tuple((job.stream, job.stream not in seen) for job in jobs)
         seen.update(job.stream for job in jobs)
         calls.append(Call(time.perf_counter(), chunks))
         if not later_held.is_set() and not any(first for _, first in chunks):
             later_held.set()  # the first call of later chunks: keep the worker busy with it
             assert late_firsts_in.wait(timeout=60)
-        return run_chunks(self, jobs)
+        return launch_chunks(self, jobs)
 
     monkeypatch.setattr(Token2WavWorker, "synthesize", recording_synthesize)
-    monkeypatch.setattr(TorchToken2Wav, "run_chunks", recording_run_chunks)
+    monkeypatch.setattr(TorchToken2Wav, "launch_chunks", recording_launch_chunks)
     # The late streams' LLM requests wait for the early ones' slots, which free once those decoded every
     # token (no pacing): the late streams are open, their first chunks come while the worker is held.
     # Three rows a call: the held call leaves an early stream's later chunk waiting beside four first
@@ -113,13 +112,13 @@ async def test_a_call_takes_no_more_speech_tokens_than_its_cap(
     chunks carry at most the cap's tokens; a chunk longer than the cap runs alone."""
     cap = 60  # two chunks of 18 or 28 tokens, never three
     calls: list[list[int]] = []
-    run_chunks = TorchToken2Wav.run_chunks
+    launch_chunks = TorchToken2Wav.launch_chunks
 
-    def recording_run_chunks(self: TorchToken2Wav, jobs: Sequence[ChunkJob]) -> list[torch.Tensor]:
+    def recording_launch_chunks(self: TorchToken2Wav, jobs: Sequence[ChunkJob]) -> LaunchedChunks:
         calls.append([job.tokens.numel() for job in jobs])
-        return run_chunks(self, jobs)
+        return launch_chunks(self, jobs)
 
-    monkeypatch.setattr(TorchToken2Wav, "run_chunks", recording_run_chunks)
+    monkeypatch.setattr(TorchToken2Wav, "launch_chunks", recording_launch_chunks)
     config = ServiceConfig(models_dir=tiny_models, voices_dir=tmp_path, device="cpu", max_streams=6,
                            llm_pacing=False, token2wav_batch=8, token2wav_call_tokens=cap)
     runtime = Runtime(config)

@@ -18,7 +18,7 @@ from websockets.asyncio.client import ClientConnection, connect
 
 from engines.config import ModelPaths, configs_for_models_dir
 from engines.llm.base import SamplingParams
-from engines.token2wav.base import ChunkJob
+from engines.token2wav.base import ChunkJob, LaunchedChunks
 from engines.token2wav.stream_memory import stream_state_bytes
 from engines.token2wav.torch_backend import TorchToken2Wav
 from engines.voice import VoicePrompt
@@ -97,14 +97,14 @@ async def test_a_budget_for_two_streams_admits_two_and_refuses_the_third(
     tiny_models: Path, tmp_path: Path, eventually: Eventually, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     failing = False
-    run_chunks = TorchToken2Wav.run_chunks
+    launch_chunks = TorchToken2Wav.launch_chunks
 
-    def fail_when_asked(self: TorchToken2Wav, jobs: Sequence[ChunkJob]) -> list[torch.Tensor]:
+    def fail_when_asked(self: TorchToken2Wav, jobs: Sequence[ChunkJob]) -> LaunchedChunks:
         if failing:
             raise RuntimeError("a failing batch")
-        return run_chunks(self, jobs)
+        return launch_chunks(self, jobs)
 
-    monkeypatch.setattr(TorchToken2Wav, "run_chunks", fail_when_asked)
+    monkeypatch.setattr(TorchToken2Wav, "launch_chunks", fail_when_asked)
     bound = default_stream_bytes(tiny_models)
     budget = 2 * bound + bound // 2
     config = service_config(tiny_models, tmp_path, device="cpu", max_streams=8, retry_after_s=3,

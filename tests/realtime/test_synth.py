@@ -11,13 +11,12 @@ from pathlib import Path
 import av
 import numpy as np
 import pytest
-import torch
 
 from engines.config import SAMPLE_RATE, SAMPLES_PER_TOKEN
 from engines.cuda_memory import ALLOCATOR_ENV, EXPANDABLE_SEGMENTS, OPERATOR_ENVS
 from engines.llm.base import LLMRequest, PromptMode, TokenStream
 from engines.llm.torch_engine import TorchLLMEngine
-from engines.token2wav.base import ChunkJob
+from engines.token2wav.base import ChunkJob, LaunchedChunks
 from engines.token2wav.torch_backend import TorchToken2Wav
 from realtime.cli import main
 from realtime.synth import SynthItem, read_jsonl
@@ -49,13 +48,13 @@ def test_jsonl_items_become_files_of_the_expected_length(
     tiny_models: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     batches: list[list[tuple[int, bool]]] = []
-    run_chunks = TorchToken2Wav.run_chunks
+    launch_chunks = TorchToken2Wav.launch_chunks
 
-    def recording(self: TorchToken2Wav, jobs: Sequence[ChunkJob]) -> list[torch.Tensor]:
+    def recording(self: TorchToken2Wav, jobs: Sequence[ChunkJob]) -> LaunchedChunks:
         batches.append([(job.tokens.numel(), job.last) for job in jobs])
-        return run_chunks(self, jobs)
+        return launch_chunks(self, jobs)
 
-    monkeypatch.setattr(TorchToken2Wav, "run_chunks", recording)
+    monkeypatch.setattr(TorchToken2Wav, "launch_chunks", recording)
     modes: list[PromptMode] = []
     submit = TorchLLMEngine.submit
 

@@ -11,12 +11,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import pytest
-import torch
 from testing import speak_samples
 
 from engines.config import SAMPLES_PER_TOKEN, ModelPaths
 from engines.llm.base import SamplingParams
-from engines.token2wav.base import ChunkJob, SpeakerState, Token2WavStream
+from engines.token2wav.base import ChunkJob, LaunchedChunks, SpeakerState, Token2WavStream
 from engines.token2wav.torch_backend import TorchToken2Wav
 from engines.voice import VoicePrompt
 from realtime.batch_policy import FirstChunkHold
@@ -37,15 +36,15 @@ async def test_baseline_pool_runs_each_stream_on_one_of_several_threads(
 ) -> None:
     threads_of: dict[int, set[str]] = {}
     batch_sizes: list[int] = []
-    run_chunks = TorchToken2Wav.run_chunks
+    launch_chunks = TorchToken2Wav.launch_chunks
 
-    def recording(self: TorchToken2Wav, jobs: Sequence[ChunkJob]) -> list[torch.Tensor]:
+    def recording(self: TorchToken2Wav, jobs: Sequence[ChunkJob]) -> LaunchedChunks:
         batch_sizes.append(len(jobs))
         for job in jobs:
             threads_of.setdefault(id(job.stream), set()).add(threading.current_thread().name)
-        return run_chunks(self, jobs)
+        return launch_chunks(self, jobs)
 
-    monkeypatch.setattr(TorchToken2Wav, "run_chunks", recording)
+    monkeypatch.setattr(TorchToken2Wav, "launch_chunks", recording)
     config = ServiceConfig(
         models_dir=tiny_models,
         voices_dir=tmp_path,
@@ -76,13 +75,13 @@ async def test_worker_runs_the_most_urgent_chunk_first(tiny_models: Path) -> Non
     voice = VoicePrompt.load(ModelPaths(tiny_models).voices / "default.safetensors")
     worker = Token2WavWorker(backend, max_batch=1, capacity=8)
     order: list[int] = []
-    run_chunks = backend.run_chunks
+    launch_chunks = backend.launch_chunks
 
-    def recording(jobs: Sequence[ChunkJob]) -> list[torch.Tensor]:
+    def recording(jobs: Sequence[ChunkJob]) -> LaunchedChunks:
         order.extend(streams.index(job.stream) for job in jobs)
-        return run_chunks(jobs)
+        return launch_chunks(jobs)
 
-    backend.run_chunks = recording  # type: ignore[method-assign]
+    backend.launch_chunks = recording  # type: ignore[method-assign]
     worker.start()
     try:
         speaker = await worker.prepare_speaker(voice)
@@ -111,13 +110,13 @@ async def test_first_chunks_of_streams_opened_together_share_a_batch(tiny_models
     voice = VoicePrompt.load(ModelPaths(tiny_models).voices / "default.safetensors")
     worker = Token2WavWorker(backend, max_batch=8, capacity=8, hold=FirstChunkHold(gap_s=0.3, max_s=2.0))
     batches: list[int] = []
-    run_chunks = backend.run_chunks
+    launch_chunks = backend.launch_chunks
 
-    def recording(jobs: Sequence[ChunkJob]) -> list[torch.Tensor]:
+    def recording(jobs: Sequence[ChunkJob]) -> LaunchedChunks:
         batches.append(len(jobs))
-        return run_chunks(jobs)
+        return launch_chunks(jobs)
 
-    backend.run_chunks = recording  # type: ignore[method-assign]
+    backend.launch_chunks = recording  # type: ignore[method-assign]
     tokens = list(range(18))
     worker.start()
     try:
@@ -187,13 +186,13 @@ async def test_the_configured_schedule_cuts_the_chunks(
     first_chunk: int,
 ) -> None:
     chunk_tokens: list[int] = []
-    run_chunks = TorchToken2Wav.run_chunks
+    launch_chunks = TorchToken2Wav.launch_chunks
 
-    def recording(self: TorchToken2Wav, jobs: Sequence[ChunkJob]) -> list[torch.Tensor]:
+    def recording(self: TorchToken2Wav, jobs: Sequence[ChunkJob]) -> LaunchedChunks:
         chunk_tokens.extend(job.tokens.numel() for job in jobs)
-        return run_chunks(self, jobs)
+        return launch_chunks(self, jobs)
 
-    monkeypatch.setattr(TorchToken2Wav, "run_chunks", recording)
+    monkeypatch.setattr(TorchToken2Wav, "launch_chunks", recording)
     config = ServiceConfig(models_dir=tiny_models, voices_dir=tmp_path, device="cpu", schedule=schedule)
     runtime = Runtime(config)
     await runtime.start()

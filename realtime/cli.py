@@ -128,7 +128,6 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         first_chunk_hold=FirstChunkHold(args.first_chunk_gap_ms / 1000, args.first_chunk_hold_ms / 1000),
         token2wav_call_tokens=args.token2wav_call_tokens or None,
         urgent_chunk_calls=args.urgent_chunk_calls,
-        token2wav_overlap=args.token2wav_overlap,
         token2wav_workers=BASELINE_TOKEN2WAV_WORKERS if args.baseline else 1,
         llm_pacing=not args.baseline,
         webrtc=webrtc,
@@ -432,10 +431,6 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--token2wav-call-tokens", type=_non_negative_int, default=0,
                          help="the most speech tokens one token2wav call takes, so that an urgent chunk "
                               "never waits long behind a call (0: no limit beyond --batch chunks)")
-        sub.add_argument("--token2wav-overlap", action=argparse.BooleanOptionalAction,
-                         default=ServiceConfig.token2wav_overlap,
-                         help="queue a token2wav call's work while the device still runs the previous "
-                              "call (--no-token2wav-overlap: each call finishes before the next starts)")
         if name == "serve":
             _add_serve_flags(sub)
             _add_access_flags(sub)

@@ -223,9 +223,6 @@ class ServiceConfig:
         long an urgent chunk waits (realtime/batch_policy.py). Off by default: on an H100, 1600 (64
         second chunks, ~160 ms) cut the bursts' underruns at 79 and 95 streams but raised them at 128
         (docs/benchmarks.md, eighth session).
-    token2wav_overlap: a token2wav thread with more chunks waiting queues its next call's work while
-        the device still runs the last one, and only then waits for that one's audio
-        (realtime/token2wav_worker.py); off, each call finishes before the next is prepared.
     token2wav_workers: token2wav threads (each on its own CUDA stream); a stream stays on the thread
         that opened it. More than one turns the PyTorch backend's CUDA graphs off.
     chunk_queue: chunks (per stream) synthesised ahead of a slow consumer before the stream waits.
@@ -269,7 +266,6 @@ class ServiceConfig:
     first_chunk_hold: FirstChunkHold = field(default_factory=FirstChunkHold)
     token2wav_call_tokens: int | None = None
     urgent_chunk_calls: float = 2.0
-    token2wav_overlap: bool = True
     token2wav_workers: int = 1
     chunk_queue: int = 4
     llm_pacing: bool = True

@@ -65,8 +65,7 @@ class Metrics:
         )
         self.token2wav_batch_seconds = Histogram(
             "tts_token2wav_batch_seconds",
-            "Wall time of one batched token2wav call: from its launch (or the previous call's end, when it "
-            "was queued behind it) until its audio reached the host",
+            "Wall time of one batched token2wav call (all its chunks, audio copied to the host)",
             buckets=BATCH_SECONDS_BUCKETS,
             registry=self.registry,
         )

@@ -162,7 +162,6 @@ class Runtime:
                 hold=self.config.first_chunk_hold,
                 max_call_tokens=self.config.token2wav_call_tokens,
                 urgent_calls=self.config.urgent_chunk_calls,
-                overlap=self.config.token2wav_overlap,
                 llm_steps=lambda: _llm_steps(engines.llms),
                 name="token2wav" if len(engines.token2wavs) == 1 else f"token2wav{index}",
             )

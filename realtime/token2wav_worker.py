@@ -6,9 +6,9 @@ deadline first) which waiting chunks go into the next `launch_chunks` call, the 
 backend batches streams, or how long to hold for more first chunks. A stream is opened, run and closed
 on one thread, so its chunks keep their order and its tensors stay on that thread's CUDA stream.
 
-With `overlap` a thread that has more chunks waiting queues the next call's work before it waits for
-the audio of the call the device is still running, so the host's part of a call (bookkeeping, launches)
-runs while the device works instead of between calls.
+Each call is launched (`launch_chunks`: the host's bookkeeping and launches) and then waited for; the
+metrics keep the two apart, which tells whether the host or the device is the slower side. Queueing
+the next call before waiting for the last one was measured worse (docs/benchmarks.md, tenth session).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from engines.token2wav.base import ChunkJob, LaunchedChunks, SpeakerState, Token2Wav, Token2WavStream
+from engines.token2wav.base import ChunkJob, SpeakerState, Token2Wav, Token2WavStream
 from engines.voice import VoicePrompt
 from realtime.batch_policy import BatchPolicy, FirstChunkHold, RecentStepTime, WaitingChunk
 from realtime.metrics import Metrics
@@ -57,35 +57,23 @@ class _Call:
     fn: Callable[[], Any]
     future: Future[Any] | None
     # Wait for the device after `fn`: what it made (a speaker's state) may be read next on another
-    # lane's stream. Opening and closing a stream need not, and must not hold up a call in flight.
+    # lane's stream. Opening and closing a stream make nothing another stream reads.
     sync: bool = True
-
-
-@dataclass
-class _InFlight:
-    """A call whose device work is queued and whose audio has not been handed out yet."""
-
-    chunks: list[_ChunkTask]
-    audio: LaunchedChunks
-    started: float  # when its launch began
-    launch_seconds: float  # host time its launch took
 
 
 class _Lane:
     """One token2wav thread with its own inbox (and its own CUDA stream on CUDA).
 
     Each turn it moves everything in its inbox to its pending chunks and calls, drops cancelled chunks,
-    and launches the chunks its `BatchPolicy` picks in one `launch_chunks` call, hands out the audio of
-    the call launched before (with `overlap`; else of this one), then runs the calls; when the policy
-    holds for more first chunks, it runs the calls (opening the streams whose first chunks it waits for)
-    and waits for the inbox until the hold ends. It never waits for the inbox with a call in flight. A
-    stream's close is only queued once its chunk is finished or cancelled, and cancelled chunks are
-    dropped before the calls run, so a close never overtakes a chunk of its stream (a chunk in flight
-    has done everything but its audio's copy to the host, which does not need its stream).
+    and runs the chunks its `BatchPolicy` picks in one `launch_chunks` call, waiting for their audio,
+    then the calls; when the policy holds for more first chunks, it runs the calls (opening the streams
+    whose first chunks it waits for) and waits for the inbox until the hold ends. A stream's close is
+    only queued once its chunk is finished or cancelled, and cancelled chunks are dropped before the
+    calls run, so a close never overtakes a chunk of its stream.
     """
 
     def __init__(self, name: str, backend: Token2Wav, policy: BatchPolicy, metrics: Metrics | None,
-                 llm_steps: Callable[[], tuple[int, float]] | None, overlap: bool = True) -> None:
+                 llm_steps: Callable[[], tuple[int, float]] | None) -> None:
         self.inbox: queue.SimpleQueue[_ChunkTask | _Call | None] = queue.SimpleQueue()
         self.assigned = 0  # streams routed here and not yet closed (event loop side)
         self.open_streams = 0  # streams opened here and not yet closed (this thread's side)
@@ -99,9 +87,6 @@ class _Lane:
         self._metrics = metrics
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._pending: list[_ChunkTask] = []  # chunks taken from the inbox, not yet run (this thread's)
-        self._overlap = overlap
-        self._in_flight: _InFlight | None = None  # launched, audio not handed out (this thread's)
-        self._last_finish = 0.0  # when the last call's audio was handed out
         self.failure: BaseException | None = None  # what ended the thread, if something did
 
     def start(self) -> None:
@@ -138,9 +123,6 @@ class _Lane:
         error = _died(exc)
         items: list[_ChunkTask | _Call | None] = list(self._pending)
         self._pending.clear()
-        if self._in_flight is not None:
-            items.extend(self._in_flight.chunks)
-            self._in_flight = None
         self._drain(items)
         for item in items:
             future = item.future if isinstance(item, _ChunkTask | _Call) else None
@@ -164,31 +146,22 @@ class _Lane:
                                            time.monotonic(), self._recent_llm_step() if expected else 0.0,
                                            self._call_time.seconds)
             hold_until = decision.hold_until
-            launched = self._launch(self._take(decision.run))
-            self._finish()
-            self._in_flight = launched
-            if not self._overlap:
-                self._finish()
+            self._run_chunks(self._take(decision.run))
             for call in calls:
                 self._run_call(call)
             if stop:
-                self._finish()
                 while pending:
                     decision = self._policy.decide([chunk.waiting for chunk in pending], 0, math.inf)
-                    self._in_flight = self._launch(self._take(decision.run))
-                    self._finish()
+                    self._run_chunks(self._take(decision.run))
                 return
 
     def _receive(self, hold_until: float | None) -> list[_ChunkTask | _Call | None]:
         """Everything in the inbox: with no chunk pending, block for the first item; while holding
-        (`hold_until`), wait for one until then; else take only what is there. Before it waits, the
-        call in flight hands out its audio."""
+        (`hold_until`), wait for one until then; else take only what is there."""
         items: list[_ChunkTask | _Call | None] = []
         if not self._pending:
-            self._finish()
             items.append(self.inbox.get())
         elif hold_until is not None:
-            self._finish()
             with contextlib.suppress(queue.Empty):
                 items.append(self.inbox.get(timeout=max(0.0, hold_until - time.monotonic())))
         self._drain(items)
@@ -210,40 +183,25 @@ class _Lane:
             while True:
                 items.append(self.inbox.get_nowait())
 
-    def _launch(self, chunks: list[_ChunkTask]) -> _InFlight | None:
-        """Queue the chunks' work on the device; None when none is left to run (cancelled) or the
-        backend failed them (then they have failed)."""
+    def _run_chunks(self, chunks: list[_ChunkTask]) -> None:
+        """Run the chunks that are not cancelled as one call and hand out their audio."""
         live = [c for c in chunks if c.future.set_running_or_notify_cancel()]
         if not live:
-            return None
+            return
         started = time.monotonic()
         try:
             audio = self._backend.launch_chunks([c.job for c in live])
+            launched = time.monotonic()
+            results = audio.wait()
+            for chunk, piece in zip(live, results, strict=True):
+                chunk.future.set_result(piece.detach().to("cpu", torch.float32).numpy())
         except BaseException as exc:
             self._fail_chunks(live, exc)
-            return None
-        return _InFlight(live, audio, started, time.monotonic() - started)
-
-    def _finish(self) -> None:
-        """Hand out the audio of the call in flight, if any (waits for the device)."""
-        call, self._in_flight = self._in_flight, None
-        if call is None:
-            return
-        waiting = time.monotonic()
-        try:
-            results = call.audio.wait()
-            for chunk, audio in zip(call.chunks, results, strict=True):
-                chunk.future.set_result(audio.detach().to("cpu", torch.float32).numpy())
-        except BaseException as exc:
-            self._fail_chunks(call.chunks, exc)
             return
         finished = time.monotonic()
-        # The call's own time: from its launch, or from the previous call's end if it queued behind it.
-        elapsed = finished - max(call.started, self._last_finish)
-        self._last_finish = finished
-        self._call_time.record(elapsed)
+        self._call_time.record(finished - started)
         if self._metrics is not None:
-            self._observe(call, elapsed, finished - waiting)
+            self._observe(live, started, finished - started, launched - started, finished - launched)
 
     def _fail_chunks(self, chunks: list[_ChunkTask], exc: BaseException) -> None:
         """The backend failed this batch: every chunk in it fails; what is not an Exception ends the
@@ -256,18 +214,18 @@ class _Lane:
         if not isinstance(exc, Exception):
             raise exc
 
-    def _observe(self, call: _InFlight, elapsed: float, waited: float) -> None:
+    def _observe(self, chunks: list[_ChunkTask], started: float, elapsed: float, launch: float,
+                 waited: float) -> None:
         assert self._metrics is not None
-        chunks = call.chunks
         self._metrics.token2wav_batch_seconds.observe(elapsed)
-        self._metrics.token2wav_launch_seconds.observe(call.launch_seconds)
+        self._metrics.token2wav_launch_seconds.observe(launch)
         self._metrics.token2wav_device_wait_seconds.observe(waited)
         self._metrics.token2wav_batch_chunks.observe(len(chunks))
         firsts = sum(chunk.waiting.first for chunk in chunks)
         if firsts:
             self._metrics.token2wav_batch_first_chunks.observe(firsts)
         for chunk in chunks:
-            self._metrics.chunk_waited(chunk.waiting.first, call.started - chunk.submitted)
+            self._metrics.chunk_waited(chunk.waiting.first, started - chunk.submitted)
 
     def _run_call(self, call: _Call) -> None:
         if call.future is not None and not call.future.set_running_or_notify_cancel():
@@ -326,20 +284,18 @@ class Token2WavWorker:
     engines' cumulative decode steps and step seconds (`LLMStats`), from which the hold's gap follows
     the recent step time (read on the worker threads, only while new streams' first chunks are due);
     `max_call_tokens`: the most speech tokens in one call (`BatchPolicy.max_tokens`); `urgent_calls`:
-    `BatchPolicy.urgent_calls`; `overlap`: queue a call's work while the previous call's is still on the
-    device (the module docstring).
+    `BatchPolicy.urgent_calls`.
     """
 
     def __init__(self, backend: Token2Wav, max_batch: int, capacity: int, threads: int = 1,
                  metrics: Metrics | None = None, hold: FirstChunkHold | None = None,
                  llm_steps: Callable[[], tuple[int, float]] | None = None, name: str = "token2wav",
-                 max_call_tokens: int | None = None, urgent_calls: float = 2.0, overlap: bool = True) -> None:
+                 max_call_tokens: int | None = None, urgent_calls: float = 2.0) -> None:
         if threads < 1:
             raise ValueError(f"a token2wav worker needs at least one thread, got {threads}")
         self._backend = backend
         policy = BatchPolicy(max_batch, hold or FirstChunkHold(), max_call_tokens, urgent_calls)
-        self._lanes = [_Lane(f"{name}-{i}", backend, policy, metrics, llm_steps, overlap)
-                       for i in range(threads)]
+        self._lanes = [_Lane(f"{name}-{i}", backend, policy, metrics, llm_steps) for i in range(threads)]
         self._lane_of: dict[Token2WavStream, _Lane] = {}
         self._slots = asyncio.Semaphore(capacity)
         self._order = itertools.count()

@@ -120,6 +120,8 @@ class HiFTGenerator(nn.Module):
     """The HiFT generator: `forward(mel)` is the reference call; `vocode_with_noise` takes its noise given."""
 
     stft_window: Tensor  # periodic Hann, n_fft samples (buffer)
+    stft_basis: Tensor  # windowed real DFT, float64 (n_fft, 2·bins): see `source_spectrum` (buffer)
+    istft_basis: Tensor  # its inverse with the synthesis window, float64 (n_fft, 2·bins) (buffer)
     harmonic_numbers: Tensor  # 1 … nb_harmonics + 1 (buffer)
     crossfade: Tensor  # symmetric Hamming, 2·source_cache_samples: fade-in half, then fade-out (buffer)
 
@@ -159,6 +161,9 @@ class HiFTGenerator(nn.Module):
         self.conv_post = weight_norm(nn.Conv1d(stage_channels[-1], stft_channels, 7, padding=3))
         self.f0_predictor = F0Predictor(cfg.in_channels, cfg.f0_cond_channels)
         self.register_buffer("stft_window", torch.hann_window(cfg.istft_n_fft), persistent=False)
+        forward_basis, inverse_basis = _real_dft_bases(self.stft_window)
+        self.register_buffer("stft_basis", forward_basis, persistent=False)
+        self.register_buffer("istft_basis", inverse_basis, persistent=False)
         self.register_buffer("harmonic_numbers", torch.arange(1, self.num_harmonics + 1, dtype=torch.float32),
                              persistent=False)
         # Shared by every HiFTStream of this vocoder for the joins between its chunks.
@@ -242,10 +247,7 @@ class HiFTGenerator(nn.Module):
     def decode(self, mel: Tensor, source: Tensor) -> Tensor:
         """ISTFTNet decoder: mel (B, 80, T) and source (B, 1, 480T) → speech (B, 480T)."""
         cfg = self.cfg
-        n_fft, hop = cfg.istft_n_fft, cfg.istft_hop
-        spec = torch.stft(source.squeeze(1), n_fft, hop, n_fft, window=self.stft_window, center=True,
-                          return_complex=True)
-        source_stft = torch.cat([spec.real, spec.imag], dim=1)
+        source_stft = self.source_spectrum(source.squeeze(1))
         x = self.conv_pre(mel)
         last_stage = len(self.ups) - 1
         for i, (up, down, source_block) in enumerate(zip(self.ups, self.source_downs, self.source_resblocks,
@@ -260,24 +262,58 @@ class HiFTGenerator(nn.Module):
         x = self.conv_post(F.leaky_relu(x))  # default slope 0.01 here, as trained
         magnitude = torch.exp(x[:, :self.spectrum_bins]).clamp(max=1e2)
         phase = torch.sin(x[:, self.spectrum_bins:])
-        spectrum = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
-        return self.inverse_stft(spectrum).clamp(-cfg.audio_limit, cfg.audio_limit)
+        speech = self.inverse_stft(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
+        return speech.clamp(-cfg.audio_limit, cfg.audio_limit)
 
-    def inverse_stft(self, spectrum: Tensor) -> Tensor:
-        """`torch.istft(…, window=Hann, center=True)`: spectrum (B, n_fft/2 + 1, F) → (B, hop·(F − 1)).
+    def source_spectrum(self, source: Tensor) -> Tensor:
+        """`torch.stft(source, n_fft, hop, window=Hann, center=True)` with real and imaginary parts as
+        channels: (B, L) → (B, 2·(n_fft/2 + 1), L // hop + 1).
 
-        Inverse FFT and overlap-add, without istft's check that the windows overlap enough, which waits
-        for the device on every call (the periodic Hann window at a quarter-window hop always passes).
+        A matmul with the windowed DFT basis instead of cuFFT, which builds a plan (~ms, host side) for
+        every signal length and batch it meets first, as the final chunks' eager calls do; in float64,
+        since the process runs float32 matmuls in TF32.
         """
         n_fft, hop = self.cfg.istft_n_fft, self.cfg.istft_hop
-        count = spectrum.shape[2]
+        padded = F.pad(source[:, None], (n_fft // 2, n_fft // 2), mode="reflect")[:, 0]
+        frames = padded.unfold(-1, n_fft, hop)  # (B, F, n_fft)
+        basis = self.stft_basis
+        return torch.matmul(frames.to(basis.dtype), basis).to(source.dtype).transpose(1, 2)
+
+    def inverse_stft(self, real: Tensor, imag: Tensor) -> Tensor:
+        """`torch.istft(real + i·imag, n_fft, hop, window=Hann, center=True)`: real, imag (B, n_fft/2 + 1,
+        F) → (B, hop·(F − 1)).
+
+        Inverse DFT as a matmul (float64, as `source_spectrum`) and overlap-add, without istft's check
+        that the windows overlap enough, which waits for the device on every call (the periodic Hann
+        window at a quarter-window hop always passes).
+        """
+        n_fft, hop = self.cfg.istft_n_fft, self.cfg.istft_hop
+        count = real.shape[2]
         length = n_fft + hop * (count - 1)
-        frames = torch.fft.irfft(spectrum, n=n_fft, dim=1) * self.stft_window[:, None]
+        basis = self.istft_basis
+        frames = torch.matmul(basis, torch.cat([real, imag], dim=1).to(basis.dtype)).to(real.dtype)
         signal = F.fold(frames, (1, length), (1, n_fft), stride=(1, hop))
         weights = self.stft_window.square()[None, :, None].expand(1, n_fft, count)
         envelope = F.fold(weights, (1, length), (1, n_fft), stride=(1, hop))
         trim = slice(n_fft // 2, length - n_fft // 2)
         return signal[:, 0, 0, trim] / envelope[:, 0, 0, trim]
+
+
+def _real_dft_bases(window: Tensor) -> tuple[Tensor, Tensor]:
+    """float64 (n, 2·(n/2 + 1)) matrices of an n-sample `window`: the analysis basis maps a frame to
+    [Re X_k | Im X_k] of its windowed DFT X_k = Σ_t w_t x_t e^{−2πikt/n}; the synthesis basis maps those
+    back to the windowed inverse of the one-sided spectrum (irfft: bins 1 … n/2 − 1 count twice, the
+    imaginary parts of bins 0 and n/2 not at all)."""
+    n = window.numel()
+    bins = n // 2 + 1
+    t = torch.arange(n, dtype=torch.float64)[:, None]
+    angle = 2 * math.pi * t * torch.arange(bins, dtype=torch.float64)[None, :] / n
+    w = window.to(torch.float64)[:, None]
+    analysis = torch.cat([w * torch.cos(angle), -w * torch.sin(angle)], dim=1)
+    weight = torch.full((bins,), 2.0, dtype=torch.float64)
+    weight[0] = weight[-1] = 1.0  # n even: bin n/2 is the Nyquist bin, once
+    synthesis = torch.cat([w * weight * torch.cos(angle), -w * weight * torch.sin(angle)], dim=1) / n
+    return analysis, synthesis
 
 
 def canonical_hift_state(state: Mapping[str, Tensor]) -> dict[str, Tensor]:

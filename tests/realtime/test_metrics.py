@@ -54,6 +54,9 @@ async def test_a_bench_level_reports_the_engines_work(live_server: LiveServer) -
     assert figures.llm_steps >= 60 and figures.llm_step_ms > 0
     assert figures.token2wav_batches >= 2 and 1 <= figures.token2wav_chunks_per_batch <= 2
     assert figures.token2wav_batch_ms > 0 and figures.token2wav_wait_ms >= 0
+    # A call's time is its launch on the host, then its wait for the device (none on the CPU).
+    assert 0 < figures.token2wav_launch_ms <= figures.token2wav_batch_ms
+    assert 0 <= figures.token2wav_device_wait_ms < figures.token2wav_batch_ms
     # The server's event loop timer (every 50 ms) ran during the level: its lateness is reported.
     assert figures.event_loop_lag_ms >= 0 and figures.event_loop_lag_p99_ms > 0
     assert figures.first_chunk_wait_ms >= 0 and figures.later_chunk_wait_ms >= 0

@@ -1,9 +1,10 @@
 """HiFT run eagerly on shapes it has not met, as a stream's final chunk runs (its length has no CUDA
 graph): host time to queue one call, and time until its audio is ready, the first time a (rows, frames)
 shape comes and again. The first time pays for whatever the libraries build per shape (cuFFT plans,
-cuDNN's execution plans).
+cuDNN's execution plans); `--no-cudnn` runs the convolutions without cuDNN (PyTorch's own kernels) to
+tell its share.
 
-    bash benchmarks/on_device.sh python3 benchmarks/hift_eager.py --models /tmp/m
+    bash benchmarks/on_device.sh python3 benchmarks/hift_eager.py --models /tmp/m [--no-cudnn]
 
 Prints a table; timings go to no test.
 """
@@ -43,8 +44,10 @@ def main() -> int:
     parser.add_argument("--models", type=Path, required=True)
     parser.add_argument("--shapes", type=int, default=24, help="distinct (rows, frames) final-chunk shapes")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-cudnn", action="store_true", help="convolutions without cuDNN")
     args = parser.parse_args()
     use_tf32_matmuls()  # as `serve` runs
+    torch.backends.cudnn.enabled = not args.no_cudnn
     paths = ModelPaths(args.models)
     hift = load_hift(paths.hift, configs_for_models_dir(paths.root).hift, "cuda")
     cached = hift.cfg.source_cache_samples
@@ -58,7 +61,8 @@ def main() -> int:
         host, total = zip(*(timed_call(hift, rows, frames, cached) for rows, frames in shapes), strict=True)
         rows_out.append((label, statistics.mean(host), max(host), statistics.mean(total), max(total)))
     print(f"HiFT eagerly, {len(shapes)} final-chunk shapes (rows 1-64, 8 + 2·(1-200) frames), "
-          f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+          f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"cuDNN {'off' if args.no_cudnn else 'on'}")
     print(f"{'shape':>11} {'queue mean':>11} {'queue max':>10} {'ready mean':>11} {'ready max':>10}")
     for label, host_mean, host_max, total_mean, total_max in rows_out:
         print(f"{label:>11} {host_mean:>9.1f}ms {host_max:>8.1f}ms {total_mean:>9.1f}ms {total_max:>8.1f}ms")

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 from testing import serve, service_config, speak_samples
 
 from engines.llm.base import SamplingParams
-from engines.token2wav.base import ChunkJob
+from engines.token2wav.base import ChunkJob, LaunchedChunks
 from engines.token2wav.torch_backend import TorchToken2Wav
 from realtime.cli import _config, build_parser
 from realtime.placement import (
@@ -119,17 +118,17 @@ async def test_streams_spread_over_workers_stay_on_theirs_and_a_dead_worker_take
 ) -> None:
     threads_of: dict[int, set[str]] = {}
     crash_on: set[str] = set()  # worker thread names whose next batch dies
-    run_chunks = TorchToken2Wav.run_chunks
+    launch_chunks = TorchToken2Wav.launch_chunks
 
-    def recording(self: TorchToken2Wav, jobs: Sequence[ChunkJob]) -> list[torch.Tensor]:
+    def recording(self: TorchToken2Wav, jobs: Sequence[ChunkJob]) -> LaunchedChunks:
         name = threading.current_thread().name
         if name in crash_on:
             raise WorkerCrash()
         for job in jobs:
             threads_of.setdefault(id(job.stream), set()).add(name)
-        return run_chunks(self, jobs)
+        return launch_chunks(self, jobs)
 
-    monkeypatch.setattr(TorchToken2Wav, "run_chunks", recording)
+    monkeypatch.setattr(TorchToken2Wav, "launch_chunks", recording)
     config = service_config(tiny_models, tmp_path, device="cpu", token2wav_devices=("cpu", "cpu"),
                             max_streams=4)
     async with serve(config) as server, httpx.AsyncClient(base_url=server.http_url) as client:

@@ -56,9 +56,6 @@ class _ChunkTask:
 class _Call:
     fn: Callable[[], Any]
     future: Future[Any] | None
-    # Wait for the device after `fn`: what it made (a speaker's state) may be read next on another
-    # lane's stream. Opening and closing a stream make nothing another stream reads.
-    sync: bool = True
 
 
 class _Lane:
@@ -195,24 +192,18 @@ class _Lane:
             results = audio.wait()
             for chunk, piece in zip(live, results, strict=True):
                 chunk.future.set_result(piece.detach().to("cpu", torch.float32).numpy())
-        except BaseException as exc:
-            self._fail_chunks(live, exc)
-            return
-        finished = time.monotonic()
-        self._call_time.record(finished - started)
-        if self._metrics is not None:
-            self._observe(live, started, finished - started, launched - started, finished - launched)
-
-    def _fail_chunks(self, chunks: list[_ChunkTask], exc: BaseException) -> None:
-        """The backend failed this batch: every chunk in it fails; what is not an Exception ends the
-        thread (see `_run`)."""
-        if isinstance(exc, Exception):
-            logger.exception("token2wav batch of %d chunks failed", len(chunks))
-        for chunk in chunks:
-            if not chunk.future.done():
-                chunk.future.set_exception(exc if isinstance(exc, Exception) else _died(exc))
-        if not isinstance(exc, Exception):
-            raise exc
+            finished = time.monotonic()
+            self._call_time.record(finished - started)
+            if self._metrics is not None:
+                self._observe(live, started, finished - started, launched - started, finished - launched)
+        except BaseException as exc:  # the backend failed this batch: every chunk in it fails
+            if isinstance(exc, Exception):
+                logger.exception("token2wav batch of %d chunks failed", len(live))
+            for chunk in live:
+                if not chunk.future.done():
+                    chunk.future.set_exception(exc if isinstance(exc, Exception) else _died(exc))
+            if not isinstance(exc, Exception):
+                raise  # it ends the thread (see `_run`)
 
     def _observe(self, chunks: list[_ChunkTask], started: float, elapsed: float, launch: float,
                  waited: float) -> None:
@@ -232,7 +223,8 @@ class _Lane:
             return
         try:
             result = call.fn()
-            if call.sync and self._backend.device.type == "cuda":
+            if self._backend.device.type == "cuda":
+                # What a call made (a speaker's state) may be read next on another lane's stream.
                 torch.cuda.current_stream(self._backend.device).synchronize()
         except BaseException as exc:
             if call.future is None:
@@ -260,7 +252,7 @@ def _close_on(lane: _Lane, stream: Token2WavStream) -> None:
         lane.open_streams -= 1
         lane.fresh.discard(stream)
 
-    lane.put(_Call(close, None, sync=False))
+    lane.put(_Call(close, None))
 
 
 def _close_opened(lane: _Lane, opened: Future[Token2WavStream]) -> None:
@@ -351,7 +343,7 @@ class Token2WavWorker:
 
         lane.assigned += 1
         opened: Future[Token2WavStream] = Future()
-        lane.put(_Call(open_, opened, sync=False))
+        lane.put(_Call(open_, opened))
         try:
             stream = await asyncio.wrap_future(opened)
         except BaseException:

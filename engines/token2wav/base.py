@@ -7,8 +7,9 @@ Each call returns the audio that is final: chunk boundaries are cross-faded insi
 concatenation of all returned pieces is the utterance.
 
 These calls run on an engine thread and may be batched across streams with `run_chunks`, or with
-`launch_chunks`, which returns once the device work is queued so the thread can prepare its next call
-meanwhile. Streams own all per-request tensors; `close()` drops them at once.
+`launch_chunks`, which returns once the device work is queued and waits for the audio in `wait()`, so
+that a caller can tell the host's part of a call from the device's. Streams own all per-request
+tensors; `close()` drops them at once.
 """
 
 from __future__ import annotations

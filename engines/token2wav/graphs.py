@@ -1,5 +1,5 @@
 """CUDA graphs for batched streaming chunks: the encoder and the CFM solve per bucketed shape, and HiFT
-per chunk shape.
+per chunk shape (and final chunks per bucket of lengths, masked).
 
 Both run `ConditionalCFM.solve_ragged` (all Euler steps, all DiT blocks, guidance) behind one interface:
 `buffers(shape)` hands out the input tensors for a padded `SolveShape`, the caller fills them, `run(shape)`
@@ -16,8 +16,10 @@ chunks right-padded to a bucket of tokens, histories left-padded to a bucket of 
 rows of one token; all of it masked, so the bucket computes what the exact shape computes.
 
 `GraphedVocoder` does the same for `HiFTGenerator.vocode_with_noise`: batches pad to a bucket with rows
-nobody reads, but chunk lengths are exact (HiFT's convolutions see both ways), so only the lengths the
-chunk schedule produces are captured; other calls run eagerly.
+nobody reads, and chunk lengths are exact for the lengths the chunk schedule produces. Final chunks,
+whose lengths are whatever a segment leaves, are right-padded to a bucket of lengths and masked inside
+HiFT (its convolutions see both ways: each layer's output is zeroed past each row's end, as its zero
+padding would be), so each row's audio is its own. Other calls run eagerly.
 """
 
 from __future__ import annotations
@@ -388,11 +390,13 @@ def _cache_tensors(cache: ConformerCache) -> tuple[torch.Tensor, ...]:
 
 @dataclass(frozen=True)
 class VocodeShape:
-    """One HiFT call: rows (bucketed), mel frames and source samples cached from the previous call."""
+    """One HiFT call: rows (bucketed), mel frames and source samples cached from the previous call, and
+    whether rows are right-padded final chunks (masked, with each row's frames as an input)."""
 
     batch: int
     frames: int
     cached: int
+    padded: bool = False
 
 
 @dataclass(frozen=True)
@@ -400,6 +404,13 @@ class _VocoderInputs:
     mel: torch.Tensor
     cache: torch.Tensor | None  # source samples
     noise: torch.Tensor
+    frames: torch.Tensor | None  # (batch,) int64, padded shapes only
+
+
+# Mel frames (the 8 cached ones included) that final chunks are padded to: a last chunk carries whatever
+# is left of its segment, any length up to a hop (400 tokens: 808 frames), and eagerly each new length
+# costs ~0.1 s of host time (cuDNN plans) and every call ~20 ms of launches.
+FINAL_CHUNK_FRAMES = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 640, 816)
 
 
 class GraphedVocoder(_ShapeGraphs[VocodeShape, _VocoderInputs, Vocoded]):
@@ -407,31 +418,58 @@ class GraphedVocoder(_ShapeGraphs[VocodeShape, _VocoderInputs, Vocoded]):
 
     chunks: (mel frames, cached source samples) pairs to serve from graphs, e.g. a first chunk of 30
     frames without cache and later chunks of 8 + 50 frames after a 3840-sample cache; batches: row
-    buckets. Graphs are captured on first use; outputs are returned as copies.
+    buckets. Final chunks of other lengths are padded to the next of `final_frames` and run from masked
+    graphs, for batches of at most `max_row_frames` rows × frames (default: that of the largest chunk
+    graph, so their shared pool does not grow), eagerly at the padded length beyond. Graphs are
+    captured on first use (or by `capture`, before `seal`); outputs are returned as copies.
     """
 
     def __init__(
-        self, hift: HiFTGenerator, chunks: Iterable[tuple[int, int]], batches: tuple[int, ...]
+        self, hift: HiFTGenerator, chunks: Iterable[tuple[int, int]], batches: tuple[int, ...],
+        final_frames: tuple[int, ...] = FINAL_CHUNK_FRAMES, max_row_frames: int | None = None,
     ) -> None:
         super().__init__(hift.stft_window.device)
         self.hift = hift
         self.chunks = frozenset(chunks)
         self.batches = batches
+        self.final_frames = tuple(sorted(final_frames))
+        self.max_row_frames = (max(batches) * max(frames for frames, _ in self.chunks)
+                               if max_row_frames is None else max_row_frames)
 
-    def vocode(self, mel: torch.Tensor, cache_source: torch.Tensor | None, noise: torch.Tensor) -> Vocoded:
-        rows, _, frames = mel.shape
+    def final_call_frames(self, frames: int, cached: int) -> int:
+        if (frames, cached) in self.chunks:
+            return frames
+        return next((bucket for bucket in self.final_frames if bucket >= frames), frames)
+
+    def final_shapes(self, cached: int, max_frames: int | None = None) -> list[VocodeShape]:
+        """The padded final-chunk shapes after `cached` source samples (up to `max_frames`) that graphs
+        serve: what the warm-up captures."""
+        least = cached // self.hift.hop_samples
+        most = self.final_frames[-1] if max_frames is None else max_frames
+        return [VocodeShape(batch, frames, cached, padded=True)
+                for frames in self.final_frames if least < frames <= most
+                for batch in self.batches if batch * frames <= self.max_row_frames]
+
+    def vocode(self, mel: torch.Tensor, cache_source: torch.Tensor | None, noise: torch.Tensor,
+               frames: torch.Tensor | None = None) -> Vocoded:
+        rows, _, length = mel.shape
         cached = 0 if cache_source is None else cache_source.shape[2]
         batch = round_up(rows, self.batches)
-        if batch is None or (frames, cached) not in self.chunks:
-            return self.hift.vocode_with_noise(mel, cache_source, noise)
-        shape = VocodeShape(batch, frames, cached)
+        padded = frames is not None
+        graphed = batch is not None and (batch * length <= self.max_row_frames if padded
+                                         else (length, cached) in self.chunks)
+        if batch is None or not graphed:
+            return self.hift.vocode_with_noise(mel, cache_source, noise, frames)
+        shape = VocodeShape(batch, length, cached, padded)
         if not self.covers(shape):
-            return self.hift.vocode_with_noise(mel, cache_source, noise)
+            return self.hift.vocode_with_noise(mel, cache_source, noise, frames)
         inputs = self.buffers(shape)
         inputs.mel[:rows].copy_(mel)
         inputs.noise[:rows].copy_(noise)
         if inputs.cache is not None and cache_source is not None:
             inputs.cache[:rows].copy_(cache_source)
+        if inputs.frames is not None and frames is not None:
+            inputs.frames[:rows].copy_(frames)
         out = self.run(shape)
         return Vocoded(out.speech[:rows].clone(), out.source[:rows].clone())
 
@@ -441,15 +479,18 @@ class GraphedVocoder(_ShapeGraphs[VocodeShape, _VocoderInputs, Vocoded]):
         mel = self._arena.view("mel", (b, hift.cfg.in_channels, shape.frames), f32)
         noise = self._arena.view("noise", (b, samples - shape.cached, hift.num_harmonics), f32)
         cache = self._arena.view("cache_source", (b, 1, shape.cached), f32) if shape.cached else None
+        frames = self._arena.view("frames", (b,), torch.int64) if shape.padded else None
+        if frames is not None:
+            # Rows past a call's own keep old values: every value written is a whole row's frame count.
+            frames.fill_(shape.frames)
         out = Vocoded(self._arena.view("speech", (b, samples), f32),
                       self._arena.view("source", (b, 1, samples), f32))
 
         def run() -> None:
-            result = hift.vocode_with_noise(mel, cache, noise)
+            result = hift.vocode_with_noise(mel, cache, noise, frames)
             for target, value in zip(out, result, strict=True):
                 target.copy_(value)
 
         graph = capture_graph(run, self._pool, self._stream)
         logger.info("captured HiFT graph %s", shape)
-        return _Graph(graph, _VocoderInputs(mel, cache, noise), out)
-
+        return _Graph(graph, _VocoderInputs(mel, cache, noise, frames), out)

@@ -1,10 +1,9 @@
-"""HiFT vocoder: NSF harmonic source + ISTFTNet decoder (MODEL_FACTS §7), and its streaming state (§5.6).
+"""HiFT vocoder: NSF harmonic source + ISTFTNet decoder (MODEL_FACTS §7).
 
 Mel (B, 80, T) at 50 Hz → 24 kHz speech (B, 480·T). Parameter names follow the released `hift.pt`,
-whose weight-normed convolutions are stored as `<conv>.parametrizations.weight.original0/1`.
-
-`vocode_streams` vocodes the chunks of several streams with one generator call per group of equal
-shapes (HiFT's convolutions are not causal, so rows are batched only when no padding is needed).
+whose weight-normed convolutions are stored as `<conv>.parametrizations.weight.original0/1`. A batch
+may be right-padded (`RowEnds`): each row then computes what it computes alone. Its streaming state is
+in hift_stream.py.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +21,6 @@ from torch.nn.utils.parametrizations import weight_norm
 
 from engines.checkpoints import load_checkpoint, load_strict, strip_prefix
 from engines.config import HiFTConfig
-from engines.transfer import Download
 
 OLD_WEIGHT_NORM_NAMES = {
     ".weight_g": ".parametrizations.weight.original0",
@@ -32,6 +30,45 @@ OLD_WEIGHT_NORM_NAMES = {
 
 def _same_padding(kernel_size: int, dilation: int) -> int:
     return (kernel_size - 1) * dilation // 2
+
+
+def _keep(x: Tensor, valid: Tensor | None) -> Tensor:
+    """x with the positions past each row's end zeroed (`valid` a 0/1 mask), or x itself."""
+    return x if valid is None else x * valid
+
+
+class RowEnds:
+    """Where each row of a right-padded batch ends, at every rate inside HiFT.
+
+    HiFT's convolutions see both ways, so a row padded past its end computes what the unpadded row
+    computes only if every layer sees zeros there, as its own zero padding would give it: the padded
+    call multiplies each convolution's output by these masks (its activations keep zeros zero).
+    """
+
+    def __init__(self, frames: Tensor) -> None:
+        self.frames = frames  # (B,) int64 mel frames of each row, on the batch's device
+        self._masks: dict[tuple[int, int, int, torch.dtype], Tensor] = {}
+
+    def mask(self, length: int, per_frame: int, extra: int = 0, dtype: torch.dtype = torch.float32) -> Tensor:
+        """(B, 1, length) 1 before position `per_frame`·frames + `extra` of each row, 0 from there."""
+        key = (length, per_frame, extra, dtype)
+        if key not in self._masks:
+            ends = self.frames * per_frame + extra
+            positions = torch.arange(length, device=self.frames.device)
+            self._masks[key] = (positions[None, None, :] < ends[:, None, None]).to(dtype)
+        return self._masks[key]
+
+    def reflect_index(self, length: int, per_frame: int, pad: int) -> Tensor:
+        """(B, length + 2·pad) int64: the positions of a signal of `length` that reflect padding by `pad`
+        on both sides reads, each row reflected at its own end (`per_frame`·frames)."""
+        ends = self.frames[:, None] * per_frame
+        positions = (torch.arange(length + 2 * pad, device=self.frames.device) - pad).abs()[None, :]
+        return torch.where(positions < ends, positions, 2 * (ends - 1) - positions).clamp(0, length - 1)
+
+    def last_frame_index(self, length: int) -> Tensor:
+        """(B, length) int64: each position, or the row's last frame for positions past it."""
+        positions = torch.arange(length, device=self.frames.device)
+        return torch.minimum(positions[None, :], self.frames[:, None] - 1)
 
 
 class Snake(nn.Module):
@@ -67,10 +104,11 @@ class ResBlock(nn.Module):
         self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
         self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, valid: Tensor | None = None) -> Tensor:
+        """`valid` (B, 1, T) zeroes each conv's output past the row's end (see `RowEnds`)."""
         for conv1, conv2, act1, act2 in zip(self.convs1, self.convs2, self.activations1, self.activations2,
                                             strict=True):
-            x = x + conv2(act2(conv1(act1(x))))
+            x = x + _keep(conv2(act2(_keep(conv1(act1(x)), valid))), valid)
         return x
 
 
@@ -88,9 +126,14 @@ class F0Predictor(nn.Module):
         self.condnet = nn.Sequential(*layers)
         self.classifier = nn.Linear(channels, 1)
 
-    def forward(self, mel: Tensor) -> Tensor:
-        """(B, 80, T) → (B, T)."""
-        return self.classifier(self.condnet(mel).transpose(1, 2)).squeeze(-1).abs()
+    def forward(self, mel: Tensor, valid: Tensor | None = None) -> Tensor:
+        """(B, 80, T) → (B, T); `valid` (B, 1, T) as for `ResBlock`."""
+        x = mel
+        for layer in self.condnet:
+            x = layer(x)
+            if isinstance(layer, nn.Conv1d):
+                x = _keep(x, valid)
+        return self.classifier(x.transpose(1, 2)).squeeze(-1).abs()
 
 
 class HarmonicSource(nn.Module):
@@ -204,10 +247,15 @@ class HiFTGenerator(nn.Module):
         noise = torch.randn((rows, samples, self.num_harmonics), generator=generator, device=source_device)
         return noise.to(device)
 
-    def vocode_with_noise(self, mel: Tensor, cache_source: Tensor | None, noise: Tensor) -> Vocoded:
+    def vocode_with_noise(self, mel: Tensor, cache_source: Tensor | None, noise: Tensor,
+                          frames: Tensor | None = None) -> Vocoded:
         """`forward` with its noise given (`draw_noise`: (B, 480·T − cached samples, harmonics)). It draws
-        nothing and never waits for the device, so a CUDA graph can capture it."""
-        f0 = self.f0_predictor(mel)
+        nothing and never waits for the device, so a CUDA graph can capture it.
+
+        frames: (B,) int64 on the mel's device, each row's real mel frames when the batch is right-padded
+        to T (whatever the padding holds): each row's speech and source then equal the unpadded row's up
+        to its 480·frames samples, and are zero after them. Its noise is read up to there only.
+        """
         cached = 0 if cache_source is None else cache_source.shape[-1]
         if cached % self.hop_samples or cached > mel.shape[-1] * self.hop_samples:
             raise ValueError(f"cache_source of {cached} samples must cover whole frames of the "
@@ -215,10 +263,20 @@ class HiFTGenerator(nn.Module):
         if noise.shape[1] != mel.shape[2] * self.hop_samples - cached:
             raise ValueError(f"noise for {noise.shape[1]} samples; the samples after the cache are "
                              f"{mel.shape[2] * self.hop_samples - cached}")
-        source = self.m_source(self._excitation(f0, self._frame_phases(f0), noise))
+        ends = None if frames is None else RowEnds(frames)
+        if ends is not None:
+            mel = mel * ends.mask(mel.shape[2], 1)
+        f0 = self.f0_predictor(mel, None if ends is None else ends.mask(mel.shape[2], 1))
+        phases = self._frame_phases(f0)
+        if ends is not None:
+            # The sample-rate interpolation holds a row's last frame past it, as at the end of a batch.
+            phases = phases.gather(1, ends.last_frame_index(phases.shape[1])[:, :, None].expand_as(phases))
+        source = self.m_source(self._excitation(f0, phases, noise))
         if cache_source is not None:
             source = torch.cat([cache_source.to(source.dtype), source[:, :, cached:]], dim=2)
-        return Vocoded(self.decode(mel, source), source)
+        if ends is not None:
+            source = source * ends.mask(source.shape[2], self.hop_samples)
+        return Vocoded(self.decode(mel, source, ends), source)
 
     def _frame_phases(self, f0: Tensor) -> Tensor:
         """Cumulative per-sample phase increment (cycles/sample summed over frames from frame 0), (B, T, H).
@@ -244,44 +302,66 @@ class HiFTGenerator(nn.Module):
         noise = F.pad(noise.to(sines.dtype), (0, 0, sines.shape[1] - noise.shape[1], 0))
         return sines * voiced + noise_scale * noise
 
-    def decode(self, mel: Tensor, source: Tensor) -> Tensor:
-        """ISTFTNet decoder: mel (B, 80, T) and source (B, 1, 480T) → speech (B, 480T)."""
+    def decode(self, mel: Tensor, source: Tensor, ends: RowEnds | None = None) -> Tensor:
+        """ISTFTNet decoder: mel (B, 80, T) and source (B, 1, 480T) → speech (B, 480T); with `ends`,
+        rows right-padded as in `vocode_with_noise`."""
         cfg = self.cfg
-        source_stft = self.source_spectrum(source.squeeze(1))
-        x = self.conv_pre(mel)
+
+        def valid(length: int, per_frame: int, extra: int = 0) -> Tensor | None:
+            return None if ends is None else ends.mask(length, per_frame, extra)
+
+        source_stft = self.source_spectrum(source.squeeze(1), ends)
+        x = _keep(self.conv_pre(mel), valid(mel.shape[2], 1))
         last_stage = len(self.ups) - 1
+        per_frame = 1
         for i, (up, down, source_block) in enumerate(zip(self.ups, self.source_downs, self.source_resblocks,
                                                          strict=True)):
+            per_frame *= cfg.upsample_rates[i]
             x = up(F.leaky_relu(x, cfg.lrelu_slope))
+            x = _keep(x, valid(x.shape[2], per_frame))
+            extra = 0
             if i == last_stage:
                 # One extra frame on the left aligns the 120T upsampled frames with the 120T+1 STFT frames.
                 x = F.pad(x, (1, 0), mode="reflect")
-            x = x + source_block(down(source_stft))
+                extra = 1
+            stage_valid = valid(x.shape[2], per_frame, extra)
+            x = x + source_block(_keep(down(source_stft), stage_valid), stage_valid)
             blocks = self.resblocks[i * self.num_kernels:(i + 1) * self.num_kernels]
-            x = sum((block(x) for block in blocks), torch.zeros_like(x)) / self.num_kernels
+            x = sum((block(x, stage_valid) for block in blocks), torch.zeros_like(x)) / self.num_kernels
         x = self.conv_post(F.leaky_relu(x))  # default slope 0.01 here, as trained
         magnitude = torch.exp(x[:, :self.spectrum_bins]).clamp(max=1e2)
         phase = torch.sin(x[:, self.spectrum_bins:])
-        speech = self.inverse_stft(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
-        return speech.clamp(-cfg.audio_limit, cfg.audio_limit)
+        frames_valid = valid(x.shape[2], per_frame, 1)
+        speech = self.inverse_stft(_keep(magnitude * torch.cos(phase), frames_valid),
+                                   _keep(magnitude * torch.sin(phase), frames_valid), frames_valid)
+        speech = speech.clamp(-cfg.audio_limit, cfg.audio_limit)
+        return speech if ends is None else speech * ends.mask(speech.shape[1], self.hop_samples)[:, 0]
 
-    def source_spectrum(self, source: Tensor) -> Tensor:
+    def source_spectrum(self, source: Tensor, ends: RowEnds | None = None) -> Tensor:
         """`torch.stft(source, n_fft, hop, window=Hann, center=True)` with real and imaginary parts as
-        channels: (B, L) → (B, 2·(n_fft/2 + 1), L // hop + 1).
+        channels: (B, L) → (B, 2·(n_fft/2 + 1), L // hop + 1); with `ends`, each row's own (its reflect
+        padding taken at its end, its frames past that zero).
 
         A matmul with the windowed DFT basis instead of cuFFT, which builds a plan (~ms, host side) for
         every signal length and batch it meets first, as the final chunks' eager calls do; in float64,
         since the process runs float32 matmuls in TF32.
         """
         n_fft, hop = self.cfg.istft_n_fft, self.cfg.istft_hop
-        padded = F.pad(source[:, None], (n_fft // 2, n_fft // 2), mode="reflect")[:, 0]
+        if ends is None:
+            padded = F.pad(source[:, None], (n_fft // 2, n_fft // 2), mode="reflect")[:, 0]
+        else:
+            padded = source.gather(1, ends.reflect_index(source.shape[1], self.hop_samples, n_fft // 2))
         frames = padded.unfold(-1, n_fft, hop)  # (B, F, n_fft)
         basis = self.stft_basis
-        return torch.matmul(frames.to(basis.dtype), basis).to(source.dtype).transpose(1, 2)
+        spectrum = torch.matmul(frames.to(basis.dtype), basis).to(source.dtype).transpose(1, 2)
+        if ends is None:
+            return spectrum
+        return spectrum * ends.mask(spectrum.shape[2], self.hop_samples // hop, 1)
 
-    def inverse_stft(self, real: Tensor, imag: Tensor) -> Tensor:
+    def inverse_stft(self, real: Tensor, imag: Tensor, frames_valid: Tensor | None = None) -> Tensor:
         """`torch.istft(real + i·imag, n_fft, hop, window=Hann, center=True)`: real, imag (B, n_fft/2 + 1,
-        F) → (B, hop·(F − 1)).
+        F) → (B, hop·(F − 1)). `frames_valid` (B, 1, F): each row's own, of its valid frames (zero
+        after them, in `real` and `imag` too); its window envelope counts those frames alone.
 
         Inverse DFT as a matmul (float64, as `source_spectrum`) and overlap-add, without istft's check
         that the windows overlap enough, which waits for the device on every call (the periodic Hann
@@ -294,9 +374,14 @@ class HiFTGenerator(nn.Module):
         frames = torch.matmul(basis, torch.cat([real, imag], dim=1).to(basis.dtype)).to(real.dtype)
         signal = F.fold(frames, (1, length), (1, n_fft), stride=(1, hop))
         weights = self.stft_window.square()[None, :, None].expand(1, n_fft, count)
+        if frames_valid is not None:
+            weights = weights * frames_valid
         envelope = F.fold(weights, (1, length), (1, n_fft), stride=(1, hop))
         trim = slice(n_fft // 2, length - n_fft // 2)
-        return signal[:, 0, 0, trim] / envelope[:, 0, 0, trim]
+        if frames_valid is None:
+            return signal[:, 0, 0, trim] / envelope[:, 0, 0, trim]
+        # Past a row's frames both are zero: 0 there, not 0/0.
+        return signal[:, 0, 0, trim] / envelope[:, 0, 0, trim].clamp_min(1e-11)
 
 
 def _real_dft_bases(window: Tensor) -> tuple[Tensor, Tensor]:
@@ -343,188 +428,3 @@ def load_hift(path: Path, cfg: HiFTConfig, device: torch.device | str) -> HiFTGe
     load_strict(model, canonical_hift_state(load_checkpoint(path)), str(path))
     fold_weight_norm(model)
     return model.to(device).eval()
-
-
-class HiFTStream:
-    """Per-request vocoder state: chunks of mel in, final audio out (MODEL_FACTS §5.6).
-
-    Each call vocodes [the last 8 mel frames of the previous call, the new frames], restores the
-    previous call's last 3840 source samples over the re-synthesised frames, cross-fades the first 3840
-    samples with the held-back speech tail under a Hamming window, and holds back the last 3840 samples
-    unless `last`. Concatenating the outputs gives the utterance. As in the reference, every call starts
-    its sine phases afresh at its first (cached) frame, so on voiced frames the excitation changes
-    phase where the restored source ends, and only the first chunk's frames equal offline output.
-
-    The noise comes from the stream's own generator on the vocoder's device, so a stream's audio does
-    not depend on which streams share its batch. On the CPU, whose draws concatenate exactly, a seeded
-    stream on unvoiced frames reproduces the offline output with the same seed everywhere but near the
-    chunk joins (a CUDA generator rounds its offset per call, so there the noise differs from offline's).
-    """
-
-    def __init__(self, hift: HiFTGenerator, *, seed: int | None = None) -> None:
-        cfg = hift.cfg
-        if cfg.source_cache_samples != cfg.mel_cache_frames * hift.hop_samples:
-            raise ValueError(f"source_cache_samples {cfg.source_cache_samples} must equal mel_cache_frames "
-                             f"{cfg.mel_cache_frames} × {hift.hop_samples}")
-        self._hift: HiFTGenerator | None = hift
-        device = hift.stft_window.device
-        # On the vocoder's device: batches of many streams draw their noise without host work.
-        self._noise = torch.Generator(device)
-        if seed is None:
-            self._noise.seed()
-        else:
-            self._noise.manual_seed(seed)
-        self._mel: Tensor | None = None
-        self._source: Tensor | None = None
-        self._speech_tail: Tensor | None = None
-
-    @property
-    def nbytes(self) -> int:
-        cached = (self._mel, self._source, self._speech_tail)
-        return sum(t.nbytes for t in cached if t is not None)
-
-    @torch.inference_mode()
-    def process(self, mel: Tensor, last: bool) -> Tensor:
-        """mel (1, 80, F) → float32 (samples,) on the CPU; 480·F samples in total over the stream."""
-        return vocode_streams([self], [mel], [last])[0]
-
-    @property
-    def generator(self) -> HiFTGenerator:
-        """The vocoder this stream runs on; raises once the stream is closed."""
-        if self._hift is None:
-            raise RuntimeError("HiFTStream is closed")
-        return self._hift
-
-    def _cache(self) -> Tensor | None:
-        """The source samples the next call restores, if any."""
-        return self._source
-
-    def _next_input(self, mel: Tensor, last: bool) -> Tensor | None:
-        """[cached frames, mel] to vocode now, or None (and the stream closed) when there is nothing."""
-        hift = self.generator
-        cfg = hift.cfg
-        mel = mel.to(hift.stft_window.device, torch.float32)
-        if self._mel is not None:
-            mel = torch.cat([self._mel, mel], dim=2)
-        if mel.shape[2] == 0:
-            self.close()
-            return None
-        if not last and mel.shape[2] < cfg.mel_cache_frames:
-            raise ValueError(f"a non-final chunk needs at least {cfg.mel_cache_frames} mel frames "
-                             f"with the cache, got {mel.shape[2]}")
-        return mel
-
-    def _held_tail(self) -> Tensor:
-        """The speech samples held back from the previous call (there was one)."""
-        if self._speech_tail is None:
-            raise RuntimeError("no speech held back: the stream has not vocoded a chunk")
-        return self._speech_tail
-
-    def _keep(self, mel: Tensor, source: Tensor, speech_tail: Tensor) -> None:
-        """Hold the caches of a call that was not the last (one row each)."""
-        self._mel, self._source, self._speech_tail = mel, source, speech_tail
-
-    def close(self) -> None:
-        """Drop the caches; later `process` calls raise. Idempotent."""
-        self._hift = None
-        self._mel = self._source = self._speech_tail = None
-
-
-def _emit_rows(streams: Sequence[HiFTStream], lasts: Sequence[bool], mel: Tensor, out: Vocoded,
-               speech_tails: Tensor | None) -> list[Tensor]:
-    """The final audio of each row of one batched call (on the vocoder's device), all rows at once:
-    the first `source_cache_samples` cross-faded with the row's held-back tail (`speech_tails`, one row
-    each, None for first chunks) under the Hamming window; unless its stream's chunk is `last`, the row
-    holds back its last samples and keeps its caches (the last mel frames and source samples)."""
-    hift = streams[0].generator
-    overlap, frames = hift.cfg.source_cache_samples, hift.cfg.mel_cache_frames
-    speech = out.speech
-    if speech_tails is not None:
-        fade_in, fade_out = hift.crossfade.split(overlap)
-        faded = speech[:, :overlap] * fade_in + speech_tails * fade_out
-        speech = torch.cat([faded, speech[:, overlap:]], dim=1)
-    audio: list[Tensor] = []
-    if not all(lasts):
-        # Copies: the caches outlive this call's batch tensors.
-        mel_cache, source_cache = mel[:, :, -frames:].clone(), out.source[:, :, -overlap:].clone()
-        tail_cache = speech[:, -overlap:].clone()
-    for row, (stream, last) in enumerate(zip(streams, lasts, strict=True)):
-        if last:
-            stream.close()
-            audio.append(speech[row])
-            continue
-        stream._keep(mel_cache[row : row + 1], source_cache[row : row + 1], tail_cache[row])
-        audio.append(speech[row, :-overlap])
-    return audio
-
-
-class VocoderGraphs(Protocol):
-    """Runs `HiFTGenerator.vocode_with_noise` from CUDA graphs where it can (graphs.GraphedVocoder)."""
-
-    def vocode(self, mel: Tensor, cache_source: Tensor | None, noise: Tensor) -> Vocoded: ...
-
-
-class HostAudio:
-    """The audio of one `launch_vocode_streams` call on its way to the host (one copy for the batch):
-    `wait()` returns float32 (samples,) CPU audio per stream, empty for streams that produced none."""
-
-    def __init__(self, pieces: dict[int, Tensor], streams: int) -> None:
-        self._order = sorted(pieces)
-        self._sizes = [pieces[i].numel() for i in self._order]
-        self._streams = streams
-        joined = [pieces[i].float() for i in self._order]
-        self._download = Download(torch.cat(joined)) if joined else None
-
-    def wait(self) -> list[Tensor]:
-        if self._download is None:
-            return [torch.zeros(0) for _ in range(self._streams)]
-        audio = dict(zip(self._order, self._download.wait().split(self._sizes), strict=True))
-        return [audio.get(i, torch.zeros(0)) for i in range(self._streams)]
-
-
-def vocode_streams(
-    streams: Sequence[HiFTStream], mels: Sequence[Tensor], lasts: Sequence[bool],
-    graphs: VocoderGraphs | None = None,
-) -> list[Tensor]:
-    """`launch_vocode_streams`, waiting for its audio."""
-    return launch_vocode_streams(streams, mels, lasts, graphs).wait()
-
-
-@torch.inference_mode()
-def launch_vocode_streams(
-    streams: Sequence[HiFTStream], mels: Sequence[Tensor], lasts: Sequence[bool],
-    graphs: VocoderGraphs | None = None,
-) -> HostAudio:
-    """`HiFTStream.process` for distinct streams of one generator, without waiting for the device: the
-    streams' caches are updated as the work is queued, and the audio comes from `HostAudio.wait()`.
-
-    Streams whose inputs have equal shapes (chunk length with the cached frames, and whether a source
-    cache exists) share one batched generator call, from `graphs` where given; each row draws its noise
-    from its own stream's generator, so every stream gets exactly what it would alone.
-    """
-    if not len(streams) == len(mels) == len(lasts):
-        raise ValueError(f"{len(streams)} streams, {len(mels)} mels, {len(lasts)} flags")
-    pending: dict[int, Tensor] = {}
-    groups: dict[tuple[int, bool], list[int]] = {}
-    for index, (stream, mel, last) in enumerate(zip(streams, mels, lasts, strict=True)):
-        mel_in = stream._next_input(mel, last)
-        if mel_in is not None:
-            pending[index] = mel_in
-            groups.setdefault((mel_in.shape[2], stream._cache() is not None), []).append(index)
-    speech: dict[int, Tensor] = {}
-    for indices in groups.values():
-        members = [streams[i] for i in indices]
-        mel = torch.cat([pending[i] for i in indices])
-        caches = [cache for s in members if (cache := s._cache()) is not None]
-        source = torch.cat(caches) if caches else None
-        hift = members[0].generator
-        samples = mel.shape[2] * hift.hop_samples - (0 if source is None else source.shape[2])
-        noise = hift.draw_noise([s._noise for s in members], len(members), samples, mel.device)
-        if graphs is None:
-            out = hift.vocode_with_noise(mel, source, noise)
-        else:
-            out = graphs.vocode(mel, source, noise)
-        tails = None if source is None else torch.stack([s._held_tail() for s in members])
-        rows_audio = _emit_rows(members, [lasts[i] for i in indices], mel, out, tails)
-        speech.update(zip(indices, rows_audio, strict=True))
-    return HostAudio(speech, len(streams))

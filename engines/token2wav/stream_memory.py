@@ -1,7 +1,7 @@
 """The most device bytes one streaming DiT token2wav stream holds between its chunks (admission's bound).
 
-A stream's own state (flow_dit.DiTStream, hift.HiFTStream; the voice's prompt caches are shared and held
-once per voice) is, with itemsize the flow's dtype:
+A stream's own state (flow_dit.DiTStream, hift_stream.HiFTStream; the voice's prompt caches are shared
+and held once per voice) is, with itemsize the flow's dtype:
 
 - estimator keys/values of its own kept frames: u · own_max, u = steps · depth · 2 (guidance) · heads ·
   2 · head_dim · itemsize (640 KiB at full size in fp16, as solve_memory.py's u). Under the reference
@@ -19,8 +19,9 @@ At full size with the default voice (a 4 s clip: L_p = 200 frames) and 2048 toke
 above the 134–172 MiB per stream measured on an H100 (docs/benchmarks.md: those include the batches'
 working memory, but not utterances of 2048 tokens). The working memory of a chunk (the solve's
 transient tensors, the [own, chunk] cache before its trim) is the solve budget's (solve_memory.py), not
-this bound's. The vocoder's cached tails are rows of one small copy per call (hift.vocode_streams: the
-call's last mel frames, source and speech samples), not views of its outputs.
+this bound's. The vocoder's cached tails are rows of one small copy per call
+(hift_stream.vocode_streams: the call's last mel frames, source and speech samples), not views of its
+outputs.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ the requested dtype (fp16 on CUDA by default, as the reference), HiFT in fp32. A
 stream frees its tensors.
 
 `launch_chunks` batches: the DiT flow solves all the chunks as padded batches (flow_dit.DiTFlow.chunks,
-from CUDA graphs on CUDA) and HiFT vocodes equal-shaped chunks together (hift.launch_vocode_streams,
+from CUDA graphs on CUDA) and HiFT vocodes equal-shaped chunks together (hift_stream.launch_vocode_streams,
 from CUDA graphs for the chunk lengths of `graph_hops`); only the audio's copy to the host is waited
 for, by the caller, when it wants the audio. `warmup` captures the usual shapes before traffic.
 """
@@ -27,7 +27,8 @@ from engines.token2wav.dit_cache import CacheRule
 from engines.token2wav.flow_base import FlowModel, FlowSpeaker, FlowStream
 from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker, load_dit_flow
 from engines.token2wav.graphs import GraphedVocoder
-from engines.token2wav.hift import HiFTGenerator, HiFTStream, launch_vocode_streams, load_hift
+from engines.token2wav.hift import HiFTGenerator, load_hift
+from engines.token2wav.hift_stream import HiFTStream, launch_vocode_streams
 from engines.token2wav.stream_memory import stream_state_bytes
 from engines.voice import VoicePrompt
 
@@ -186,7 +187,8 @@ class TorchToken2Wav(Token2Wav):
     def warmup(self, speaker: SpeakerState, batches: Iterable[int] = WARMUP_BATCHES) -> None:
         """Before traffic: for each batch size, that many streams of `speaker` run the chunks of
         `graph_hops` and one steady-state hop in step, then a final chunk; then the encoder's graphs of
-        every chunk-token bucket at the history buckets those streams reached are captured. That
+        every chunk-token bucket at the history buckets those streams reached, and HiFT's graphs of
+        final chunks, are captured. That
         compiles and captures the shapes the schedule produces (for voices with prompts up to this
         one's bucket) and runs every kernel once.
         Largest batches first, so that the graphs' shared buffers are allocated at their final size.
@@ -206,8 +208,15 @@ class TorchToken2Wav(Token2Wav):
         if isinstance(self.flow, DiTFlow):
             self.flow.capture_encoder_graphs(batches)
             self.flow.seal_graphs()
-        if self.vocoder_graphs is not None:
-            self.vocoder_graphs.seal()
+        vocoder = self.vocoder_graphs
+        if vocoder is not None:
+            # Final chunks of any length: after a first chunk's frames (a segment shorter than one
+            # chunk, no cache), or after the cached frames of a later one.
+            first_final = TOKEN_MEL_RATIO * (self.graph_hops[0] + PRE_LOOKAHEAD - 1)
+            uncached = vocoder.final_call_frames(first_final, 0)
+            vocoder.capture(vocoder.final_shapes(0, max_frames=uncached)
+                            + vocoder.final_shapes(self.hift.cfg.source_cache_samples))
+            vocoder.seal()
 
     @torch.inference_mode()
     def offline(self, speaker: SpeakerState, tokens: torch.Tensor) -> torch.Tensor:

@@ -11,10 +11,12 @@ import torch
 import torch.nn.functional as F
 from reference import reference_manifest
 from torch.nn.utils import parametrize
+from weights import randomize
 
 from engines.checkpoints import CheckpointError, load_strict, read_manifest_tsv
 from engines.config import SAMPLES_PER_MEL_FRAME, HiFTConfig, ModelConfigs
-from engines.token2wav.hift import HiFTGenerator, HiFTStream, canonical_hift_state, load_hift
+from engines.token2wav.hift import HiFTGenerator, canonical_hift_state, load_hift
+from engines.token2wav.hift_stream import HiFTStream, vocode_streams
 
 MANIFEST = "cosyvoice2-0.5b.hift.pt.tsv"
 TINY = ModelConfigs.tiny().hift
@@ -268,3 +270,106 @@ def test_short_non_final_chunk_is_rejected(tiny_hift: HiFTGenerator) -> None:
     stream = HiFTStream(tiny_hift, seed=0)
     with pytest.raises(ValueError, match="at least 8 mel frames"):
         stream.process(torch.randn(1, 80, 5), last=False)
+
+
+# Padded and unpadded calls are equal in exact arithmetic, but kernels chosen by shape sum in other
+# orders, and these weights amplify the source's rounding ~200× (float32: up to ~1e-2 on outputs ~0.5,
+# a padded row's and an unpadded one's alike). In float64 that is ~1e-11; a padding error is ~1e-2.
+FLOAT64_ATOL = 1e-9
+
+
+def randomized_voiced_hift(seed: int) -> HiFTGenerator:
+    """A tiny HiFT with no zero or unit parameter (biases and Snake α random too) whose F0 varies around
+    150 Hz with the mel (a few frames unvoiced), in float64: what masked padding must get right and
+    synthetic weights (zero biases, unvoiced F0) would not show."""
+    torch.manual_seed(seed)
+    hift = HiFTGenerator(TINY).eval().double()
+    randomize(hift, seed)
+    with torch.no_grad():
+        for name, p in hift.named_parameters():
+            if name.endswith("alpha"):
+                p.copy_(0.5 + p.abs())
+        hift.f0_predictor.classifier.weight.mul_(300.0)
+        hift.f0_predictor.classifier.bias.fill_(150.0)
+    return hift
+
+
+@pytest.mark.parametrize("cached_frames", [0, TINY.mel_cache_frames])
+def test_right_padded_rows_equal_each_row_alone(cached_frames: int) -> None:
+    """A batch of rows right-padded (with garbage) to one length, given each row's frames: each row's
+    speech and source equal the row vocoded alone at its own length, and are zero after it."""
+    hift = randomized_voiced_hift(seed=4)
+    hop = SAMPLES_PER_MEL_FRAME
+    lengths = [cached_frames + 2, cached_frames + 13, 40, cached_frames + 27]
+    padded_frames = 40
+    generator = torch.Generator().manual_seed(5)
+    f64 = torch.float64
+    mels = [torch.randn(1, 80, n, generator=generator, dtype=f64) for n in lengths]
+    caches = [torch.randn(1, 1, cached_frames * hop, generator=generator, dtype=f64).tanh() for _ in lengths]
+    noises = [torch.randn(1, (n - cached_frames) * hop, hift.num_harmonics, generator=generator, dtype=f64)
+              for n in lengths]
+    pad = padded_frames - torch.tensor(lengths)
+    mel = torch.cat([torch.cat([m, 5 * torch.randn(1, 80, int(p), generator=generator, dtype=f64)], 2)
+                     for m, p in zip(mels, pad, strict=True)])
+    noise = torch.cat([torch.cat([z, torch.randn(1, int(p) * hop, z.shape[2], generator=generator,
+                                                 dtype=f64)], 1)
+                       for z, p in zip(noises, pad, strict=True)])
+    with torch.no_grad():
+        f0 = hift.f0_predictor(mel)
+        out = hift.vocode_with_noise(mel, torch.cat(caches) if cached_frames else None, noise,
+                                     torch.tensor(lengths))
+        alone = [hift.vocode_with_noise(m, c if cached_frames else None, z)
+                 for m, c, z in zip(mels, caches, noises, strict=True)]
+    assert float((f0 > 80).float().mean()) > 0.75 and float(f0.std()) > 5  # mostly voiced, pitch moving
+    assert all(bool(p.detach().abs().min() > 0) for n, p in hift.named_parameters() if n.endswith("bias"))
+    for row, (n, want) in enumerate(zip(lengths, alone, strict=True)):
+        torch.testing.assert_close(out.speech[row, : n * hop], want.speech[0], atol=FLOAT64_ATOL, rtol=0)
+        torch.testing.assert_close(out.source[row, :, : n * hop], want.source[0], atol=FLOAT64_ATOL, rtol=0)
+        assert not bool(out.speech[row, n * hop:].any()) and not bool(out.source[row, :, n * hop:].any())
+
+
+class PaddingVocoder:
+    """The bucket rule of graphs.GraphedVocoder for final chunks, run eagerly (CUDA graphs need a GPU;
+    they are checked against eager there): the stream batching of padded rows on the CPU."""
+
+    def __init__(self, hift: HiFTGenerator, buckets: tuple[int, ...]) -> None:
+        self.hift = hift
+        self.buckets = buckets
+        self.padded_calls = 0
+
+    def final_call_frames(self, frames: int, cached: int) -> int:
+        return next((b for b in self.buckets if b >= frames), frames)
+
+    def vocode(self, mel: torch.Tensor, cache_source: torch.Tensor | None, noise: torch.Tensor,
+               frames: torch.Tensor | None = None):
+        self.padded_calls += frames is not None
+        return self.hift.vocode_with_noise(mel, cache_source, noise, frames)
+
+
+def test_final_chunks_padded_to_buckets_give_each_stream_its_own_audio() -> None:
+    """Streams whose final chunks differ in length (one a whole utterance, one flushing an empty chunk)
+    vocoded together with final chunks padded to buckets: every stream's audio equals what unpadded
+    calls give it."""
+    hift = randomized_voiced_hift(seed=6)
+    plans = [[30, 13], [30, 21], [30, 50, 3], [17], [30, 0], [9]]
+    generator = torch.Generator().manual_seed(7)
+    mels = [[torch.randn(1, 80, n, generator=generator, dtype=torch.float64) for n in plan] for plan in plans]
+
+    def run(graphs: PaddingVocoder | None) -> list[torch.Tensor]:
+        streams = [HiFTStream(hift, seed=10 + i) for i in range(len(plans))]
+        pieces: list[list[torch.Tensor]] = [[] for _ in plans]
+        for step in range(max(len(plan) for plan in plans)):
+            active = [i for i, plan in enumerate(plans) if step < len(plan)]
+            audio = vocode_streams([streams[i] for i in active], [mels[i][step] for i in active],
+                                   [step == len(plans[i]) - 1 for i in active], graphs)
+            for i, piece in zip(active, audio, strict=True):
+                pieces[i].append(piece)
+        return [torch.cat(p) for p in pieces]
+
+    padding = PaddingVocoder(hift, buckets=(16, 32, 48, 64))
+    with torch.no_grad():
+        want, got = run(None), run(padding)
+    assert padding.padded_calls >= 2
+    for plan, w, g in zip(plans, want, got, strict=True):
+        assert g.numel() == sum(plan) * SAMPLES_PER_MEL_FRAME
+        torch.testing.assert_close(g, w, atol=FLOAT64_ATOL, rtol=0)

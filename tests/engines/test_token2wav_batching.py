@@ -466,7 +466,43 @@ def test_backend_with_cuda_graphs_equals_eager() -> None:
                 pieces[i].append(piece)
         audio.append([torch.cat(p) for p in pieces])
         if graphs:
-            assert backend.vocoder_graphs is not None and backend.vocoder_graphs.shapes
+            assert backend.vocoder_graphs is not None
+            assert any(shape.padded for shape in backend.vocoder_graphs.shapes)  # final chunks, masked
+    for eager, graphed in zip(*audio, strict=True):
+        torch.testing.assert_close(graphed, eager, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_warm_up_captures_the_final_chunk_graphs() -> None:
+    """After the warm-up, final chunks of lengths it never ran (every plan's) come from its padded HiFT
+    graphs, no new capture, and each stream's audio is what the eager backend gives it."""
+    streams = plans()
+    chunks = [plan.chunks() for plan in streams]
+    audio = []
+    for graphs in (False, True):
+        torch.manual_seed(0)
+        flow, hift = DiTFlow(CONFIGS.dit_flow).eval(), HiFTGenerator(CONFIGS.hift).eval()
+        randomize(flow, seed=3)
+        backend = TorchToken2Wav(flow.cuda(), hift.cuda(), vocoder_seed=5, cuda_graphs=graphs,
+                                 graph_hops=(4, 10))
+        voices = [backend.prepare_speaker(make_voice(1, 12)), backend.prepare_speaker(make_voice(2, 7))]
+        if graphs:
+            backend.warmup(voices[0], batches=(4, 2, 1))
+            vocoder = backend.vocoder_graphs
+            assert vocoder is not None
+            captured = set(vocoder.shapes)
+            assert {s.frames for s in captured if s.padded and s.cached} == set(vocoder.final_frames)
+        opened = [backend.open_stream(voices[plan.voice]) for plan in streams]
+        pieces: list[list[torch.Tensor]] = [[] for _ in streams]
+        for active in rounds(chunks):
+            k = len(pieces[active[0]])
+            jobs = [ChunkJob(opened[i], *chunks[i][k]) for i in active]
+            for i, piece in zip(active, backend.run_chunks(jobs), strict=True):
+                pieces[i].append(piece)
+        audio.append([torch.cat(p) for p in pieces])
+        if graphs:
+            assert set(vocoder.shapes) == captured
     for eager, graphed in zip(*audio, strict=True):
         torch.testing.assert_close(graphed, eager, atol=ATOL, rtol=RTOL)
 

@@ -419,8 +419,8 @@ class GraphedVocoder(_ShapeGraphs[VocodeShape, _VocoderInputs, Vocoded]):
     chunks: (mel frames, cached source samples) pairs to serve from graphs, e.g. a first chunk of 30
     frames without cache and later chunks of 8 + 50 frames after a 3840-sample cache; batches: row
     buckets. Final chunks of other lengths are padded to the next of `final_frames` and run from masked
-    graphs, for batches of at most `max_row_frames` rows × frames (default: that of the largest chunk
-    graph, so their shared pool does not grow), eagerly at the padded length beyond. Graphs are
+    graphs of at most `max_row_frames` rows × frames (default: that of the largest chunk graph, so their
+    shared pool does not grow); more rows run in parts. Graphs are
     captured on first use (or by `capture`, before `seal`); outputs are returned as copies.
     """
 
@@ -455,11 +455,12 @@ class GraphedVocoder(_ShapeGraphs[VocodeShape, _VocoderInputs, Vocoded]):
         rows, _, length = mel.shape
         cached = 0 if cache_source is None else cache_source.shape[2]
         batch = round_up(rows, self.batches)
-        padded = frames is not None
-        graphed = batch is not None and (batch * length <= self.max_row_frames if padded
-                                         else (length, cached) in self.chunks)
+        if frames is not None and (batch is None or batch * length > self.max_row_frames):
+            return self._vocode_in_parts(mel, cache_source, noise, frames)
+        graphed = batch is not None and (frames is not None or (length, cached) in self.chunks)
         if batch is None or not graphed:
             return self.hift.vocode_with_noise(mel, cache_source, noise, frames)
+        padded = frames is not None
         shape = VocodeShape(batch, length, cached, padded)
         if not self.covers(shape):
             return self.hift.vocode_with_noise(mel, cache_source, noise, frames)
@@ -472,6 +473,19 @@ class GraphedVocoder(_ShapeGraphs[VocodeShape, _VocoderInputs, Vocoded]):
             inputs.frames[:rows].copy_(frames)
         out = self.run(shape)
         return Vocoded(out.speech[:rows].clone(), out.source[:rows].clone())
+
+    def _vocode_in_parts(self, mel: torch.Tensor, cache_source: torch.Tensor | None, noise: torch.Tensor,
+                         frames: torch.Tensor) -> Vocoded:
+        """Padded rows beyond the graphs' rows × frames, in parts of the largest row bucket that fits
+        (eagerly where none does)."""
+        length = mel.shape[2]
+        part = max((b for b in self.batches if b * length <= self.max_row_frames), default=None)
+        if part is None:
+            return self.hift.vocode_with_noise(mel, cache_source, noise, frames)
+        outs = [self.vocode(mel[i : i + part], None if cache_source is None else cache_source[i : i + part],
+                            noise[i : i + part], frames[i : i + part])
+                for i in range(0, mel.shape[0], part)]
+        return Vocoded(torch.cat([o.speech for o in outs]), torch.cat([o.source for o in outs]))
 
     def _capture(self, shape: VocodeShape) -> _Graph[_VocoderInputs, Vocoded]:
         hift, b, f32 = self.hift, shape.batch, torch.float32

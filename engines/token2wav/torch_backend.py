@@ -21,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from engines.config import PRE_LOOKAHEAD, TOKEN_MEL_RATIO, ModelPaths, configs_for_models_dir
+from engines.config import PRE_LOOKAHEAD, TOKEN_MEL_RATIO, HiFTConfig, ModelPaths, configs_for_models_dir
 from engines.token2wav.base import ChunkJob, LaunchedChunks, SpeakerState, Token2Wav, Token2WavStream
 from engines.token2wav.dit_cache import CacheRule
 from engines.token2wav.flow_base import FlowModel, FlowSpeaker, FlowStream
@@ -43,6 +43,13 @@ FLOW_GRAPH_BATCHES = (2, 4, 8, 16, 32, 64)
 # HiFT graphs up to the largest token2wav batch: eagerly, a 64-row HiFT call launches ~1000 kernels
 # from Python, which under load costs more than its GPU time. Their shared pool holds a few GiB.
 VOCODER_GRAPH_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def vocoder_graph_chunks(cfg: HiFTConfig, hops: Sequence[int]) -> list[tuple[int, int]]:
+    """HiFT's (mel frames, cached source samples) for chunks of `hops` tokens: first chunks without a
+    cache, later ones after the cached frames."""
+    frames = [TOKEN_MEL_RATIO * hop for hop in hops]
+    return [(f, 0) for f in frames] + [(f + cfg.mel_cache_frames, cfg.source_cache_samples) for f in frames]
 
 
 @dataclass(frozen=True, eq=False)
@@ -92,11 +99,8 @@ class TorchToken2Wav(Token2Wav):
         if cuda_graphs and self.device.type == "cuda":
             if isinstance(flow, DiTFlow) and flow.batches_streams:
                 flow.enable_cuda_graphs(dataclasses.replace(flow.buckets, batch=FLOW_GRAPH_BATCHES))
-            cfg = hift.cfg
-            frames = [TOKEN_MEL_RATIO * hop for hop in self.graph_hops]
-            chunks = [(f, 0) for f in frames] + [(f + cfg.mel_cache_frames, cfg.source_cache_samples)
-                                                 for f in frames]
-            self.vocoder_graphs = GraphedVocoder(self.hift, chunks, VOCODER_GRAPH_BATCHES)
+            self.vocoder_graphs = GraphedVocoder(self.hift, vocoder_graph_chunks(hift.cfg, self.graph_hops),
+                                                 VOCODER_GRAPH_BATCHES)
 
     @staticmethod
     def from_models_dir(

@@ -15,6 +15,7 @@ from weights import randomize
 
 from engines.checkpoints import CheckpointError, load_strict, read_manifest_tsv
 from engines.config import SAMPLES_PER_MEL_FRAME, HiFTConfig, ModelConfigs
+from engines.token2wav.graphs import GraphedVocoder
 from engines.token2wav.hift import HiFTGenerator, canonical_hift_state, load_hift
 from engines.token2wav.hift_stream import HiFTStream, vocode_streams
 
@@ -373,3 +374,32 @@ def test_final_chunks_padded_to_buckets_give_each_stream_its_own_audio() -> None
     for plan, w, g in zip(plans, want, got, strict=True):
         assert g.numel() == sum(plan) * SAMPLES_PER_MEL_FRAME
         torch.testing.assert_close(g, w, atol=FLOAT64_ATOL, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_padded_final_chunk_graphs_give_each_row_its_own_audio() -> None:
+    """On CUDA: final chunks padded to a length bucket, run from the masked graphs in parts (more rows ×
+    frames than one graph may hold), give each row what an eager call at its own length gives it."""
+    torch.manual_seed(3)
+    hift = HiFTGenerator(TINY).eval().cuda()
+    cached = TINY.source_cache_samples
+    graphs = GraphedVocoder(hift, [(20, 0)], batches=(1, 2, 4), final_frames=(16, 32, 48), max_row_frames=64)
+    lengths = [9, 14, 30, 12, 16]
+    bucket = graphs.final_call_frames(max(lengths), cached)
+    assert bucket == 32
+    hop = SAMPLES_PER_MEL_FRAME
+    generator = torch.Generator("cuda").manual_seed(4)
+    mels = [torch.randn(1, 80, n, device="cuda", generator=generator) for n in lengths]
+    sources = [torch.randn(1, 1, cached, device="cuda", generator=generator).tanh() for _ in lengths]
+    noises = [torch.randn(1, n * hop - cached, hift.num_harmonics, device="cuda", generator=generator)
+              for n in lengths]
+    mel = torch.cat([F.pad(m, (0, bucket - n)) for m, n in zip(mels, lengths, strict=True)])
+    noise = torch.cat([F.pad(z, (0, 0, 0, (bucket - n) * hop)) for z, n in zip(noises, lengths, strict=True)])
+    with torch.inference_mode():
+        out = graphs.vocode(mel, torch.cat(sources), noise, torch.tensor(lengths, device="cuda"))
+        alone = [hift.vocode_with_noise(m, s, z) for m, s, z in zip(mels, sources, noises, strict=True)]
+    assert {shape.batch for shape in graphs.shapes} == {2, 1}  # parts of two rows, then one
+    for row, (n, want) in enumerate(zip(lengths, alone, strict=True)):
+        torch.testing.assert_close(out.speech[row, : n * hop], want.speech[0], atol=1e-4, rtol=1e-4)
+        assert not bool(out.speech[row, n * hop:].any())

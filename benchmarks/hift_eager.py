@@ -31,6 +31,7 @@ from engines.config import ModelPaths, configs_for_models_dir
 from engines.token2wav.graphs import GraphedVocoder
 from engines.token2wav.hift import HiFTGenerator, load_hift
 from engines.token2wav.torch_backend import GRAPH_HOPS, VOCODER_GRAPH_BATCHES, vocoder_graph_chunks
+from engines.transfer import upload
 
 Call = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], object]
 
@@ -56,12 +57,12 @@ def padded_call(hift: HiFTGenerator, graphs: GraphedVocoder) -> Call:
     def call(mel: torch.Tensor, source: torch.Tensor | None, noise: torch.Tensor) -> object:
         rows, _, frames = mel.shape
         cached = 0 if source is None else source.shape[2]
-        bucket = graphs.final_call_frames(frames, cached)
-        pad = (bucket - frames) * hift.hop_samples
+        bucket = graphs.final_bucket(frames, cached)
+        if bucket is None:
+            return graphs.vocode(mel, source, noise)
         mel = torch.nn.functional.pad(mel, (0, bucket - frames))
-        noise = torch.nn.functional.pad(noise, (0, 0, 0, pad))
-        lengths = torch.full((rows,), frames, dtype=torch.int64).pin_memory().cuda(non_blocking=True)
-        return graphs.vocode(mel, source, noise, lengths if bucket != frames else None)
+        noise = torch.nn.functional.pad(noise, (0, 0, 0, (bucket - frames) * hift.hop_samples))
+        return graphs.vocode(mel, source, noise, upload(torch.full((rows,), frames), mel.device))
 
     return call
 

@@ -436,19 +436,21 @@ class GraphedVocoder(_ShapeGraphs[VocodeShape, _VocoderInputs, Vocoded]):
         self.max_row_frames = (max(batches) * max(frames for frames, _ in self.chunks)
                                if max_row_frames is None else max_row_frames)
 
-    def final_call_frames(self, frames: int, cached: int) -> int:
+    def final_bucket(self, frames: int, cached: int) -> int | None:
         if (frames, cached) in self.chunks:
-            return frames
-        return next((bucket for bucket in self.final_frames if bucket >= frames), frames)
+            return None
+        return next((bucket for bucket in self.final_frames if bucket >= frames), None)
 
     def final_shapes(self, cached: int, max_frames: int | None = None) -> list[VocodeShape]:
         """The padded final-chunk shapes after `cached` source samples (up to `max_frames`) that graphs
         serve: what the warm-up captures."""
         least = cached // self.hift.hop_samples
         most = self.final_frames[-1] if max_frames is None else max_frames
-        return [VocodeShape(batch, frames, cached, padded=True)
-                for frames in self.final_frames if least < frames <= most
-                for batch in self.batches if batch * frames <= self.max_row_frames]
+        shapes = [VocodeShape(batch, frames, cached, padded=True)
+                  for frames in self.final_frames if least < frames <= most
+                  for batch in self.batches if batch * frames <= self.max_row_frames]
+        # Largest first: a capture's working memory then fits in the blocks the pool already holds.
+        return sorted(shapes, key=lambda shape: shape.batch * shape.frames, reverse=True)
 
     def vocode(self, mel: torch.Tensor, cache_source: torch.Tensor | None, noise: torch.Tensor,
                frames: torch.Tensor | None = None) -> Vocoded:
@@ -487,7 +489,10 @@ class GraphedVocoder(_ShapeGraphs[VocodeShape, _VocoderInputs, Vocoded]):
                 for i in range(0, mel.shape[0], part)]
         return Vocoded(torch.cat([o.speech for o in outs]), torch.cat([o.source for o in outs]))
 
+    @torch.inference_mode()
     def _capture(self, shape: VocodeShape) -> _Graph[_VocoderInputs, Vocoded]:
+        """In inference mode, as every call runs (launch_vocode_streams): the warm-up run then keeps no
+        autograd history alive through the static outputs, and the arena's tensors are of one kind."""
         hift, b, f32 = self.hift, shape.batch, torch.float32
         samples = shape.frames * hift.hop_samples
         mel = self._arena.view("mel", (b, hift.cfg.in_channels, shape.frames), f32)

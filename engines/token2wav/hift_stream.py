@@ -134,9 +134,9 @@ def _emit_rows(streams: Sequence[HiFTStream], lasts: Sequence[bool], mel: Tensor
 class VocoderGraphs(Protocol):
     """Runs `HiFTGenerator.vocode_with_noise` from CUDA graphs where it can (graphs.GraphedVocoder)."""
 
-    def final_call_frames(self, frames: int, cached: int) -> int:
-        """The mel frames to vocode a final chunk of `frames` (after `cached` source samples) at: its
-        own, or a longer bucket that a graph serves, the row right-padded and masked."""
+    def final_bucket(self, frames: int, cached: int) -> int | None:
+        """The mel frames (at least `frames`) that a final chunk of `frames` after `cached` source
+        samples is right-padded to for a masked graph, or None to vocode it at its own length."""
         ...
 
     def vocode(self, mel: Tensor, cache_source: Tensor | None, noise: Tensor,
@@ -202,10 +202,10 @@ def launch_vocode_streams(
             continue
         pending[index] = mel_in
         cache = stream._cache()
-        own_frames = call_frames = mel_in.shape[2]
+        bucket = None
         if last and graphs is not None:
-            call_frames = graphs.final_call_frames(own_frames, 0 if cache is None else cache.shape[2])
-        key = _CallKey(call_frames, cache is not None, padded=call_frames != own_frames)
+            bucket = graphs.final_bucket(mel_in.shape[2], 0 if cache is None else cache.shape[2])
+        key = _CallKey(mel_in.shape[2] if bucket is None else bucket, cache is not None, bucket is not None)
         groups.setdefault(key, []).append(index)
     speech: dict[int, Tensor] = {}
     for key, indices in groups.items():

@@ -217,7 +217,7 @@ class TorchToken2Wav(Token2Wav):
             # Final chunks of any length: after a first chunk's frames (a segment shorter than one
             # chunk, no cache), or after the cached frames of a later one.
             first_final = TOKEN_MEL_RATIO * (self.graph_hops[0] + PRE_LOOKAHEAD - 1)
-            uncached = vocoder.final_call_frames(first_final, 0)
+            uncached = vocoder.final_bucket(first_final, 0) or first_final
             vocoder.capture(vocoder.final_shapes(0, max_frames=uncached)
                             + vocoder.final_shapes(self.hift.cfg.source_cache_samples))
             vocoder.seal()

@@ -277,6 +277,7 @@ def test_short_non_final_chunk_is_rejected(tiny_hift: HiFTGenerator) -> None:
 # orders, and these weights amplify the source's rounding ~200× (float32: up to ~1e-2 on outputs ~0.5,
 # a padded row's and an unpadded one's alike). In float64 that is ~1e-11; a padding error is ~1e-2.
 FLOAT64_ATOL = 1e-9
+FLOAT32_ULP = 6e-8  # of samples within ±1: a float64 difference far below it may still round apart
 
 
 def randomized_voiced_hift(seed: int) -> HiFTGenerator:
@@ -338,8 +339,8 @@ class PaddingVocoder:
         self.buckets = buckets
         self.padded_calls = 0
 
-    def final_call_frames(self, frames: int, cached: int) -> int:
-        return next((b for b in self.buckets if b >= frames), frames)
+    def final_bucket(self, frames: int, cached: int) -> int | None:
+        return next((b for b in self.buckets if b >= frames), None)
 
     def vocode(self, mel: torch.Tensor, cache_source: torch.Tensor | None, noise: torch.Tensor,
                frames: torch.Tensor | None = None):
@@ -352,7 +353,7 @@ def test_final_chunks_padded_to_buckets_give_each_stream_its_own_audio() -> None
     vocoded together with final chunks padded to buckets: every stream's audio equals what unpadded
     calls give it."""
     hift = randomized_voiced_hift(seed=6)
-    plans = [[30, 13], [30, 21], [30, 50, 3], [17], [30, 0], [9]]
+    plans = [[30, 13], [30, 21], [30, 50, 3], [17], [30, 0], [9], [30, 24]]  # the last fills its bucket
     generator = torch.Generator().manual_seed(7)
     mels = [[torch.randn(1, 80, n, generator=generator, dtype=torch.float64) for n in plan] for plan in plans]
 
@@ -373,7 +374,7 @@ def test_final_chunks_padded_to_buckets_give_each_stream_its_own_audio() -> None
     assert padding.padded_calls >= 2
     for plan, w, g in zip(plans, want, got, strict=True):
         assert g.numel() == sum(plan) * SAMPLES_PER_MEL_FRAME
-        torch.testing.assert_close(g, w, atol=FLOAT64_ATOL, rtol=0)
+        torch.testing.assert_close(g, w, atol=FLOAT32_ULP, rtol=0)  # the streams' audio is float32
 
 
 @pytest.mark.gpu
@@ -386,7 +387,7 @@ def test_padded_final_chunk_graphs_give_each_row_its_own_audio() -> None:
     cached = TINY.source_cache_samples
     graphs = GraphedVocoder(hift, [(20, 0)], batches=(1, 2, 4), final_frames=(16, 32, 48), max_row_frames=64)
     lengths = [9, 14, 30, 12, 16]
-    bucket = graphs.final_call_frames(max(lengths), cached)
+    bucket = graphs.final_bucket(max(lengths), cached)
     assert bucket == 32
     hop = SAMPLES_PER_MEL_FRAME
     generator = torch.Generator("cuda").manual_seed(4)
@@ -401,5 +402,6 @@ def test_padded_final_chunk_graphs_give_each_row_its_own_audio() -> None:
         alone = [hift.vocode_with_noise(m, s, z) for m, s, z in zip(mels, sources, noises, strict=True)]
     assert {shape.batch for shape in graphs.shapes} == {2, 1}  # parts of two rows, then one
     for row, (n, want) in enumerate(zip(lengths, alone, strict=True)):
-        torch.testing.assert_close(out.speech[row, : n * hop], want.speech[0], atol=1e-4, rtol=1e-4)
+        # cuDNN picks its kernels (TF32 by default) by shape: ~1e-4 apart on samples ~0.05.
+        torch.testing.assert_close(out.speech[row, : n * hop], want.speech[0], atol=5e-4, rtol=1e-3)
         assert not bool(out.speech[row, n * hop:].any())

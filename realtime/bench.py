@@ -234,7 +234,17 @@ class Player:
         self.buffered_s += seconds
 
 
-async def run_stream(ws: ClientConnection, index: int, tokens: int, voice: str) -> StreamResult:
+def request_tokens(tokens: int, spread: float, index: int) -> int:
+    """Speech tokens of request `index`: `tokens`, or with `spread` drawn uniformly within ±spread of it
+    (seeded by the index, so both sides of an A/B get the same lengths): utterances, and so the final
+    chunks that end them, of many lengths, as real traffic has."""
+    if not spread:
+        return tokens
+    return max(1, round(tokens * random.Random(index).uniform(1 - spread, 1 + spread)))
+
+
+async def run_stream(ws: ClientConnection, index: int, tokens: int, voice: str,
+                     spread: float = 0.0) -> StreamResult:
     """Speak one text on an open socket and measure it."""
     result = StreamResult()
     context = f"s{index}"
@@ -242,7 +252,7 @@ async def run_stream(ws: ClientConnection, index: int, tokens: int, voice: str) 
     try:
         await ws.send(json.dumps({"type": "start", "context_id": context, "voice": voice,
                                   "sample_rate": SAMPLE_RATE, "encoding": "pcm_s16le",
-                                  "fixed_length": tokens, "seed": index}))
+                                  "fixed_length": request_tokens(tokens, spread, index), "seed": index}))
         sent = time.perf_counter()
         text = TEXTS[index % len(TEXTS)]
         await ws.send(json.dumps({"type": "text", "context_id": context, "text": text}))
@@ -274,7 +284,8 @@ async def run_stream(ws: ClientConnection, index: int, tokens: int, voice: str) 
     return result
 
 
-async def run_streams(url: str, streams: int, tokens: int, voice: str) -> list[StreamResult]:
+async def run_streams(url: str, streams: int, tokens: int, voice: str,
+                      spread: float = 0.0) -> list[StreamResult]:
     """Open every socket first, then start all streams in the same instant.
 
     Voice agents keep their socket open across utterances, so the handshakes are not part of a
@@ -286,7 +297,7 @@ async def run_streams(url: str, streams: int, tokens: int, voice: str) -> list[S
     )
     try:
         return list(await asyncio.gather(*(
-            run_stream(ws, i, tokens, voice) if isinstance(ws, ClientConnection) else _failed(ws)
+            run_stream(ws, i, tokens, voice, spread) if isinstance(ws, ClientConnection) else _failed(ws)
             for i, ws in enumerate(sockets)
         )))
     finally:
@@ -340,7 +351,7 @@ async def sample_metrics(http_url: str, into: list[dict[str, float]], period_s: 
         await asyncio.sleep(period_s)
 
 
-async def run_level(url: str, streams: int, tokens: int, voice: str) -> LevelResult:
+async def run_level(url: str, streams: int, tokens: int, voice: str, spread: float = 0.0) -> LevelResult:
     http_url = http_base(url)
     before = await scrape(http_url)
     samples: list[dict[str, float]] = []
@@ -348,7 +359,7 @@ async def run_level(url: str, streams: int, tokens: int, voice: str) -> LevelRes
     start = time.perf_counter()
     try:
         async with GpuSampler() as gpus:
-            results = await run_streams(url, streams, tokens, voice)
+            results = await run_streams(url, streams, tokens, voice, spread)
     finally:
         sampler.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -405,7 +416,7 @@ class StaggeredResult:
 
 
 async def run_staggered(url: str, fraction: float, capacity: int, duration_s: float, tokens: int,
-                        voice: str, seed: int = 0) -> StaggeredResult:
+                        voice: str, seed: int = 0, spread: float = 0.0) -> StaggeredResult:
     """Poisson arrivals at `fraction` × `capacity` concurrent listeners for `duration_s`; each arrival
     opens its own socket (timed from its request, as in `run_stream`) and closes it when done."""
     audio_s = tokens / 25
@@ -421,7 +432,7 @@ async def run_staggered(url: str, fraction: float, capacity: int, duration_s: fl
                 in_flight += 1
                 most = max(most, in_flight)
                 try:
-                    return await run_stream(ws, index, tokens, voice)
+                    return await run_stream(ws, index, tokens, voice, spread)
                 finally:
                     in_flight -= 1
         except (TimeoutError, OSError, websockets.WebSocketException) as exc:
@@ -571,11 +582,11 @@ class Measured:
 
 async def run_levels(url: str, levels: Sequence[int], tokens: int, voice: str, search: bool,
                      search_max: int, staggered: Sequence[float] = (), staggered_s: float = 30.0,
-                     capacity: int | None = None, search_repeats: int = 1) -> Measured:
+                     capacity: int | None = None, search_repeats: int = 1, spread: float = 0.0) -> Measured:
     await run_level(url, 1, tokens, voice)  # warm-up: first requests pay for lazy initialisation
     measured = Measured([])
     for n in levels:
-        result = await run_level(url, n, tokens, voice)
+        result = await run_level(url, n, tokens, voice, spread)
         print("\n".join(format_level(result)), flush=True)
         measured.levels.append(result)
     if search:
@@ -584,13 +595,13 @@ async def run_levels(url: str, levels: Sequence[int], tokens: int, voice: str, s
         dirty = [r.streams for r in results if r.underrun_streams or r.errors]
         low = max(clean, default=1)
         high = min(dirty, default=search_max) - (1 if dirty else 0)
-        measured.best = await largest_without_underrun(lambda n: run_level(url, n, tokens, voice), low,
-                                                       max(low, high), search_repeats)
+        measured.best = await largest_without_underrun(
+            lambda n: run_level(url, n, tokens, voice, spread), low, max(low, high), search_repeats)
         print(f"  largest burst with no underrun: {measured.best}", flush=True)
     base = capacity or measured.best
     for fraction in staggered if base else ():
         assert base is not None
-        load = await run_staggered(url, fraction, base, staggered_s, tokens, voice)
+        load = await run_staggered(url, fraction, base, staggered_s, tokens, voice, spread=spread)
         print(format_staggered("", [load]).splitlines()[-1], flush=True)
         measured.staggered.append(load)
     return measured
@@ -602,6 +613,7 @@ class BenchOptions:
 
     streams: tuple[int, ...] = (1, 4, 16, 64, 128)
     tokens: int = 250  # speech tokens per request: 10 s of audio
+    tokens_spread: float = 0.0  # requests' tokens uniform within ±this fraction of `tokens`
     voice: str = "default"
     url: str | None = None  # a running server; otherwise spawn one from `models`
     models: Path | None = None
@@ -624,6 +636,8 @@ class BenchOptions:
             raise ValueError(f"baseline stream counts must be positive, got {self.baseline_streams}")
         if self.tokens < 1:
             raise ValueError(f"tokens must be positive, got {self.tokens}")
+        if not 0 <= self.tokens_spread < 1:
+            raise ValueError(f"tokens_spread is a fraction in [0, 1), got {self.tokens_spread}")
         if self.search_repeats < 1:
             raise ValueError(f"search_repeats must be positive, got {self.search_repeats}")
         if any(not 0 < f <= 4 for f in self.staggered):
@@ -637,12 +651,14 @@ class BenchOptions:
 def run(options: BenchOptions) -> int:
     """Run the benchmark, print the tables and write the JSON report."""
     o = options
-    report: dict[str, object] = {"tokens_per_request": o.tokens, "audio_s_per_request": o.tokens / 25,
+    report: dict[str, object] = {"tokens_per_request": o.tokens, "tokens_spread": o.tokens_spread,
+                                 "audio_s_per_request": o.tokens / 25,
                                  "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
     def measure(url: str) -> Measured:
         return asyncio.run(run_levels(url, o.streams, o.tokens, o.voice, o.search, o.search_max,
-                                      o.staggered, o.staggered_s, o.capacity, o.search_repeats))
+                                      o.staggered, o.staggered_s, o.capacity, o.search_repeats,
+                                      o.tokens_spread))
 
     if o.url:
         ours = measure(o.url)
@@ -661,7 +677,7 @@ def run(options: BenchOptions) -> int:
         if o.baseline:
             with spawned_server(o.models, (*server_args, "--baseline")) as url:
                 base = asyncio.run(run_levels(url, o.baseline_streams or o.streams, o.tokens, o.voice, False,
-                                              o.search_max))
+                                              o.search_max, spread=o.tokens_spread))
             report["baseline"] = base.report()
             print(format_table("\nbaseline (no cross-request batching)", base.levels))
             print(format_ratio(ours.levels, base.levels))

@@ -127,6 +127,7 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         token2wav_memory_margin_gib=args.token2wav_memory_margin_gib,
         first_chunk_hold=FirstChunkHold(args.first_chunk_gap_ms / 1000, args.first_chunk_hold_ms / 1000),
         token2wav_call_tokens=args.token2wav_call_tokens or None,
+        final_chunk_graphs=args.final_chunk_graphs,
         urgent_chunk_calls=args.urgent_chunk_calls,
         token2wav_workers=BASELINE_TOKEN2WAV_WORKERS if args.baseline else 1,
         llm_pacing=not args.baseline,
@@ -431,6 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--token2wav-call-tokens", type=_non_negative_int, default=0,
                          help="the most speech tokens one token2wav call takes, so that an urgent chunk "
                               "never waits long behind a call (0: no limit beyond --batch chunks)")
+        sub.add_argument("--final-chunk-graphs", action=argparse.BooleanOptionalAction, default=True,
+                         help="vocode final chunks of any length from CUDA graphs padded to length buckets "
+                              "(~100 more captures at start-up); off: eagerly at their own lengths")
         if name == "serve":
             _add_serve_flags(sub)
             _add_access_flags(sub)
@@ -459,6 +463,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--streams", type=_levels, default=(1, 4, 16, 64, 128), help="comma-separated concurrency levels"
     )
     bench.add_argument("--tokens", type=int, default=250, help="speech tokens per request")
+    bench.add_argument("--tokens-spread", type=float, default=0.0,
+                       help="each request's tokens uniform within ± this fraction of --tokens (seeded per "
+                            "stream), so utterances and their final chunks come in many lengths")
     bench.add_argument("--voice", default="default")
     bench.add_argument(
         "--server-arg", action="append", default=[], help="extra `serve` argument (repeatable)"
@@ -497,6 +504,7 @@ def bench(args: argparse.Namespace) -> int:
         options = BenchOptions(
             streams=args.streams,
             tokens=args.tokens,
+            tokens_spread=args.tokens_spread,
             voice=args.voice,
             url=args.url,
             models=args.models,

@@ -223,6 +223,9 @@ class ServiceConfig:
         long an urgent chunk waits (realtime/batch_policy.py). Off by default: on an H100, 1600 (64
         second chunks, ~160 ms) cut the bursts' underruns at 79 and 95 streams but raised them at 128
         (docs/benchmarks.md, eighth session).
+    final_chunk_graphs: vocode final chunks (whatever a segment leaves: any length) from CUDA graphs,
+        padded to length buckets (engines/token2wav/graphs.py); off, eagerly at their own lengths, which
+        saves ~100 captures at start-up but costs ~10 ms of host time per call (~70 ms for a new length).
     token2wav_workers: token2wav threads (each on its own CUDA stream); a stream stays on the thread
         that opened it. More than one turns the PyTorch backend's CUDA graphs off.
     chunk_queue: chunks (per stream) synthesised ahead of a slow consumer before the stream waits.
@@ -266,6 +269,7 @@ class ServiceConfig:
     first_chunk_hold: FirstChunkHold = field(default_factory=FirstChunkHold)
     token2wav_call_tokens: int | None = None
     urgent_chunk_calls: float = 2.0
+    final_chunk_graphs: bool = True
     token2wav_workers: int = 1
     chunk_queue: int = 4
     llm_pacing: bool = True

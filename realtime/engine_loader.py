@@ -58,6 +58,7 @@ def _load_token2wav(config: ServiceConfig, device: str) -> Token2Wav:
         cuda_graphs=config.token2wav_workers == 1,
         dit_cache_rule=config.dit_cache_rule,
         solve_memory_bytes=config.token2wav_solve_bytes,
+        final_chunk_graphs=config.final_chunk_graphs,
     )
     logger.info("token2wav %s loaded on %s in %.1f s", backend.name, device, time.perf_counter() - started)
     return backend

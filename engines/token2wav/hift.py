@@ -41,21 +41,29 @@ class RowEnds:
     """Where each row of a right-padded batch ends, at every rate inside HiFT.
 
     HiFT's convolutions see both ways, so a row padded past its end computes what the unpadded row
-    computes only if every layer sees zeros there, as its own zero padding would give it: the padded
-    call multiplies each convolution's output by these masks (its activations keep zeros zero).
+    computes only if every convolution reads zeros there, as its own zero padding would give it: the
+    padded call zeroes each convolution's input past the row's end, inside the Snake activations where
+    one comes first (`ends`), by a mask elsewhere (`mask`).
     """
 
     def __init__(self, frames: Tensor) -> None:
         self.frames = frames  # (B,) int64 mel frames of each row, on the batch's device
         self._masks: dict[tuple[int, int, int, torch.dtype], Tensor] = {}
+        self._ends: dict[tuple[int, int], Tensor] = {}
+
+    def ends(self, per_frame: int, extra: int = 0) -> Tensor:
+        """(B,) int64: position `per_frame`·frames + `extra` of each row, where it ends at that rate."""
+        key = (per_frame, extra)
+        if key not in self._ends:
+            self._ends[key] = self.frames * per_frame + extra
+        return self._ends[key]
 
     def mask(self, length: int, per_frame: int, extra: int = 0, dtype: torch.dtype = torch.float32) -> Tensor:
         """(B, 1, length) 1 before position `per_frame`·frames + `extra` of each row, 0 from there."""
         key = (length, per_frame, extra, dtype)
         if key not in self._masks:
-            ends = self.frames * per_frame + extra
-            positions = torch.arange(length, device=self.frames.device)
-            self._masks[key] = (positions[None, None, :] < ends[:, None, None]).to(dtype)
+            positions = torch.arange(length, device=self.frames.device)[None, None, :]
+            self._masks[key] = (positions < self.ends(per_frame, extra)[:, None, None]).to(dtype)
         return self._masks[key]
 
     def reflect_index(self, length: int, per_frame: int, pad: int) -> Tensor:
@@ -78,15 +86,19 @@ class Snake(nn.Module):
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(channels))
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, ends: Tensor | None = None) -> Tensor:
+        """`ends` (B,) int64: each row's output is zero from that position on (RowEnds.ends)."""
         if x.is_cuda and x.dtype == torch.float32:
             # One kernel instead of four (engines/token2wav/snake.py); Triton comes with CUDA torch.
             from engines.token2wav.snake import snake
 
-            return snake(x, self.alpha)
+            return snake(x, self.alpha, ends)
         alpha = self.alpha[None, :, None]
         # The epsilon keeps a zero α finite, as in the trained model.
-        return torch.addcmul(x, torch.sin(alpha * x).square(), (alpha + 1e-9).reciprocal())
+        y = torch.addcmul(x, torch.sin(alpha * x).square(), (alpha + 1e-9).reciprocal())
+        if ends is None:
+            return y
+        return y * (torch.arange(x.shape[2], device=x.device) < ends[:, None, None]).to(y.dtype)
 
 
 class ResBlock(nn.Module):
@@ -104,11 +116,12 @@ class ResBlock(nn.Module):
         self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
         self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
 
-    def forward(self, x: Tensor, valid: Tensor | None = None) -> Tensor:
-        """`valid` (B, 1, T) zeroes each conv's output past the row's end (see `RowEnds`)."""
+    def forward(self, x: Tensor, ends: Tensor | None = None) -> Tensor:
+        """With `ends` (B,) (a right-padded batch, `RowEnds.ends`), each activation is zeroed from the
+        row's end on, so every convolution reads zeros there; the output past the end is not zero."""
         for conv1, conv2, act1, act2 in zip(self.convs1, self.convs2, self.activations1, self.activations2,
                                             strict=True):
-            x = x + _keep(conv2(act2(_keep(conv1(act1(x)), valid))), valid)
+            x = x + conv2(act2(conv1(act1(x, ends)), ends))
         return x
 
 
@@ -127,7 +140,8 @@ class F0Predictor(nn.Module):
         self.classifier = nn.Linear(channels, 1)
 
     def forward(self, mel: Tensor, valid: Tensor | None = None) -> Tensor:
-        """(B, 80, T) → (B, T); `valid` (B, 1, T) as for `ResBlock`."""
+        """(B, 80, T) → (B, T); `valid` (B, 1, T) zeroes each conv's output past each row's end
+        (`RowEnds.mask`)."""
         x = mel
         for layer in self.condnet:
             x = layer(x)
@@ -304,36 +318,41 @@ class HiFTGenerator(nn.Module):
 
     def decode(self, mel: Tensor, source: Tensor, ends: RowEnds | None = None) -> Tensor:
         """ISTFTNet decoder: mel (B, 80, T) and source (B, 1, 480T) → speech (B, 480T); with `ends`,
-        rows right-padded as in `vocode_with_noise`."""
+        rows right-padded as in `vocode_with_noise` (every convolution reads zeros past a row's end:
+        the residual blocks zero their Snake outputs, and `x` is masked before the other convolutions)."""
         cfg = self.cfg
 
-        def valid(length: int, per_frame: int, extra: int = 0) -> Tensor | None:
-            return None if ends is None else ends.mask(length, per_frame, extra)
+        def keep(x: Tensor, per_frame: int, extra: int = 0) -> Tensor:
+            return x if ends is None else x * ends.mask(x.shape[2], per_frame, extra)
+
+        def row_ends(per_frame: int, extra: int = 0) -> Tensor | None:
+            return None if ends is None else ends.ends(per_frame, extra)
 
         source_stft = self.source_spectrum(source.squeeze(1), ends)
-        x = _keep(self.conv_pre(mel), valid(mel.shape[2], 1))
+        x = self.conv_pre(mel)
         last_stage = len(self.ups) - 1
-        per_frame = 1
+        per_frame, extra = 1, 0
         for i, (up, down, source_block) in enumerate(zip(self.ups, self.source_downs, self.source_resblocks,
                                                          strict=True)):
+            x = up(F.leaky_relu(keep(x, per_frame, extra), cfg.lrelu_slope))
             per_frame *= cfg.upsample_rates[i]
-            x = up(F.leaky_relu(x, cfg.lrelu_slope))
-            x = _keep(x, valid(x.shape[2], per_frame))
-            extra = 0
             if i == last_stage:
                 # One extra frame on the left aligns the 120T upsampled frames with the 120T+1 STFT frames.
                 x = F.pad(x, (1, 0), mode="reflect")
                 extra = 1
-            stage_valid = valid(x.shape[2], per_frame, extra)
-            x = x + source_block(_keep(down(source_stft), stage_valid), stage_valid)
+            stage_ends = row_ends(per_frame, extra)
+            x = x + source_block(down(source_stft), stage_ends)
             blocks = self.resblocks[i * self.num_kernels:(i + 1) * self.num_kernels]
-            x = sum((block(x, stage_valid) for block in blocks), torch.zeros_like(x)) / self.num_kernels
-        x = self.conv_post(F.leaky_relu(x))  # default slope 0.01 here, as trained
+            x = sum((block(x, stage_ends) for block in blocks), torch.zeros_like(x)) / self.num_kernels
+        x = self.conv_post(F.leaky_relu(keep(x, per_frame, extra)))  # default slope 0.01 here, as trained
         magnitude = torch.exp(x[:, :self.spectrum_bins]).clamp(max=1e2)
         phase = torch.sin(x[:, self.spectrum_bins:])
-        frames_valid = valid(x.shape[2], per_frame, 1)
-        speech = self.inverse_stft(_keep(magnitude * torch.cos(phase), frames_valid),
-                                   _keep(magnitude * torch.sin(phase), frames_valid), frames_valid)
+        if ends is None:
+            speech = self.inverse_stft(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
+        else:
+            frames_valid = ends.mask(x.shape[2], per_frame, extra)
+            speech = self.inverse_stft(magnitude * torch.cos(phase) * frames_valid,
+                                       magnitude * torch.sin(phase) * frames_valid, frames_valid)
         speech = speech.clamp(-cfg.audio_limit, cfg.audio_limit)
         return speech if ends is None else speech * ends.mask(speech.shape[1], self.hop_samples)[:, 0]
 

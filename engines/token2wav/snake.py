@@ -5,7 +5,8 @@ writing the whole float32 activation; HiFT runs it 72 times per call, at up to 6
 row, and on an H100 those kernels were about a third of a 64-stream vocoder call. Here one program
 reads a block of one channel of one row, with that channel's α, and writes the result: one read and one
 write. Same operations in float32 (libdevice's sin, as PyTorch's), so the result equals the eager one up
-to rounding (tests/engines/test_hift_snake.py).
+to rounding (tests/engines/test_hift_snake.py). For a right-padded batch it also zeroes each row past its
+end, so the masks a padded call needs cost no pass of their own.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ BLOCK = 1024  # samples of one channel per program
 
 
 @triton.jit
-def _snake_kernel(x_ptr, alpha_ptr, out_ptr, length, channels, BLOCK: tl.constexpr):
+def _snake_kernel(x_ptr, alpha_ptr, ends_ptr, out_ptr, length, channels, BLOCK: tl.constexpr,
+                  HAS_ENDS: tl.constexpr):
     row_channel = tl.program_id(0)
     samples = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = samples < length
@@ -28,15 +30,20 @@ def _snake_kernel(x_ptr, alpha_ptr, out_ptr, length, channels, BLOCK: tl.constex
     alpha = tl.load(alpha_ptr + row_channel % channels)
     x = tl.load(x_ptr + offsets, mask=inside, other=0.0)
     wave = libdevice.sin(alpha * x)
-    tl.store(out_ptr + offsets, x + wave * wave * (1.0 / (alpha + 1e-9)), mask=inside)
+    y = x + wave * wave * (1.0 / (alpha + 1e-9))
+    if HAS_ENDS:
+        y = tl.where(samples < tl.load(ends_ptr + row_channel // channels), y, 0.0)
+    tl.store(out_ptr + offsets, y, mask=inside)
 
 
-def snake(x: Tensor, alpha: Tensor) -> Tensor:
-    """Snake of x (B, C, L) float32 on CUDA with α (C,): a new contiguous tensor."""
+def snake(x: Tensor, alpha: Tensor, ends: Tensor | None = None) -> Tensor:
+    """Snake of x (B, C, L) float32 on CUDA with α (C,): a new contiguous tensor. `ends` (B,) int64:
+    each row's output is zero from that position on (a right-padded batch's rows, hift.RowEnds)."""
     x = x.contiguous()
     rows, channels, length = x.shape
     out = torch.empty_like(x)
     if out.numel():
         grid = (rows * channels, triton.cdiv(length, BLOCK))
-        _snake_kernel[grid](x, alpha.contiguous(), out, length, channels, BLOCK=BLOCK)
+        _snake_kernel[grid](x, alpha.contiguous(), x if ends is None else ends, out, length, channels,
+                            BLOCK=BLOCK, HAS_ENDS=ends is not None)
     return out

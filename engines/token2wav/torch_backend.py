@@ -26,7 +26,7 @@ from engines.token2wav.base import ChunkJob, LaunchedChunks, SpeakerState, Token
 from engines.token2wav.dit_cache import CacheRule
 from engines.token2wav.flow_base import FlowModel, FlowSpeaker, FlowStream
 from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker, load_dit_flow
-from engines.token2wav.graphs import GraphedVocoder
+from engines.token2wav.graphs import FINAL_CHUNK_FRAMES, GraphedVocoder
 from engines.token2wav.hift import HiFTGenerator, load_hift
 from engines.token2wav.hift_stream import HiFTStream, launch_vocode_streams
 from engines.token2wav.stream_memory import stream_state_bytes
@@ -83,13 +83,14 @@ class TorchToken2Wav(Token2Wav):
     """`flow` and `hift` on the same device; `vocoder_seed` fixes HiFT's noise (None: fresh per stream).
 
     cuda_graphs: on CUDA, solve batched DiT chunks with CUDA graphs, and vocode chunks of `graph_hops`
-    tokens (first chunks, and later ones with HiFT's cached frames) from CUDA graphs; graphs are
-    captured on the first use of a shape, or ahead by `warmup`.
+    tokens (first chunks, and later ones with HiFT's cached frames) and final chunks of any length
+    (padded to length buckets, masked) from CUDA graphs; graphs are captured on the first use of a
+    shape, or ahead by `warmup`. final_chunk_graphs off: final chunks run eagerly at their own lengths.
     """
 
     def __init__(self, flow: FlowModel, hift: HiFTGenerator, name: str = "torch",
                  vocoder_seed: int | None = None, cuda_graphs: bool = True,
-                 graph_hops: Sequence[int] = GRAPH_HOPS) -> None:
+                 graph_hops: Sequence[int] = GRAPH_HOPS, final_chunk_graphs: bool = True) -> None:
         self.flow = flow.eval()
         self.hift = hift.eval()
         self.name = name
@@ -100,7 +101,8 @@ class TorchToken2Wav(Token2Wav):
             if isinstance(flow, DiTFlow) and flow.batches_streams:
                 flow.enable_cuda_graphs(dataclasses.replace(flow.buckets, batch=FLOW_GRAPH_BATCHES))
             self.vocoder_graphs = GraphedVocoder(self.hift, vocoder_graph_chunks(hift.cfg, self.graph_hops),
-                                                 VOCODER_GRAPH_BATCHES)
+                                                 VOCODER_GRAPH_BATCHES,
+                                                 FINAL_CHUNK_FRAMES if final_chunk_graphs else ())
 
     @staticmethod
     def from_models_dir(
@@ -111,6 +113,7 @@ class TorchToken2Wav(Token2Wav):
         cuda_graphs: bool = True,
         dit_cache_rule: CacheRule = "reference",
         solve_memory_bytes: int | None = None,
+        final_chunk_graphs: bool = True,
     ) -> TorchToken2Wav:
         """Load the `variant` flow of a models directory with its HiFT (Step-Audio2's for the DiT flow,
         CosyVoice2's for the UNet flow); the architecture comes from the directory's manifest.
@@ -118,6 +121,7 @@ class TorchToken2Wav(Token2Wav):
         dtype: the flow's (None: fp16 on CUDA as the reference runs it, fp32 elsewhere); HiFT is fp32.
         cuda_graphs: as for the constructor. dit_cache_rule: the DiT flow's (dit_cache.py).
         solve_memory_bytes: the DiT flow's cap on one batched solve (solve_memory.py; None: none).
+        final_chunk_graphs: as for the constructor.
         """
         if dtype is None:
             dtype = torch.float16 if torch.device(device).type == "cuda" else torch.float32
@@ -138,7 +142,7 @@ class TorchToken2Wav(Token2Wav):
         else:
             raise ValueError(f"unknown flow variant {variant!r}; expected 'dit' or 'unet'")
         return TorchToken2Wav(flow, load_hift(hift_path, configs.hift, device), name=f"torch-{variant}",
-                              cuda_graphs=cuda_graphs)
+                              cuda_graphs=cuda_graphs, final_chunk_graphs=final_chunk_graphs)
 
     @property
     def device(self) -> torch.device:

@@ -32,6 +32,21 @@ def test_the_kernel_equals_the_definition(shape: tuple[int, int, int]) -> None:
     torch.testing.assert_close(got, snake_definition(x, alpha), rtol=1e-5, atol=1e-5)
 
 
+def test_the_kernel_zeroes_each_row_past_its_end() -> None:
+    """With per-row ends (a right-padded batch): the definition before each row's end, zero from it on."""
+    generator = torch.Generator().manual_seed(5)
+    x = (3 * torch.randn(4, 16, 2500, generator=generator)).to(CUDA)
+    alpha = (torch.rand(16, generator=generator) * 2 + 0.05).to(CUDA)
+    ends = torch.tensor([2500, 1, 1024, 1700], device=CUDA)
+    snake = Snake(16).to(CUDA)
+    with torch.no_grad():
+        snake.alpha.copy_(alpha)
+        got = snake(x, ends)
+    inside = torch.arange(2500, device=CUDA)[None, None, :] < ends[:, None, None]
+    torch.testing.assert_close(got, snake_definition(x, alpha) * inside, rtol=1e-5, atol=1e-5)
+    assert not bool(got[~inside.expand_as(got)].any())
+
+
 def test_the_vocoder_with_the_kernel_equals_it_without(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
     hift = HiFTGenerator(ModelConfigs.tiny().hift).eval().to(CUDA)

@@ -85,6 +85,8 @@ def test_scheduling_flags_reach_the_service_config(tmp_path):
     assert config("--token2wav-call-tokens", "0").token2wav_call_tokens is None
     with pytest.raises(SystemExit):
         config("--token2wav-call-tokens", "-5")
+    assert default.final_chunk_graphs
+    assert not config("--no-final-chunk-graphs").final_chunk_graphs
 
 
 def test_a_bad_bench_option_is_refused_with_a_sentence(capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,8 +16,10 @@ from realtime.bench import (
     UnderrunGaps,
     format_level,
     largest_without_underrun,
+    request_tokens,
     run_level,
     run_staggered,
+    run_streams,
     scrape,
 )
 from realtime.bench import _outcomes as outcomes
@@ -81,6 +83,19 @@ async def test_a_bench_level_reports_memory_per_stream(tiny_models: Path, tmp_pa
     assert level.errors == 0 and level.memory is not None
     assert level.memory.total_bytes == 8 * GIB and level.memory.headroom_bytes == 5 * GIB
     assert level.memory.allocated_before_bytes == GIB and level.memory.stream_bytes == 0
+
+
+async def test_spread_requests_speak_their_own_lengths(live_server: LiveServer) -> None:
+    """--tokens-spread: each stream asks for its own seeded length within the spread, and gets that
+    much audio (so utterances end in final chunks of many lengths, as real traffic does)."""
+    lengths = [request_tokens(40, 0.5, i) for i in range(3)]
+    assert lengths == [request_tokens(40, 0.5, i) for i in range(3)]  # the same on both sides of an A/B
+    assert len(set(lengths)) == 3 and all(20 <= n <= 60 for n in lengths)
+    assert request_tokens(40, 0.0, 7) == 40
+    results = await run_streams(f"{live_server.ws_url}/v1/ws", 3, 40, "default", spread=0.5)
+    assert [r.error for r in results] == [None] * 3
+    # 25 tokens per second of audio, for each sentence of the stream's text.
+    assert all(round(r.audio_s * 25) % n == 0 for r, n in zip(results, lengths, strict=True))
 
 
 async def test_staggered_arrivals_are_measured(live_server: LiveServer) -> None:

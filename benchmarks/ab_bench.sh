@@ -8,7 +8,10 @@
 #
 # The base tree runs first (its server compiles what the cache lacks), then this repository. Each
 # writes its JSON report to $OUT (or bench-results/) as ab-base.json and ab-head.json; the tables go to
-# standard output without the per-request log lines.
+# standard output without the per-request log lines. BASE_SERVER_ARGS / HEAD_SERVER_ARGS (words) add
+# server options to one side, so BASE_TREE may be this repository itself for an A/B of an option:
+#
+#   BASE_SERVER_ARGS=--no-final-chunk-graphs bash benchmarks/on_device.sh bash benchmarks/ab_bench.sh . -- ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -lt 2 ] || [ "$2" != "--" ]; then
@@ -24,8 +27,16 @@ QUIET='INFO realtime.session\|INFO realtime.transports\|GET /metrics\|httpx\|Web
 QUIET+='\|connection closed\|admitted: voice\|captured'
 for side in base head; do
     tree=$PWD
-    [ "$side" = base ] && tree=$BASE
-    echo "== $side: $(git -C "$tree" log -1 --format='%h %s' 2>/dev/null || echo "$tree")"
+    extra=${HEAD_SERVER_ARGS:-}
+    if [ "$side" = base ]; then
+        tree=$BASE
+        extra=${BASE_SERVER_ARGS:-}
+    fi
+    server_args=()
+    for word in $extra; do
+        server_args+=("--server-arg=$word")
+    done
+    echo "== $side: $(git -C "$tree" log -1 --format='%h %s' 2>/dev/null || echo "$tree") $extra"
     (cd "$tree" && PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" python3 -m realtime bench --models "$MODELS" \
-        "$@" --json "$DEST/ab-$side.json" 2>&1 | grep -v "$QUIET")
+        "$@" ${server_args[@]+"${server_args[@]}"} --json "$DEST/ab-$side.json" 2>&1 | grep -v "$QUIET")
 done

@@ -13,9 +13,12 @@ pytestmark = [pytest.mark.gpu,
 CUDA = torch.device("cuda")
 
 
-def snake_definition(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+def snake_definition(x: torch.Tensor, alpha: torch.Tensor, ends: torch.Tensor | None = None) -> torch.Tensor:
     a = alpha[None, :, None]
-    return x + torch.sin(a * x) ** 2 / (a + 1e-9)
+    y = x + torch.sin(a * x) ** 2 / (a + 1e-9)
+    if ends is None:
+        return y
+    return y * (torch.arange(x.shape[2], device=x.device)[None, None, :] < ends[:, None, None])
 
 
 @pytest.mark.parametrize("shape", [(1, 64, 30), (3, 128, 1025), (64, 8, 2049)])
@@ -56,8 +59,10 @@ def test_the_vocoder_with_the_kernel_equals_it_without(monkeypatch: pytest.Monke
                 module.alpha.uniform_(0.2, 1.5)
     mel = torch.randn(2, 80, 40, generator=torch.Generator().manual_seed(1)).to(CUDA)
     noise = hift.draw_noise(torch.Generator().manual_seed(2), 2, 40 * hift.hop_samples, CUDA)
+    frames = torch.tensor([40, 23], device=CUDA)  # and a right-padded row: the kernel's masks
     with torch.inference_mode():
-        fused = hift.vocode_with_noise(mel, None, noise)
+        fused = [hift.vocode_with_noise(mel, None, noise), hift.vocode_with_noise(mel, None, noise, frames)]
         monkeypatch.setattr("engines.token2wav.snake.snake", snake_definition)
-        plain = hift.vocode_with_noise(mel, None, noise)
-    torch.testing.assert_close(fused.speech, plain.speech, rtol=1e-4, atol=1e-5)
+        plain = [hift.vocode_with_noise(mel, None, noise), hift.vocode_with_noise(mel, None, noise, frames)]
+    for got, want in zip(fused, plain, strict=True):
+        torch.testing.assert_close(got.speech, want.speech, rtol=1e-4, atol=1e-5)

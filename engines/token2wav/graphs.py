@@ -446,6 +446,8 @@ class GraphedVocoder(_ShapeGraphs[VocodeShape, _VocoderInputs, Vocoded]):
     def final_shapes(self, cached: int, max_frames: int | None = None) -> list[VocodeShape]:
         """The padded final-chunk shapes after `cached` source samples (up to `max_frames`) that graphs
         serve: what the warm-up captures."""
+        if not self.final_frames:
+            return []
         least = cached // self.hift.hop_samples
         most = self.final_frames[-1] if max_frames is None else max_frames
         shapes = [VocodeShape(batch, frames, cached, padded=True)

@@ -509,6 +509,16 @@ def test_warm_up_captures_the_final_chunk_graphs() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_without_final_chunk_graphs_the_warm_up_captures_none() -> None:
+    flow, hift = DiTFlow(CONFIGS.dit_flow).eval(), HiFTGenerator(CONFIGS.hift).eval()
+    backend = TorchToken2Wav(flow.cuda(), hift.cuda(), graph_hops=(4, 10), final_chunk_graphs=False)
+    backend.warmup(backend.prepare_speaker(make_voice(1, 12)), batches=(2, 1))
+    assert backend.vocoder_graphs is not None and backend.vocoder_graphs.shapes
+    assert not any(shape.padded for shape in backend.vocoder_graphs.shapes)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_launching_chunks_never_waits_for_the_device() -> None:
     """`launch_chunks` queues a call without one host-device synchronisation (CUDA's sync debug mode
     raises on any), from graphs and eagerly (the last chunks), and its audio, waited for afterwards, is

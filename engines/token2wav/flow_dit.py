@@ -290,6 +290,27 @@ class DiTFlow(ConformerFlow):
         history = sorted((h for h in buckets.history_tokens if h <= reached), reverse=True)
         encoder.capture(EncodeShape(b, t, h) for b in rows for t in tokens for h in history)
 
+    @torch.inference_mode()
+    def capture_solve_graphs(self, batches: Iterable[int]) -> None:
+        """Capture the solve graph of every chunk-frames bucket at each of `batches` rows, for the most
+        cached state the warm-up met (its largest own and kept frames, its prompts): once an utterance's
+        cache is trimmed it stays there, and its last chunk (any length) or a batch that mixes it with
+        other streams' chunks solves at that state with any frames bucket, which running streams through
+        the schedule in step does not meet. States of fewer own frames (an utterance's first seconds)
+        are left out. Shapes over the solve memory cap are skipped, as batch planning never forms them."""
+        solver = self.graphs
+        if solver is None or not solver.shapes:
+            return
+        cached = max(solver.shapes, key=lambda shape: (shape.own_frames, shape.kept_frames))
+        prompts = {shape.prompt_frames for shape in solver.shapes}
+        buckets = self.buckets
+        sizes = {round_up(b, buckets.batch) for b in batches}
+        rows = sorted((size for size in sizes if size is not None), reverse=True)
+        shapes = [SolveShape(b, f, cached.own_frames, p, min(cached.kept_frames, cached.own_frames + f))
+                  for b in rows for f in sorted(buckets.frames, reverse=True) for p in sorted(prompts)]
+        fits = self.solve_memory.fits if self.solve_memory is not None else None
+        solver.capture(shape for shape in shapes if shape.batch == 1 or fits is None or fits(shape))
+
     def seal_graphs(self) -> None:
         """From now on capture no graph: shapes without one run eagerly (see graphs.py)."""
         for graphs in (self.graphs, self._bucketed_encoder):

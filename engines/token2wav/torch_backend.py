@@ -195,8 +195,9 @@ class TorchToken2Wav(Token2Wav):
     def warmup(self, speaker: SpeakerState, batches: Iterable[int] = WARMUP_BATCHES) -> None:
         """Before traffic: for each batch size, that many streams of `speaker` run the chunks of
         `graph_hops` and one steady-state hop in step, then a final chunk; then the encoder's graphs of
-        every chunk-token bucket at the history buckets those streams reached, and HiFT's graphs of
-        final chunks, are captured. That
+        every chunk-token bucket at the history buckets those streams reached, the solve graphs of every
+        chunk-frames bucket at the most cached state they reached, and HiFT's graphs of final chunks, are
+        captured. That
         compiles and captures the shapes the schedule produces (for voices with prompts up to this
         one's bucket) and runs every kernel once.
         Largest batches first, so that the graphs' shared buffers are allocated at their final size.
@@ -214,6 +215,7 @@ class TorchToken2Wav(Token2Wav):
                 start += hop
             self.run_chunks([ChunkJob(stream, tokens[start:], last=True) for stream in streams])
         if isinstance(self.flow, DiTFlow):
+            self.flow.capture_solve_graphs(batches)
             self.flow.capture_encoder_graphs(batches)
             self.flow.seal_graphs()
         vocoder = self.vocoder_graphs

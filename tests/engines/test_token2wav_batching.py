@@ -493,6 +493,11 @@ def test_warm_up_captures_the_final_chunk_graphs() -> None:
             assert vocoder is not None
             captured = set(vocoder.shapes)
             assert {s.frames for s in captured if s.padded and s.cached} == set(vocoder.final_frames)
+            # The solve graphs of every frames bucket at the most cached state the warm-up reached.
+            solver = flow.graphs
+            assert solver is not None
+            top = max(shape.own_frames for shape in solver.shapes)
+            assert {s.frames for s in solver.shapes if s.own_frames == top} == set(flow.buckets.frames)
         opened = [backend.open_stream(voices[plan.voice]) for plan in streams]
         pieces: list[list[torch.Tensor]] = [[] for _ in streams]
         for active in rounds(chunks):

@@ -76,7 +76,8 @@ class RowEnds:
     def last_frame_index(self, length: int) -> Tensor:
         """(B, length) int64: each position, or the row's last frame for positions past it."""
         positions = torch.arange(length, device=self.frames.device)
-        return torch.minimum(positions[None, :], self.frames[:, None] - 1)
+        # Never below 0: an index out of range would fault the device, not raise.
+        return torch.minimum(positions[None, :], (self.frames[:, None] - 1).clamp_min(0))
 
 
 class Snake(nn.Module):

@@ -42,7 +42,7 @@ def sampler(py_spy: str, pid: int, out: Path, gil: bool) -> subprocess.Popen[byt
 
 
 async def profile_levels(url: str, pid: int, py_spy: str, streams: list[int], tokens: int, out: Path,
-                         gil: bool) -> None:
+                         gil: bool, spread: float = 0.0) -> None:
     await run_level(url, 1, tokens, "default")  # first requests pay for lazy initialisation
     for count in streams:
         kinds = ("", "-gil") if gil else ("",)
@@ -50,7 +50,7 @@ async def profile_levels(url: str, pid: int, py_spy: str, streams: list[int], to
         recorders = {kind: sampler(py_spy, pid, path, kind == "-gil") for kind, path in stacks.items()}
         try:
             await asyncio.sleep(1.0)  # py-spy attaches before the burst starts
-            level = await run_level(url, count, tokens, "default")
+            level = await run_level(url, count, tokens, "default", spread)
         finally:
             errors = {}
             for kind, recorder in recorders.items():
@@ -73,6 +73,8 @@ def main() -> int:
     parser.add_argument("--models", type=Path, required=True)
     parser.add_argument("--streams", type=int, nargs="+", default=[64, 128], help="burst levels")
     parser.add_argument("--tokens", type=int, default=250, help="speech tokens per stream")
+    parser.add_argument("--tokens-spread", type=float, default=0.0,
+                        help="each stream's tokens within ± this fraction of --tokens (as realtime bench)")
     parser.add_argument("--out", type=Path, default=Path("load-profile"))
     parser.add_argument("--gil", action="store_true",
                         help="also sample only the thread holding the GIL (a second py-spy)")
@@ -86,7 +88,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     with spawned_process(args.models, args.serve_args, args.out / "server.log") as (port, server):
         asyncio.run(profile_levels(f"ws://127.0.0.1:{port}/v1/ws", server.pid, py_spy, args.streams,
-                                   args.tokens, args.out, args.gil))
+                                   args.tokens, args.out, args.gil, args.tokens_spread))
     return 0
 
 

@@ -80,9 +80,9 @@ def test_streaming_in_pieces_equals_the_whole(orig: int, target: int, sinc: Sinc
     pieces = [resampler.process(piece) for piece in np.split(x, cuts)]  # includes empty and 1-sample pieces
     streamed = np.concatenate([*pieces, resampler.flush()])
     assert streamed.size == whole.size == math.ceil(x.size * target / orig)
-    # Both are float32 products whose BLAS kernels depend on how many blocks a call has: each is within
-    # 2e-6 of the float64 formula (above), so within 4e-6 of the other (numpy 2.4.6's OpenBLAS: 1.2e-6 on
-    # one sample of 1.21).
+    # Both are float32 products whose BLAS kernels depend on how many blocks a call has: on such noise
+    # each is within 2e-6 of the float64 formula (the tests above), so within 4e-6 of the other (numpy
+    # 2.4.6's OpenBLAS: 1.2e-6 apart on one sample of 1.21).
     np.testing.assert_allclose(streamed, whole, rtol=0, atol=4e-6)
 
 

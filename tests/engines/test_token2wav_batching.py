@@ -443,28 +443,37 @@ def test_cuda_graphs_equal_the_eager_solve() -> None:
             torch.testing.assert_close(g, e, atol=TF32_ATOL, rtol=TF32_RTOL)
 
 
+def seeded_backend(device: str, graphs: bool) -> tuple[TorchToken2Wav, list[SpeakerState]]:
+    """The end-to-end tests' backend (random DiT weights, fixed vocoder noise) and its two voices."""
+    torch.manual_seed(0)
+    flow, hift = DiTFlow(CONFIGS.dit_flow).eval(), HiFTGenerator(CONFIGS.hift).eval()
+    randomize(flow, seed=3)
+    backend = TorchToken2Wav(flow.to(device), hift.to(device), vocoder_seed=5, cuda_graphs=graphs,
+                             graph_hops=(4, 10))
+    return backend, [backend.prepare_speaker(make_voice(1, 12)), backend.prepare_speaker(make_voice(2, 7))]
+
+
+def run_plans(backend: TorchToken2Wav, voices: list[SpeakerState], streams: list[Plan]) -> list[torch.Tensor]:
+    """Every plan's audio, its chunks in rounds through `run_chunks` (round k = every stream's k-th)."""
+    chunks = [plan.chunks() for plan in streams]
+    opened = [backend.open_stream(voices[plan.voice]) for plan in streams]
+    pieces: list[list[torch.Tensor]] = [[] for _ in streams]
+    for active in rounds(chunks):
+        k = len(pieces[active[0]])
+        jobs = [ChunkJob(opened[i], *chunks[i][k]) for i in active]
+        for i, piece in zip(active, backend.run_chunks(jobs), strict=True):
+            pieces[i].append(piece)
+    return [torch.cat(p) for p in pieces]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_backend_with_cuda_graphs_equals_eager() -> None:
     """End to end on CUDA: solver and HiFT graphs (fp32) give the audio of the eager batched path."""
-    streams = plans()
-    chunks = [plan.chunks() for plan in streams]
     audio = []
     for graphs in (False, True):
-        torch.manual_seed(0)
-        flow, hift = DiTFlow(CONFIGS.dit_flow).eval(), HiFTGenerator(CONFIGS.hift).eval()
-        randomize(flow, seed=3)
-        backend = TorchToken2Wav(flow.cuda(), hift.cuda(), vocoder_seed=5, cuda_graphs=graphs,
-                                 graph_hops=(4, 10))
-        voices = [backend.prepare_speaker(make_voice(1, 12)), backend.prepare_speaker(make_voice(2, 7))]
-        opened = [backend.open_stream(voices[plan.voice]) for plan in streams]
-        pieces: list[list[torch.Tensor]] = [[] for _ in streams]
-        for active in rounds(chunks):
-            k = len(pieces[active[0]])
-            jobs = [ChunkJob(opened[i], *chunks[i][k]) for i in active]
-            for i, piece in zip(active, backend.run_chunks(jobs), strict=True):
-                pieces[i].append(piece)
-        audio.append([torch.cat(p) for p in pieces])
+        backend, voices = seeded_backend("cuda", graphs)
+        audio.append(run_plans(backend, voices, plans()))
         if graphs:
             assert backend.vocoder_graphs is not None
             assert any(shape.padded for shape in backend.vocoder_graphs.shapes)  # final chunks, masked
@@ -477,39 +486,23 @@ def test_backend_with_cuda_graphs_equals_eager() -> None:
 def test_warm_up_captures_the_final_chunk_graphs() -> None:
     """After the warm-up, final chunks of lengths it never ran (every plan's) come from its padded HiFT
     graphs, no new capture, and each stream's audio is what the eager backend gives it."""
-    streams = plans()
-    chunks = [plan.chunks() for plan in streams]
-    audio = []
-    for graphs in (False, True):
-        torch.manual_seed(0)
-        flow, hift = DiTFlow(CONFIGS.dit_flow).eval(), HiFTGenerator(CONFIGS.hift).eval()
-        randomize(flow, seed=3)
-        backend = TorchToken2Wav(flow.cuda(), hift.cuda(), vocoder_seed=5, cuda_graphs=graphs,
-                                 graph_hops=(4, 10))
-        voices = [backend.prepare_speaker(make_voice(1, 12)), backend.prepare_speaker(make_voice(2, 7))]
-        if graphs:
-            backend.warmup(voices[0], batches=(4, 2, 1))
-            vocoder = backend.vocoder_graphs
-            assert vocoder is not None
-            captured = set(vocoder.shapes)
-            assert {s.frames for s in captured if s.padded and s.cached} == set(vocoder.final_frames)
-            # The solve graphs of every frames bucket at the most cached state the warm-up reached.
-            solver = flow.graphs
-            assert solver is not None
-            top = max(shape.own_frames for shape in solver.shapes)
-            assert {s.frames for s in solver.shapes if s.own_frames == top} == set(flow.buckets.frames)
-        opened = [backend.open_stream(voices[plan.voice]) for plan in streams]
-        pieces: list[list[torch.Tensor]] = [[] for _ in streams]
-        for active in rounds(chunks):
-            k = len(pieces[active[0]])
-            jobs = [ChunkJob(opened[i], *chunks[i][k]) for i in active]
-            for i, piece in zip(active, backend.run_chunks(jobs), strict=True):
-                pieces[i].append(piece)
-        audio.append([torch.cat(p) for p in pieces])
-        if graphs:
-            assert set(vocoder.shapes) == captured
-    for eager, graphed in zip(*audio, strict=True):
-        torch.testing.assert_close(graphed, eager, atol=ATOL, rtol=RTOL)
+    eager_backend, eager_voices = seeded_backend("cuda", graphs=False)
+    eager = run_plans(eager_backend, eager_voices, plans())
+    backend, voices = seeded_backend("cuda", graphs=True)
+    backend.warmup(voices[0], batches=(4, 2, 1))
+    vocoder = backend.vocoder_graphs
+    assert vocoder is not None
+    captured = set(vocoder.shapes)
+    assert {s.frames for s in captured if s.padded and s.cached} == set(vocoder.final_frames)
+    # The solve graphs of every frames bucket at the most cached state the warm-up reached.
+    flow = backend.flow
+    assert isinstance(flow, DiTFlow) and flow.graphs is not None
+    top = max(shape.own_frames for shape in flow.graphs.shapes)
+    assert {s.frames for s in flow.graphs.shapes if s.own_frames == top} == set(flow.buckets.frames)
+    graphed = run_plans(backend, voices, plans())
+    assert set(vocoder.shapes) == captured
+    for e, g in zip(eager, graphed, strict=True):
+        torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.gpu
@@ -526,14 +519,11 @@ def test_without_final_chunk_graphs_the_warm_up_captures_none() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_launching_chunks_never_waits_for_the_device() -> None:
     """`launch_chunks` queues a call without one host-device synchronisation (CUDA's sync debug mode
-    raises on any), from graphs and eagerly (the last chunks), and its audio, waited for afterwards, is
-    what `run_chunks` gave the same streams."""
+    raises on any), from graphs (the last chunks padded to theirs, the rows' lengths uploaded) and
+    eagerly, and its audio, waited for afterwards, is what `run_chunks` gave the same streams."""
     streams = plans()
     chunks = [plan.chunks() for plan in streams]
-    flow, hift = DiTFlow(CONFIGS.dit_flow).eval(), HiFTGenerator(CONFIGS.hift).eval()
-    randomize(flow, seed=3)
-    backend = TorchToken2Wav(flow.cuda(), hift.cuda(), vocoder_seed=5, graph_hops=(4, 10))
-    voices = [backend.prepare_speaker(make_voice(1, 12)), backend.prepare_speaker(make_voice(2, 7))]
+    backend, voices = seeded_backend("cuda", graphs=True)
     audio = []
     for launched in (False, True):  # the first pass captures the graphs (a capture synchronises)
         opened = [backend.open_stream(voices[plan.voice]) for plan in streams]

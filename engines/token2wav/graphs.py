@@ -461,13 +461,13 @@ class GraphedVocoder(_ShapeGraphs[VocodeShape, _VocoderInputs, Vocoded]):
         rows, _, length = mel.shape
         cached = 0 if cache_source is None else cache_source.shape[2]
         batch = round_up(rows, self.batches)
-        if frames is not None and (batch != rows or batch * length > self.max_row_frames):
-            return self._vocode_in_parts(mel, cache_source, noise, frames)
-        graphed = batch is not None and (frames is not None or (length, cached) in self.chunks)
-        if batch is None or not graphed:
-            return self.hift.vocode_with_noise(mel, cache_source, noise, frames)
-        padded = frames is not None
-        shape = VocodeShape(batch, length, cached, padded)
+        if frames is not None:
+            if batch != rows or rows * length > self.max_row_frames:
+                return self._vocode_in_parts(mel, cache_source, noise, frames)
+            batch = rows
+        elif batch is None or (length, cached) not in self.chunks:
+            return self.hift.vocode_with_noise(mel, cache_source, noise)
+        shape = VocodeShape(batch, length, cached, padded=frames is not None)
         if not self.covers(shape):
             return self.hift.vocode_with_noise(mel, cache_source, noise, frames)
         inputs = self.buffers(shape)

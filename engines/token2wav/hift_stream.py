@@ -243,8 +243,7 @@ def _padded_rows(hift: HiFTGenerator, streams: Sequence[HiFTStream], mels: Seque
     lengths = [mel.shape[2] for mel in mels]
     mel = torch.cat([F.pad(m, (0, frames - n)) for m, n in zip(mels, lengths, strict=True)])
     samples = frames * hift.hop_samples - cached
-    noise = torch.cat([
-        F.pad(hift.draw_noise([s._noise], 1, n * hift.hop_samples - cached, device),
-              (0, 0, 0, samples - (n * hift.hop_samples - cached)))
-        for s, n in zip(streams, lengths, strict=True)])
+    own_samples = [n * hift.hop_samples - cached for n in lengths]
+    noise = torch.cat([F.pad(hift.draw_noise([s._noise], 1, own, device), (0, 0, 0, samples - own))
+                       for s, own in zip(streams, own_samples, strict=True)])
     return mel, noise, upload(torch.tensor(lengths), device)

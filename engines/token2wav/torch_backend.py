@@ -197,9 +197,8 @@ class TorchToken2Wav(Token2Wav):
         `graph_hops` and one steady-state hop in step, then a final chunk; then the encoder's graphs of
         every chunk-token bucket at the history buckets those streams reached, the solve graphs of every
         chunk-frames bucket at the most cached state they reached, and HiFT's graphs of final chunks, are
-        captured. That
-        compiles and captures the shapes the schedule produces (for voices with prompts up to this
-        one's bucket) and runs every kernel once.
+        captured. That compiles and captures the shapes the schedule produces (for voices with prompts
+        up to this one's bucket) and runs every kernel once.
         Largest batches first, so that the graphs' shared buffers are allocated at their final size.
         Afterwards no graph is captured: a shape the warm-up did not meet (a longer prompt, several
         voices in one batch) runs eagerly, logged, rather than stalling every stream for a capture."""

@@ -264,29 +264,48 @@ def test_the_warm_up_solves_only_shapes_within_the_cap() -> None:
     assert any(shape.batch == 1 and shape.own_frames > 0 for shape in solver.runs)
 
 
+def seeded_backend(device: str, graphs: bool) -> tuple[TorchToken2Wav, list[SpeakerState]]:
+    """The end-to-end tests' backend (random DiT weights, fixed vocoder noise) and its two voices."""
+    torch.manual_seed(0)
+    flow, hift = DiTFlow(CONFIGS.dit_flow).eval(), HiFTGenerator(CONFIGS.hift).eval()
+    randomize(flow, seed=3)
+    backend = TorchToken2Wav(flow.to(device), hift.to(device), vocoder_seed=5, cuda_graphs=graphs,
+                             graph_hops=(4, 10))
+    return backend, [backend.prepare_speaker(make_voice(1, 12)), backend.prepare_speaker(make_voice(2, 7))]
+
+
+def run_plans(backend: TorchToken2Wav, voices: list[SpeakerState], streams: list[Plan]) -> list[torch.Tensor]:
+    """Every plan's audio, each on a stream of its voice (`run_in_rounds`)."""
+    return run_in_rounds(backend, [backend.open_stream(voices[plan.voice]) for plan in streams], streams)
+
+
+def run_in_rounds(backend: TorchToken2Wav, opened: list[TorchStream],
+                  streams: list[Plan]) -> list[torch.Tensor]:
+    """Every plan's audio on its opened stream, its chunks in rounds through `run_chunks` (round k =
+    every stream's k-th chunk)."""
+    chunks = [plan.chunks() for plan in streams]
+    pieces: list[list[torch.Tensor]] = [[] for _ in streams]
+    for active in rounds(chunks):
+        k = len(pieces[active[0]])
+        jobs = [ChunkJob(opened[i], *chunks[i][k]) for i in active]
+        for i, piece in zip(active, backend.run_chunks(jobs), strict=True):
+            pieces[i].append(piece)
+    return [torch.cat(p) for p in pieces]
+
+
 def test_backend_run_chunks_equal_run_chunk() -> None:
     """End to end with HiFT: batched flow and batched vocoding give each stream its own audio."""
-    torch.manual_seed(0)
-    flow = DiTFlow(CONFIGS.dit_flow).eval()
-    randomize(flow, seed=3)
-    backend = TorchToken2Wav(flow, HiFTGenerator(CONFIGS.hift).eval(), vocoder_seed=5)
-    voices = [backend.prepare_speaker(make_voice(1, 12)), backend.prepare_speaker(make_voice(2, 7))]
+    backend, voices = seeded_backend("cpu", graphs=False)
     streams = plans()
-    chunks = [plan.chunks() for plan in streams]
     alone = []
-    for plan, pieces in zip(streams, chunks, strict=True):
+    for plan in streams:
         stream = backend.open_stream(voices[plan.voice])
-        alone.append([backend.run_chunk(ChunkJob(stream, tokens, last)) for tokens, last in pieces])
+        alone.append([backend.run_chunk(ChunkJob(stream, tokens, last)) for tokens, last in plan.chunks()])
     opened = [backend.open_stream(voices[plan.voice]) for plan in streams]
-    batched: list[list[torch.Tensor]] = [[] for _ in streams]
-    for active in rounds(chunks):
-        k = len(batched[active[0]])
-        jobs = [ChunkJob(opened[i], *chunks[i][k]) for i in active]
-        for i, audio in zip(active, backend.run_chunks(jobs), strict=True):
-            batched[i].append(audio)
+    batched = run_in_rounds(backend, opened, streams)
     for plan, got, want, stream in zip(streams, batched, alone, opened, strict=True):
-        assert torch.cat(got).numel() == SAMPLES_PER_TOKEN * plan.tokens.numel()
-        torch.testing.assert_close(torch.cat(got), torch.cat(want), atol=ATOL, rtol=RTOL)
+        assert got.numel() == SAMPLES_PER_TOKEN * plan.tokens.numel()
+        torch.testing.assert_close(got, torch.cat(want), atol=ATOL, rtol=RTOL)
         assert stream.nbytes == 0  # closed after its last chunk
 
 
@@ -441,29 +460,6 @@ def test_cuda_graphs_equal_the_eager_solve() -> None:
     for eager, graphed in zip(*results, strict=True):
         for e, g in zip(eager, graphed, strict=True):
             torch.testing.assert_close(g, e, atol=TF32_ATOL, rtol=TF32_RTOL)
-
-
-def seeded_backend(device: str, graphs: bool) -> tuple[TorchToken2Wav, list[SpeakerState]]:
-    """The end-to-end tests' backend (random DiT weights, fixed vocoder noise) and its two voices."""
-    torch.manual_seed(0)
-    flow, hift = DiTFlow(CONFIGS.dit_flow).eval(), HiFTGenerator(CONFIGS.hift).eval()
-    randomize(flow, seed=3)
-    backend = TorchToken2Wav(flow.to(device), hift.to(device), vocoder_seed=5, cuda_graphs=graphs,
-                             graph_hops=(4, 10))
-    return backend, [backend.prepare_speaker(make_voice(1, 12)), backend.prepare_speaker(make_voice(2, 7))]
-
-
-def run_plans(backend: TorchToken2Wav, voices: list[SpeakerState], streams: list[Plan]) -> list[torch.Tensor]:
-    """Every plan's audio, its chunks in rounds through `run_chunks` (round k = every stream's k-th)."""
-    chunks = [plan.chunks() for plan in streams]
-    opened = [backend.open_stream(voices[plan.voice]) for plan in streams]
-    pieces: list[list[torch.Tensor]] = [[] for _ in streams]
-    for active in rounds(chunks):
-        k = len(pieces[active[0]])
-        jobs = [ChunkJob(opened[i], *chunks[i][k]) for i in active]
-        for i, piece in zip(active, backend.run_chunks(jobs), strict=True):
-            pieces[i].append(piece)
-    return [torch.cat(p) for p in pieces]
 
 
 @pytest.mark.gpu

@@ -71,9 +71,9 @@ def profile_call(t2w: TorchToken2Wav, speaker: SpeakerState, batch: int, hops: l
     flow = t2w.flow
     if not isinstance(flow, DiTFlow):
         raise TypeError("profiles are of the DiT flow")
-    flow_chunks, vocode = flow.chunks, backend.vocode_streams
+    flow_chunks, vocode = flow.chunks, backend.launch_vocode_streams
     flow.chunks = labelled("token2wav: flow", flow_chunks)  # type: ignore[method-assign]
-    backend.vocode_streams = labelled("token2wav: vocoder", vocode)
+    backend.launch_vocode_streams = labelled("token2wav: vocoder", vocode)
     cuda = t2w.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     vocoder_graphs = t2w.vocoder_graphs
@@ -105,7 +105,7 @@ def profile_call(t2w: TorchToken2Wav, speaker: SpeakerState, batch: int, hops: l
         flow.use_bucketed_solver(graphs)
         t2w.vocoder_graphs = vocoder_graphs
     flow.chunks = flow_chunks  # type: ignore[method-assign]
-    backend.vocode_streams = vocode
+    backend.launch_vocode_streams = vocode
     out.write_text("\n\n".join(tables))
 
 

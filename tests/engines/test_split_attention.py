@@ -1,7 +1,8 @@
 """The DiT's batched attention with the shared prompt read in place (two key sets merged by their
 log-sum-exps, engines/token2wav/attention.py) equals the one-call attention over each row's laid-out keys,
-on a CPU (matmuls) and on CUDA (the memory-efficient kernel), with per-row prompt masks, padded rows that
-see no prompt key, and own caches empty or not."""
+on a CPU (matmuls) and on CUDA (cuDNN's or the memory-efficient kernel), with per-row prompt masks, padded
+rows that see no prompt key, and own caches empty or not; and each CUDA kernel's output and log-sum-exp
+equal the definition in float64."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from weights import randomize
 
 from engines.config import ModelConfigs
-from engines.token2wav.attention import attention_with_lse
+from engines.token2wav.attention import aligned_bias, attention_with_lse
 from engines.token2wav.dit import DiT, SplitKeys
 
 TINY = ModelConfigs.tiny().dit_flow.dit
@@ -75,3 +76,33 @@ def test_split_attention_equals_one_call_on_cuda(dtype: torch.dtype, own_frames:
     split, one_call = split_and_one_call(torch.device("cuda"), dtype, 6, own_frames)
     tolerance = 2e-3 if dtype == torch.float16 else 1e-4
     torch.testing.assert_close(split, one_call, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_attention_with_lse_on_cuda_equals_the_definition(dtype: torch.dtype) -> None:
+    """At a DiT shape (8 heads of 64; queries of all rows against a shared prompt, rows laid out as in
+    the solver): the output and the log-sum-exp against float64 matmuls, with a query that sees no key
+    (its output is not read; its log-sum-exp must sit near the masked bias, far below the others)."""
+    generator = torch.Generator().manual_seed(1)
+    n, heads, queries, keys, dim = 2, 8, 200, 136, 64
+    q = torch.randn(n, queries, heads, dim, generator=generator).transpose(1, 2)
+    k, v = (torch.randn(n, heads, keys, dim, generator=generator) for _ in range(2))
+    mask = torch.rand(n, 1, queries, keys, generator=generator) > 0.3
+    mask[0, 0, 7] = False
+    q, k, v = (t.to(dtype) for t in (q, k, v))  # the reference sees the inputs the kernel sees
+    bias = aligned_bias(mask, dtype)
+    cuda = torch.device("cuda")
+    out, lse = attention_with_lse(q.to(cuda), k.to(cuda), v.to(cuda), bias.to(cuda))
+    assert out.transpose(1, 2).is_contiguous() and lse.dtype == torch.float32
+    assert lse.shape == (n, queries, heads)
+    scores = q.double() @ k.double().transpose(-2, -1) / dim**0.5 + bias.double()
+    want_out = torch.softmax(scores, dim=-1) @ v.double()
+    want_lse = torch.logsumexp(scores, dim=-1).transpose(1, 2)
+    seen = mask.any(dim=-1).squeeze(1)[:, :, None].expand(-1, -1, heads)  # (n, queries, heads)
+    tolerance = {torch.float16: 2e-3, torch.bfloat16: 2e-2, torch.float32: 1e-4}[dtype]
+    got_out = out.double().cpu().transpose(1, 2)[seen]
+    torch.testing.assert_close(got_out, want_out.transpose(1, 2)[seen], atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(lse.double().cpu()[seen], want_lse[seen], atol=tolerance, rtol=tolerance)
+    assert lse[0, 7].max().item() < lse[seen.to(cuda)].min().item() - 1000

@@ -202,6 +202,11 @@ class CausalConvBranch(nn.Module):
                 "6": nn.Conv1d(channels, channels, kernel_size=CONV_CONTEXT + 1),
             }
         )
+        # The conv weights (C_out, C_in, taps) are stored tap-major, so that `_matmul_conv` reads each tap's
+        # (C_out, C_in) matrix in place; loading copies into this storage and `.to()` keeps it.
+        for name in ("1", "6"):
+            conv = cast(nn.Conv1d, self.block[name])
+            conv.weight = nn.Parameter(conv.weight.detach().permute(2, 0, 1).contiguous().permute(1, 2, 0))
 
     def forward(self, x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (B, T, C); cache (B, 2·C, 2) = last input frames of conv1 | conv2. Returns (B, T, C), cache."""
@@ -219,7 +224,7 @@ class CausalConvBranch(nn.Module):
         """`forward` for right-padded rows; context (B, 2) int64: positions of each row's last 2 real
         frames in [cache, x] (batching.frame_index), where the new cache is taken.
 
-        Runs time-major, each conv as one matmul over unfolded windows: on GPUs that avoids the layout
+        Runs time-major, each conv as one matmul (`_matmul_conv`): on GPUs that avoids the layout
         transforms cuDNN adds around 1-D convs (`forward` keeps Conv1d, which exporters map natively).
         """
         first_ctx, second_ctx = cache.chunk(2, dim=1)
@@ -238,12 +243,22 @@ class CausalConvBranch(nn.Module):
 
     @staticmethod
     def _matmul_conv(conv: nn.Conv1d, h: torch.Tensor) -> torch.Tensor:
-        """Valid conv of time-major h (B, T + 2, C) → (B, T, C_out); window (c, k) matches the weight's
-        (C_in, kernel) flattening."""
-        b, frames, channels = h.shape
-        kernel = conv.kernel_size[0]
-        windows = h.unfold(1, kernel, 1).reshape(b, frames - kernel + 1, channels * kernel)
-        return F.linear(windows, conv.weight.view(conv.out_channels, -1), conv.bias)
+        """Valid conv of time-major h (B, T + taps − 1, C) → (B, T, C_out): one matmul of every frame with
+        all taps' weights (taps·C_out outputs), then output frame t sums tap k's product of frame t + k.
+
+        No window of frames is laid out (an unfold writes taps copies of h, which compiled code with
+        dynamic shapes did at a fraction of the bandwidth), and the sum fuses into what reads the output.
+        """
+        b, frames, _ = h.shape
+        out_channels, _, taps = conv.weight.shape
+        # (taps·C_out, C_in): a view of the tap-major storage (__init__), a copy of any other.
+        products = F.linear(h, conv.weight.permute(2, 0, 1).reshape(taps * out_channels, -1))
+        products = products.view(b, frames, taps, out_channels)
+        out_frames = frames - taps + 1
+        out = products[:, :out_frames, 0] + cast(torch.Tensor, conv.bias)
+        for tap in range(1, taps):
+            out = out + products[:, tap : tap + out_frames, tap]
+        return out
 
 
 class Mlp(nn.Module):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from pathlib import Path
@@ -100,6 +101,24 @@ def test_load_dit_flow_round_trip(tmp_path: Path, flow: DiTFlow, voice: VoicePro
                                flow.offline(flow.prepare_speaker(voice), tokens))
     with pytest.raises(ValueError, match="estimator_kind"):
         DiTFlow(dataclasses.replace(TINY, estimator_kind="unet"))
+
+
+def test_conv_branch_weights_stay_tap_major_and_its_matmul_is_the_conv(tmp_path: Path, flow: DiTFlow) -> None:
+    """The causal convs' weights are stored tap-major (the batched path reads each tap's matrix in
+    place) through a save, a strict load and a dtype change; the batched path's matmul conv equals
+    Conv1d in float64 with random biases, from that storage and from any other."""
+    path = tmp_path / "flow.pt"
+    torch.save(flow.state_dict(), path)
+    loaded = load_dit_flow(path, TINY, "cpu", torch.float16)
+    branch = loaded.decoder.estimator.blocks[0].conv
+    for name in ("1", "6"):
+        assert branch.block[name].weight.permute(2, 0, 1).is_contiguous()
+    conv = copy.deepcopy(flow.decoder.estimator.blocks[0].conv.block["1"]).double()
+    h = torch.randn(3, 9, conv.in_channels, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    want = conv(h.transpose(1, 2)).transpose(1, 2)
+    torch.testing.assert_close(type(branch)._matmul_conv(conv, h), want, rtol=1e-12, atol=1e-12)
+    conv.weight.data = conv.weight.data.contiguous()  # channel-major storage: the matmul copies, same sums
+    torch.testing.assert_close(type(branch)._matmul_conv(conv, h), want, rtol=1e-12, atol=1e-12)
 
 
 # -- estimator and solver ---------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ estimator's `forward_chunk`, which exported estimators (TensorRT) implement.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,8 @@ from engines.token2wav.graphs import (
 from engines.token2wav.solve_memory import SolveMemory
 from engines.transfer import upload
 from engines.voice import VoicePrompt
+
+logger = logging.getLogger(__name__)
 
 NOISE_FRAMES = 30000  # 600 s at 50 Hz, the reference's noise buffer
 GUIDANCE_BATCH = 2  # conditional + unconditional rows of every estimator call
@@ -316,6 +319,8 @@ class DiTFlow(ConformerFlow):
         for graphs in (self.graphs, self._bucketed_encoder):
             if isinstance(graphs, GraphedSolver | GraphedEncoder):
                 graphs.seal()
+                logger.info("%s: %d graphs, %.2f GiB of static inputs and outputs", type(graphs).__name__,
+                            len(graphs.shapes), graphs.static_bytes / 2**30)
 
     @property
     def _encoder_layout(self) -> EncoderLayout:

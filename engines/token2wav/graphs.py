@@ -6,7 +6,9 @@ Both run `ConditionalCFM.solve_ragged` (all Euler steps, all DiT blocks, guidanc
 solves and returns the outputs. The eager solver allocates fresh tensors per call (any shape, any device).
 The graph solver captures one CUDA graph per shape on its first use, and replays it. All graphs
 share one memory pool for their intermediates, and their static inputs and outputs are views of shared
-flat arenas, so memory grows with the largest shape rather than with the number of graphs. Outputs are
+flat arenas, so memory grows with the largest shape rather than with the number of graphs (a graph
+captured before a larger shape grew an arena is captured again on the larger buffer, which frees the
+smaller one: the warm-up meets shapes in increasing order of chunk and cache frames). Outputs are
 valid until the next `run`; inputs keep whatever was written last (callers write every row they read).
 The weights must not change once graphs exist: they read them in place, and the steps' time
 conditioning is computed once.
@@ -24,6 +26,7 @@ padding would be), so each row's audio is its own. Other calls run eagerly.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Iterable
@@ -158,20 +161,50 @@ class EagerSolver(_EagerCalls[SolveShape, RaggedInputs, RaggedOutputs]):
         return self.cfm.solve_ragged(inputs)
 
 
+# A buffer the arena replaces by a larger one stays alive as long as a graph views it; from this size
+# on, those graphs are captured again (a few at warm-up) to free it. Smaller ones are left alone.
+RECAPTURE_MIN_BYTES = 64 << 20
+
+
 class _Arena:
-    """Flat storage per (name, dtype), handed out as views; grows by reallocating (old views stay valid)."""
+    """Flat storage per (name, dtype), handed out as views; grows by reallocating (old views stay valid,
+    and keep the old storage alive: `take_replaced` says which large storages were replaced)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._flat: dict[str, torch.Tensor] = {}
+        self._replaced: set[int] = set()
 
     def view(self, name: str, size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         numel = math.prod(size)
+        return self.reserve(name, numel, dtype)[:numel].view(size)
+
+    def reserve(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The flat storage of `name`, at least `numel` elements of `dtype` (reallocated if smaller)."""
         flat = self._flat.get(name)
         if flat is None or flat.numel() < numel or flat.dtype != dtype:
+            if flat is not None and flat.nbytes >= RECAPTURE_MIN_BYTES:
+                self._replaced.add(flat.untyped_storage().data_ptr())
             flat = torch.zeros(numel, dtype=dtype, device=self.device)
             self._flat[name] = flat
-        return flat[:numel].view(size)
+        return flat
+
+    def take_replaced(self) -> set[int]:
+        """The data pointers of the large storages replaced since the last call."""
+        replaced, self._replaced = self._replaced, set()
+        return replaced
+
+
+def _tensors(value: object) -> Iterable[torch.Tensor]:
+    """The tensors inside a graph's inputs or outputs (dataclasses and tuples of tensors, or None)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, tuple):
+        for item in value:
+            yield from _tensors(item)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            yield from _tensors(getattr(value, field.name))
 
 
 @dataclass
@@ -205,6 +238,14 @@ class _ShapeGraphs(Generic[ShapeT, InputsT, OutputsT]):
     @property
     def shapes(self) -> list[ShapeT]:
         return list(self._graphs)
+
+    @property
+    def static_bytes(self) -> int:
+        """Device bytes of the storages the graphs' static inputs and outputs view (each counted once)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for graph in self._graphs.values()
+                    for t in (*_tensors(graph.inputs), *_tensors(graph.outputs))}
+        return sum(storages.values())
 
     def seal(self) -> None:
         """Capture nothing more (see the class docstring)."""
@@ -242,7 +283,25 @@ class _ShapeGraphs(Generic[ShapeT, InputsT, OutputsT]):
         if entry is None:
             entry = self._capture(shape)
             self._graphs[shape] = entry
+            self._recapture_on_grown_buffers()
         return entry
+
+    def _recapture_on_grown_buffers(self) -> None:
+        """Capture again the graphs that view a buffer the arena has just replaced by a larger one, so
+        that the old buffer is freed (e.g. at 64 rows the kept cache's buffer grows from 30 to 100 to 200
+        frames: 1.2 + 4 GiB that would otherwise stay held by the first graphs)."""
+        replaced = self._arena.take_replaced()
+        if not replaced:
+            return
+        stale = [shape for shape, graph in self._graphs.items()
+                 if any(t.untyped_storage().data_ptr() in replaced
+                        for t in (*_tensors(graph.inputs), *_tensors(graph.outputs)))]
+        for shape in stale:
+            del self._graphs[shape]  # every view of the old buffers goes with it
+        for shape in stale:
+            self._graphs[shape] = self._capture(shape)
+        if stale:
+            logger.info("%s: %d graphs captured again on grown buffers", type(self).__name__, len(stale))
 
     def _capture(self, shape: ShapeT) -> _Graph[InputsT, OutputsT]:
         raise NotImplementedError
@@ -437,6 +496,17 @@ class GraphedVocoder(_ShapeGraphs[VocodeShape, _VocoderInputs, Vocoded]):
         self.final_frames = tuple(sorted(final_frames))
         self.max_row_frames = (max(batches) * max(frames for frames, _ in self.chunks)
                                if max_row_frames is None else max_row_frames)
+        # Every graph within rows × frames ≤ max_row_frames views these at their final size from the
+        # start: the warm-up meets chunk shapes before the final ones, whose noise after no cache is
+        # longer than a chunk graph's, and a grown buffer would mean capturing the earlier graphs again.
+        cfg, f32, most_rows = hift.cfg, torch.float32, max(batches)
+        samples = self.max_row_frames * hift.hop_samples
+        self._arena.reserve("mel", self.max_row_frames * cfg.in_channels, f32)
+        self._arena.reserve("noise", samples * hift.num_harmonics, f32)
+        self._arena.reserve("cache_source", most_rows * cfg.source_cache_samples, f32)
+        self._arena.reserve("frames", most_rows, torch.int64)
+        self._arena.reserve("speech", samples, f32)
+        self._arena.reserve("source", samples, f32)
 
     def final_bucket(self, frames: int, cached: int) -> int | None:
         if (frames, cached) in self.chunks:

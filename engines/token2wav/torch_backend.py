@@ -223,8 +223,10 @@ class TorchToken2Wav(Token2Wav):
             # chunk, no cache), or after the cached frames of a later one.
             first_final = TOKEN_MEL_RATIO * (self.graph_hops[0] + PRE_LOOKAHEAD - 1)
             uncached = vocoder.final_bucket(first_final, 0) or first_final
-            vocoder.capture(vocoder.final_shapes(0, max_frames=uncached)
-                            + vocoder.final_shapes(self.hift.cfg.source_cache_samples))
+            shapes = (vocoder.final_shapes(0, max_frames=uncached)
+                      + vocoder.final_shapes(self.hift.cfg.source_cache_samples))
+            # Largest first across both lists, as within each (see GraphedVocoder.final_shapes).
+            vocoder.capture(sorted(shapes, key=lambda shape: shape.batch * shape.frames, reverse=True))
             vocoder.seal()
 
     @torch.inference_mode()

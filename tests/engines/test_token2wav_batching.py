@@ -464,6 +464,37 @@ def test_cuda_graphs_equal_the_eager_solve() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_graphs_captured_before_a_buffer_grew_are_captured_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shapes met in increasing size grow the arena's buffers; the graphs on the replaced buffers are
+    captured again on the grown ones (here whatever their size), which frees the old ones, and every
+    graph still computes what the eager solve does."""
+    import engines.token2wav.graphs as graphs_module
+
+    device = torch.device("cuda")
+    streams = plans()
+    results, held = [], []
+    for min_bytes in (None, 2**62, 0):
+        if min_bytes is not None:
+            monkeypatch.setattr(graphs_module, "RECAPTURE_MIN_BYTES", min_bytes)
+        flow = DiTFlow(TRIMMING).eval()
+        randomize(flow, seed=0)
+        flow.to(device)
+        if min_bytes is not None:
+            flow.enable_cuda_graphs(Buckets(batch=(4, 8), frames=(20, 40, 80), prompt_frames=(64,),
+                                            own_frames=(16, 32, 64)))
+        voices = [flow.prepare_speaker(make_voice(1, 12)), flow.prepare_speaker(make_voice(2, 7))]
+        results.append(batched_mels(flow, voices, streams))
+        if flow.graphs is not None:
+            held.append(flow.graphs.static_bytes)
+    assert held[0] > held[1]  # the same shapes; captured again, the old buffers are gone
+    for graphed in results[1:]:
+        for eager, mels in zip(results[0], graphed, strict=True):
+            for e, g in zip(eager, mels, strict=True):
+                torch.testing.assert_close(g, e, atol=TF32_ATOL, rtol=TF32_RTOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_backend_with_cuda_graphs_equals_eager() -> None:
     """End to end on CUDA: solver and HiFT graphs (fp32) give the audio of the eager batched path."""
     audio = []

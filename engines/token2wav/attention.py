@@ -36,6 +36,13 @@ def _cudnn_fused_attention(device: torch.device) -> bool:
     return version is not None and version >= 90000 and capability >= CUDNN_MIN_CAPABILITY
 
 
+def _runs_cudnn_attention(q: torch.Tensor) -> bool:
+    """Whether queries `q` go to cuDNN's fused attention: half precision on a device it suits, with cuDNN
+    on (an operator who turns `torch.backends.cudnn.enabled` off gets the memory-efficient kernel)."""
+    return (q.is_cuda and q.dtype in CUDNN_DTYPES and torch.backends.cudnn.enabled
+            and _cudnn_fused_attention(q.device))
+
+
 @torch.library.custom_op("cosyvoice::attention_with_lse", mutates_args=())
 def attention_with_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
@@ -45,12 +52,12 @@ def attention_with_lse(
 
     Returns the output (N, H, M, d), laid out as (N, M, H, d) in memory, and the float32 log-sum-exp of
     each query's biased, scaled scores as (N, M, H): both in the layout of rows of queries, which is
-    what `merge_attention` reads (the kernel's own log-sum-exp is (N, H, M) padded to 32 queries; a
+    what `merge_attention` reads (the memory-efficient kernel's log-sum-exp is (N, H, M) padded to 32; a
     slice of it would make compiled code specialise on whether M is a multiple of 32).
     """
     n, heads, queries, dim = q.shape
     full_bias = bias.expand(n, heads, queries, k.shape[2])
-    if q.is_cuda and q.dtype in CUDNN_DTYPES and _cudnn_fused_attention(q.device):
+    if _runs_cudnn_attention(q):
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, full_bias, True, 0.0, False,
                                                                      False)[:2]
         # The promised layouts whatever the kernel chose (no copy when it chose them).

@@ -154,6 +154,9 @@ class ServerFigures:
     first_chunks_per_call: float  # mean first-audio chunks in those calls
     first_tokens_ms: float  # mean time from admission to the first chunk's speech tokens
     first_chunk_ms: float  # mean time from admission to the first audio, as the server sees it
+    later_chunks: int = 0  # chunks after a stream's first audio
+    later_chunks_late: int = 0  # of them, audio ready after it was due though the tokens came in time
+    later_chunks_tokens_late: int = 0  # of them, tokens that came after the chunk was due
     event_loop_lag_ms: float = math.nan  # how late the server's event loop ran its timers, on average
     event_loop_lag_p99_ms: float = math.nan  # the upper bound of the bucket holding the 99th percentile
 
@@ -180,6 +183,9 @@ class ServerFigures:
             return (f'tts_token2wav_wait_seconds_sum{{chunk="{chunk}"}}',
                     f'tts_token2wav_wait_seconds_count{{chunk="{chunk}"}}')
 
+        def later(outcome: str) -> int:
+            return int(delta(f'tts_token2wav_later_chunks_total{{outcome="{outcome}"}}'))
+
         waited_s = sum(delta(waited(chunk)[0]) for chunk in ("first", "later"))
         chunks_waited = sum(delta(waited(chunk)[1]) for chunk in ("first", "later"))
 
@@ -198,6 +204,9 @@ class ServerFigures:
             first_chunks_per_call=histogram_mean("tts_token2wav_batch_first_chunks", scale=1.0),
             first_tokens_ms=histogram_mean("tts_first_chunk_tokens_seconds"),
             first_chunk_ms=histogram_mean("tts_first_chunk_latency_seconds"),
+            later_chunks=sum(later(outcome) for outcome in ("on_time", "late", "tokens_late")),
+            later_chunks_late=later("late"),
+            later_chunks_tokens_late=later("tokens_late"),
             event_loop_lag_ms=histogram_mean("realtime_event_loop_lag_seconds"),
             event_loop_lag_p99_ms=histogram_quantile_bound("realtime_event_loop_lag_seconds", 0.99),
         )
@@ -545,6 +554,8 @@ def format_level(lv: LevelResult) -> list[str]:
             f"(first {sv.first_chunk_wait_ms:.1f}, later {sv.later_chunk_wait_ms:.1f}); first chunks in "
             f"{sv.calls_with_first_chunks} calls of {sv.first_chunks_per_call:.1f}; "
             f"first chunk: tokens at {sv.first_tokens_ms:.0f} ms, audio at {sv.first_chunk_ms:.0f} ms; "
+            f"later chunks ready after due {sv.later_chunks_late} of {sv.later_chunks} "
+            f"(and {sv.later_chunks_tokens_late} whose tokens came after due); "
             f"longest stall {lv.stall_max_ms:.0f} ms; event loop late {sv.event_loop_lag_ms:.1f} ms on "
             f"average, p99 ≤ {sv.event_loop_lag_p99_ms:g} ms"
         )

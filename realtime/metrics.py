@@ -102,6 +102,14 @@ class Metrics:
             buckets=BATCH_SECONDS_BUCKETS,
             registry=self.registry,
         )
+        self.later_chunks = Counter(
+            "tts_token2wav_later_chunks",
+            "Chunks after a stream's first audio, by when their audio was ready against when the listener "
+            "needed it: on_time, late (its tokens came in time; the token2wav queue and call made it late) "
+            "or tokens_late (its tokens came after it was due)",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.audio_seconds = Counter("tts_audio_seconds", "Audio produced", registry=self.registry)
         self.errors = Counter(
             "tts_errors", "Errors reported to clients, by code", ["code"], registry=self.registry
@@ -159,6 +167,12 @@ class Metrics:
     def chunk_waited(self, first: bool, seconds: float) -> None:
         """A chunk's wait from submission to the start of its token2wav call (`first`: first audio)."""
         self.token2wav_wait_seconds.labels(chunk="first" if first else "later").observe(seconds)
+
+    def later_chunk_ready(self, due: float, submitted: float, ready: float) -> None:
+        """A later chunk's audio was ready at `ready`; it was submitted at `submitted` and due at `due`
+        (one clock)."""
+        outcome = "on_time" if ready <= due else "tokens_late" if submitted > due else "late"
+        self.later_chunks.labels(outcome=outcome).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

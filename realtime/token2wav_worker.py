@@ -215,8 +215,11 @@ class _Lane:
         firsts = sum(chunk.waiting.first for chunk in chunks)
         if firsts:
             self._metrics.token2wav_batch_first_chunks.observe(firsts)
+        ready = started + elapsed
         for chunk in chunks:
             self._metrics.chunk_waited(chunk.waiting.first, started - chunk.submitted)
+            if math.isfinite(chunk.due):  # a later chunk (first audio is due at once: -inf)
+                self._metrics.later_chunk_ready(chunk.due, chunk.submitted, ready)
 
     def _run_call(self, call: _Call) -> None:
         if call.future is not None and not call.future.set_running_or_notify_cancel():

@@ -23,6 +23,7 @@ from realtime.bench import (
     scrape,
 )
 from realtime.bench import _outcomes as outcomes
+from realtime.metrics import Metrics
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 GIB = 2**30
@@ -66,7 +67,20 @@ async def test_a_bench_level_reports_the_engines_work(live_server: LiveServer) -
     assert 1 <= figures.calls_with_first_chunks <= 2
     assert figures.first_chunks_per_call * figures.calls_with_first_chunks == 2
     assert 0 < figures.first_tokens_ms < figures.first_chunk_ms
+    # Each stream's second chunk is a later chunk, ready on time or not (counted either way).
+    assert figures.later_chunks >= 2
+    assert figures.later_chunks_late + figures.later_chunks_tokens_late <= figures.later_chunks
     assert (await scrape(live_server.http_url))["tts_llm_active_requests"] == 0
+
+
+async def test_later_chunks_are_told_by_what_made_them_late() -> None:
+    metrics = Metrics()
+    metrics.later_chunk_ready(due=10.0, submitted=9.0, ready=9.5)  # on time
+    metrics.later_chunk_ready(due=10.0, submitted=9.0, ready=10.2)  # tokens in time, token2wav late
+    metrics.later_chunk_ready(due=10.0, submitted=10.1, ready=10.2)  # tokens after due
+    body = metrics.render().decode()
+    for outcome in ("on_time", "late", "tokens_late"):
+        assert f'tts_token2wav_later_chunks_total{{outcome="{outcome}"}} 1.0' in body
 
 
 async def test_a_bench_level_reports_memory_per_stream(tiny_models: Path, tmp_path: Path) -> None:

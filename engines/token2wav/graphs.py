@@ -213,6 +213,11 @@ class _Graph(Generic[InputsT, OutputsT]):
     inputs: InputsT
     outputs: OutputsT
 
+    def storages(self) -> dict[int, int]:
+        """Data pointer → bytes of each storage the static inputs and outputs view."""
+        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in (*_tensors(self.inputs), *_tensors(self.outputs))}
+
 
 class _ShapeGraphs(Generic[ShapeT, InputsT, OutputsT]):
     """One CUDA graph per shape, captured (by `_capture`) on its first use, then replayed. The graphs
@@ -242,9 +247,7 @@ class _ShapeGraphs(Generic[ShapeT, InputsT, OutputsT]):
     @property
     def static_bytes(self) -> int:
         """Device bytes of the storages the graphs' static inputs and outputs view (each counted once)."""
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                    for graph in self._graphs.values()
-                    for t in (*_tensors(graph.inputs), *_tensors(graph.outputs))}
+        storages = {ptr: size for graph in self._graphs.values() for ptr, size in graph.storages().items()}
         return sum(storages.values())
 
     def seal(self) -> None:
@@ -293,9 +296,7 @@ class _ShapeGraphs(Generic[ShapeT, InputsT, OutputsT]):
         replaced = self._arena.take_replaced()
         if not replaced:
             return
-        stale = [shape for shape, graph in self._graphs.items()
-                 if any(t.untyped_storage().data_ptr() in replaced
-                        for t in (*_tensors(graph.inputs), *_tensors(graph.outputs)))]
+        stale = [shape for shape, graph in self._graphs.items() if not replaced.isdisjoint(graph.storages())]
         for shape in stale:
             del self._graphs[shape]  # every view of the old buffers goes with it
         for shape in stale:
@@ -499,14 +500,25 @@ class GraphedVocoder(_ShapeGraphs[VocodeShape, _VocoderInputs, Vocoded]):
         # Every graph within rows × frames ≤ max_row_frames views these at their final size from the
         # start: the warm-up meets chunk shapes before the final ones, whose noise after no cache is
         # longer than a chunk graph's, and a grown buffer would mean capturing the earlier graphs again.
-        cfg, f32, most_rows = hift.cfg, torch.float32, max(batches)
-        samples = self.max_row_frames * hift.hop_samples
-        self._arena.reserve("mel", self.max_row_frames * cfg.in_channels, f32)
-        self._arena.reserve("noise", samples * hift.num_harmonics, f32)
-        self._arena.reserve("cache_source", most_rows * cfg.source_cache_samples, f32)
-        self._arena.reserve("frames", most_rows, torch.int64)
-        self._arena.reserve("speech", samples, f32)
-        self._arena.reserve("source", samples, f32)
+        rows = max(batches)
+        frames = -(-self.max_row_frames // rows)
+        for cached in (0, hift.cfg.source_cache_samples):  # the longest noise, the longest cache
+            for name, (size, dtype) in self._buffer_specs(VocodeShape(rows, frames, cached, True)).items():
+                self._arena.reserve(name, math.prod(size), dtype)
+
+    def _buffer_specs(self, shape: VocodeShape) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The static inputs and outputs of a graph of `shape`: arena name → (size, dtype)."""
+        hift, b, f32 = self.hift, shape.batch, torch.float32
+        samples = shape.frames * hift.hop_samples
+        specs = {"mel": ((b, hift.cfg.in_channels, shape.frames), f32),
+                 "noise": ((b, samples - shape.cached, hift.num_harmonics), f32),
+                 "speech": ((b, samples), f32),
+                 "source": ((b, 1, samples), f32)}
+        if shape.cached:
+            specs["cache_source"] = ((b, 1, shape.cached), f32)
+        if shape.padded:
+            specs["frames"] = ((b,), torch.int64)
+        return specs
 
     def final_bucket(self, frames: int, cached: int) -> int | None:
         if (frames, cached) in self.chunks:
@@ -573,17 +585,14 @@ class GraphedVocoder(_ShapeGraphs[VocodeShape, _VocoderInputs, Vocoded]):
     def _capture(self, shape: VocodeShape) -> _Graph[_VocoderInputs, Vocoded]:
         """In inference mode, as every call runs (launch_vocode_streams): the warm-up run then keeps no
         autograd history alive through the static outputs, and the arena's tensors are of one kind."""
-        hift, b, f32 = self.hift, shape.batch, torch.float32
-        samples = shape.frames * hift.hop_samples
-        mel = self._arena.view("mel", (b, hift.cfg.in_channels, shape.frames), f32)
-        noise = self._arena.view("noise", (b, samples - shape.cached, hift.num_harmonics), f32)
-        cache = self._arena.view("cache_source", (b, 1, shape.cached), f32) if shape.cached else None
-        frames = self._arena.view("frames", (b,), torch.int64) if shape.padded else None
+        hift = self.hift
+        views = {name: self._arena.view(name, *spec) for name, spec in self._buffer_specs(shape).items()}
+        mel, noise = views["mel"], views["noise"]
+        cache, frames = views.get("cache_source"), views.get("frames")
         if frames is not None:
             # Rows past a call's own keep old values: every value written is a whole row's frame count.
             frames.fill_(shape.frames)
-        out = Vocoded(self._arena.view("speech", (b, samples), f32),
-                      self._arena.view("source", (b, 1, samples), f32))
+        out = Vocoded(views["speech"], views["source"])
 
         def run() -> None:
             result = hift.vocode_with_noise(mel, cache, noise, frames)

@@ -8,7 +8,8 @@
 #    ceiling searched up to SEARCH_MAX with --max-streams SEARCH_MAX (so the search is not capped by
 #    admission; SEARCH_REPEATS bursts in a row must pass at a count, default 1), staggered Poisson loads
 #    at 50/80/100 % of that ceiling, and the baseline server in the same run at 1 and 16 streams.
-# 2. Offline synthesis (`realtime synth --jsonl`): 64 items of 250 tokens each, token2wav batch 64.
+# 2. Offline synthesis (`realtime synth --jsonl`): 64 items of 250 tokens each, token2wav batch 64
+#    (SYNTH_ARGS: more `synth` flags, such as --render-hop; SYNTH_TAG: a suffix for its log's name).
 # 3. (PARTS with "startup") start-up cold and restarted (benchmarks/startup.py --starts 2).
 # 4. (PARTS with "tests") the GPU-marked tests under the project's pytest configuration (make test-gpu).
 #
@@ -51,4 +52,4 @@ lines = [json.dumps({"text": texts[i % 3], "out": f"out/{i:03d}.wav"}) for i in 
 (folder / "items.jsonl").write_text("\n".join(lines) + "\n")
 EOF
 python3 -m realtime synth --models "$MODELS" --device cuda --jsonl "$items/items.jsonl" --batch 64 \
-    --max-streams 64 --fixed-length 250 --seed 0 2>&1 | tee "$DEST/offline.log"
+    --max-streams 64 --fixed-length 250 --seed 0 ${SYNTH_ARGS:-} 2>&1 | tee "$DEST/offline${SYNTH_TAG:-}.log"

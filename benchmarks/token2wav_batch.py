@@ -9,6 +9,10 @@ voice and times the calls of the exponential schedule with all N streams in step
 chunk (15 + 3 tokens) in one call, then every stream's second chunk (25 + 3), and so on. Prints, per
 call, the wall time (median over repeats) and the real-time factor: seconds of audio the call yields per
 second of wall time, which is how many streams at that chunk size one GPU could keep playing.
+
+With `--render TOKENS`, it also times offline rendering (what `realtime synth` asks of token2wav): N
+streams' TOKENS tokens each, as one final chunk per stream, and as chunks of each `--render-hops` hop
+(the last one final), all N streams in step; the table gives the total over a stream's calls.
 """
 
 from __future__ import annotations
@@ -50,6 +54,23 @@ def time_schedule(t2w: TorchToken2Wav, speaker: SpeakerState, batch: int, hops: 
     for stream in streams:
         stream.close()
     return times
+
+
+def time_render(t2w: TorchToken2Wav, speaker: SpeakerState, batch: int, hop: int | None,
+                tokens: torch.Tensor) -> list[float]:
+    """ms of each call rendering all of `tokens` for `batch` streams: one final chunk (hop None), or
+    chunks of `hop` tokens (plus the lookahead) and a final chunk with the rest."""
+    streams = [t2w.open_stream(speaker) for _ in range(batch)]
+    times, start, end = [], 0, len(tokens)
+    while True:
+        last = hop is None or start + hop + PRE_LOOKAHEAD >= end
+        piece = tokens[start:] if last else tokens[start : start + hop + PRE_LOOKAHEAD]
+        began = time.perf_counter()
+        t2w.run_chunks([ChunkJob(stream, piece, last=last) for stream in streams])
+        times.append((time.perf_counter() - began) * 1000)
+        if last:
+            return times
+        start += hop
 
 
 def profile_call(t2w: TorchToken2Wav, speaker: SpeakerState, batch: int, hops: list[int], hop: int,
@@ -126,6 +147,10 @@ def main() -> None:
     parser.add_argument("--profile-hops", type=int, nargs="+",
                         help="the chunks (of --hops) to profile, at the smallest and largest batch "
                              "(default: the first)")
+    parser.add_argument("--render", type=int, metavar="TOKENS",
+                        help="also time rendering TOKENS tokens per stream offline")
+    parser.add_argument("--render-hops", type=int, nargs="*", default=[100, 200],
+                        help="chunk hops to render in besides one final chunk")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if not set(args.profile_hops or ()) <= set(args.hops):
@@ -141,7 +166,8 @@ def main() -> None:
         t2w.vocoder_graphs = None
     speaker = t2w.prepare_speaker(VoicePrompt.load(ModelPaths(models).voices / "default.safetensors"))
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, SPEECH_CODEBOOK, (sum(args.hops) + PRE_LOOKAHEAD,), generator=generator)
+    tokens = torch.randint(0, SPEECH_CODEBOOK, (max(sum(args.hops) + PRE_LOOKAHEAD, args.render or 0),),
+                           generator=generator)
 
     began = time.perf_counter()
     t2w.warmup(speaker, batches=[1] if args.eager else args.batches)
@@ -155,6 +181,17 @@ def main() -> None:
             audio_s = batch * hop / TOKEN_RATE_HZ
             rows.append({"batch": batch, "hop": hop, "ms": ms, "ms_per_stream": ms / batch,
                          "realtime_x": audio_s / (ms / 1000)})
+
+    renders = []
+    for batch in args.batches if args.render else ():
+        for hop in (None, *args.render_hops):
+            text = tokens[: args.render]
+            time_render(t2w, speaker, batch, hop, text)  # first use of every kernel and shape
+            runs = [time_render(t2w, speaker, batch, hop, text) for _ in range(args.repeats)]
+            ms = statistics.median(sum(run) for run in runs)
+            calls = [statistics.median(times) for times in zip(*runs, strict=True)]
+            renders.append({"batch": batch, "hop": hop, "ms": ms, "calls_ms": calls,
+                            "realtime_x": batch * args.render / TOKEN_RATE_HZ / (ms / 1000)})
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     mode = "eager" if args.eager or device.type != "cuda" else "CUDA graphs"
@@ -170,6 +207,13 @@ def main() -> None:
         chunk = f"{'first ' if row['hop'] == args.hops[0] else ''}{row['hop']}+{PRE_LOOKAHEAD}"
         print(f"{row['batch']:>7} {chunk:>15} {row['ms']:>10.1f} {row['ms_per_stream']:>12.2f} "
               f"{row['realtime_x']:>12.1f}")
+    if renders:
+        print(f"\noffline render of {args.render} tokens per stream")
+        print(f"{'streams':>7} {'chunks':>12} {'ms in all':>10} {'x real time':>12}  ms per call")
+        for row in renders:
+            chunks = "one" if row["hop"] is None else f"hops of {row['hop']}"
+            calls = " ".join(f"{ms:.1f}" for ms in row["calls_ms"])
+            print(f"{row['batch']:>7} {chunks:>12} {row['ms']:>10.1f} {row['realtime_x']:>12.1f}  {calls}")
     if device.type == "cuda":
         print(f"peak GPU memory: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
     if args.profile:
@@ -179,7 +223,8 @@ def main() -> None:
                 profile_call(t2w, speaker, batch, args.hops, hop, tokens,
                              args.profile / f"profile_b{batch}_hop{hop}.txt")
     if args.json:
-        report = {"device": name, "models": str(models), "mode": mode, "warmup_s": warmup_s, "rows": rows}
+        report = {"device": name, "models": str(models), "mode": mode, "warmup_s": warmup_s, "rows": rows,
+                  "render_tokens": args.render, "renders": renders}
         args.json.write_text(json.dumps(report, indent=2))
 
 

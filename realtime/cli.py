@@ -127,6 +127,7 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         token2wav_memory_margin_gib=args.token2wav_memory_margin_gib,
         first_chunk_hold=FirstChunkHold(args.first_chunk_gap_ms / 1000, args.first_chunk_hold_ms / 1000),
         token2wav_call_tokens=args.token2wav_call_tokens or None,
+        render_hop=getattr(args, "render_hop", 0) or None,
         final_chunk_graphs=args.final_chunk_graphs,
         urgent_chunk_calls=args.urgent_chunk_calls,
         token2wav_workers=BASELINE_TOKEN2WAV_WORKERS if args.baseline else 1,
@@ -448,6 +449,9 @@ def build_parser() -> argparse.ArgumentParser:
             source.add_argument(
                 "--jsonl", type=Path, help='JSON Lines of {"text", "voice", "out"} (.wav, .flac, .mp3, .ogg)'
             )
+            sub.add_argument("--render-hop", type=_non_negative_int, default=0,
+                             help="speech tokens per token2wav chunk while rendering (the last: the rest; "
+                                  "0: the chunks of --schedule)")
             sub.add_argument("--voice", default="default", help="voice of TEXT")
             sub.add_argument("--out", type=Path, default=Path("speech.wav"), help="output file of TEXT")
             sub.add_argument(

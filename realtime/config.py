@@ -226,6 +226,11 @@ class ServiceConfig:
     final_chunk_graphs: vocode final chunks (whatever a segment leaves: any length) from CUDA graphs,
         padded to length buckets (engines/token2wav/graphs.py); off, eagerly at their own lengths, which
         saves ~100 captures at start-up but costs ~10 ms of host time per call (~70 ms for a new length).
+    render_hop: offline synthesis (`realtime synth`) hands each utterance's tokens to token2wav in chunks
+        as the LLM decodes them (the last chunk whatever is left), so token2wav works while the LLM is
+        still decoding and a long text never needs one solve over all its frames: chunks of this many
+        tokens, or with None those of `schedule`, the streaming schedule, whose shapes the warm-up
+        captures (docs/benchmarks.md, thirteenth session).
     token2wav_workers: token2wav threads (each on its own CUDA stream); a stream stays on the thread
         that opened it. More than one turns the PyTorch backend's CUDA graphs off.
     chunk_queue: chunks (per stream) synthesised ahead of a slow consumer before the stream waits.
@@ -270,6 +275,7 @@ class ServiceConfig:
     token2wav_call_tokens: int | None = None
     urgent_chunk_calls: float = 2.0
     final_chunk_graphs: bool = True
+    render_hop: int | None = None
     token2wav_workers: int = 1
     chunk_queue: int = 4
     llm_pacing: bool = True
@@ -316,6 +322,8 @@ class ServiceConfig:
         if not self.token2wav_memory_margin_gib >= 0:
             raise ValueError(f"token2wav_memory_margin_gib must be >= 0, "
                              f"got {self.token2wav_memory_margin_gib}")
+        if self.render_hop is not None and self.render_hop < 1:
+            raise ValueError(f"render_hop must be >= 1 or None, got {self.render_hop}")
         if self.llm_slots is not None and self.llm_slots < 1:
             raise ValueError(f"llm_slots must be >= 1, got {self.llm_slots}")
         if not self.voice_sync_s > 0:

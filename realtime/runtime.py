@@ -55,6 +55,7 @@ from realtime.memory_budget import MemoryBudgets, device_budgets, log_budgets
 from realtime.metrics import Metrics
 from realtime.placement import WorkerLoad, least_loaded, split_capacity
 from realtime.prompts import PromptCache, choose_mode
+from realtime.schedule import ChunkScheduler, EqualHops, HopPolicy, make_policy
 from realtime.session import PreparedVoice, Segment, ServiceError, Session, SpeechRequest, language_code
 from realtime.token2wav_worker import Token2WavWorker
 from realtime.voices import VoiceInfo, VoiceQuota, VoiceRegistry
@@ -489,9 +490,10 @@ class Runtime:
         """The whole utterance at once (offline, no admission): 24 kHz float32 audio, in the mode
         `instructions` and `language` choose (`realtime.prompts.choose_mode`).
 
-        Every segment's LLM request is submitted at once; each segment's tokens then go to token2wav as
-        one final chunk, which the worker batches with the chunks of other renders. Cancelling frees
-        the LLM requests and token2wav streams. Raises ServiceError.
+        Every segment's LLM request is submitted at once; each segment's tokens then go to token2wav in
+        chunks as they are decoded (`render_hop`, or else the streaming schedule; the last chunk whatever
+        is left), which the worker batches with the chunks of other renders. Cancelling frees the LLM
+        requests and token2wav streams. Raises ServiceError.
         """
         with self._counting_errors():
             speech = SpeechRequest(text, voice, sampling, instructions=instructions, language=language)
@@ -508,7 +510,9 @@ class Runtime:
                 for index, segment in enumerate(segments):
                     request = prompt.request(f"{render_id}-{index}", segment.text_ids, sampling)
                     token_streams.append(placed.submit_llm(request))
-                pieces = [await self._render_segment(placed.worker, prepared, tokens)
+                hops = (make_policy(self.config.schedule) if self.config.render_hop is None
+                        else EqualHops(self.config.render_hop))
+                pieces = [await self._render_segment(placed.worker, prepared, tokens, hops)
                           for tokens in token_streams]
             except LLMError as exc:
                 raise ServiceError(exc.code, str(exc), 500) from exc
@@ -520,14 +524,28 @@ class Runtime:
 
     @staticmethod
     async def _render_segment(
-        worker: Token2WavWorker, voice: PreparedVoice, token_stream: TokenStream
+        worker: Token2WavWorker, voice: PreparedVoice, token_stream: TokenStream, hops: HopPolicy
     ) -> np.ndarray:
-        tokens = [token async for batch in token_stream for token in batch]
-        if not tokens:
-            return np.zeros(0, dtype=np.float32)
+        # The stream opens before the tokens come: the worker then counts it among the streams whose
+        # chunks are about to arrive and holds a call for them, so renders that finish decoding together
+        # share one call instead of the first-come running alone while the others open.
         stream = await worker.open_stream(voice.speaker)
         try:
-            return await worker.synthesize(stream, tokens, last=True, due=-math.inf)
+            schedule = ChunkScheduler(hops)
+            tokens: list[int] = []
+            pieces: list[np.ndarray] = []
+
+            async def synthesize_due(ended: bool) -> None:
+                while (chunk := schedule.next_chunk(len(tokens), ended)) is not None:
+                    if chunk.end > chunk.start:
+                        pieces.append(await worker.synthesize(stream, tokens[chunk.start : chunk.end],
+                                                              last=chunk.last, due=-math.inf))
+
+            async for batch in token_stream:
+                tokens.extend(batch)
+                await synthesize_due(ended=False)
+            await synthesize_due(ended=True)
+            return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
         finally:
             worker.close_stream(stream)
 

@@ -74,8 +74,10 @@ class Buckets:
 
     batch: row counts; frames: chunk mel frames (2 per token: 30 = the first 15-token hop, 50, 100, …);
     prompt_frames: the summed prompt frames of a batch's voices; own_frames: a row's cached generated
-    frames (0 for first chunks; at most R = 100 under the "prompt_recent" rule, L_p + R under the
-    reference's, 1600 for a 30 s prompt), also the frames kept after a chunk (at most own + chunk);
+    frames (0 for first chunks; 30 after a first chunk, which a bucket of 32 spares padding to 100:
+    second-chunk calls 7–9 % shorter on an H100; at most R = 100 under the "prompt_recent" rule, L_p + R
+    under the reference's, 1600 for a 30 s prompt), also the frames kept after a chunk (at most own +
+    chunk);
     history_tokens: the encoder's cached tokens per row (prompt and own, never trimmed: at most 2048
     through the LLM's context; with a 200-token chunk that stays within the position table's 2500).
     """
@@ -83,7 +85,7 @@ class Buckets:
     batch: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     frames: tuple[int, ...] = (30, 50, 100, 200, 400)
     prompt_frames: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
-    own_frames: tuple[int, ...] = (100, 200, 400, 800, 1600)
+    own_frames: tuple[int, ...] = (32, 100, 200, 400, 800, 1600)
     history_tokens: tuple[int, ...] = (128, 256, 512, 1024, 2048)
 
     def shape(self, exact: SolveShape) -> SolveShape | None:

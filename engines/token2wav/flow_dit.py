@@ -299,8 +299,10 @@ class DiTFlow(ConformerFlow):
         cached state the warm-up met (its largest own and kept frames, its prompts): once an utterance's
         cache is trimmed it stays there, and its last chunk (any length) or a batch that mixes it with
         other streams' chunks solves at that state with any frames bucket, which running streams through
-        the schedule in step does not meet. States of fewer own frames (an utterance's first seconds)
-        are left out. Shapes over the solve memory cap are skipped, as batch planning never forms them."""
+        the schedule in step does not meet. At the other cached states the warm-up met (a stream after
+        its first chunk) the shorter frames buckets are captured too: an utterance of a few words ends
+        with a short last chunk there. Shapes over the solve memory cap are skipped, as batch planning
+        never forms them."""
         solver = self.graphs
         if solver is None or not solver.shapes:
             return
@@ -309,8 +311,15 @@ class DiTFlow(ConformerFlow):
         buckets = self.buckets
         sizes = {round_up(b, buckets.batch) for b in batches}
         rows = sorted((size for size in sizes if size is not None), reverse=True)
-        shapes = [SolveShape(b, f, cached.own_frames, p, min(cached.kept_frames, cached.own_frames + f))
-                  for b in rows for f in sorted(buckets.frames, reverse=True) for p in sorted(prompts)]
+        frames = sorted(buckets.frames, reverse=True)
+        states = {(cached.own_frames, cached.kept_frames): frames[0]}
+        for shape in solver.shapes:
+            if 0 < shape.own_frames < cached.own_frames:
+                key = (shape.own_frames, shape.kept_frames)
+                states[key] = max(states.get(key, 0), shape.frames)
+        shapes = [SolveShape(b, f, own, p, min(kept, own + f))
+                  for b in rows for (own, kept), most in states.items() for f in frames if f <= most
+                  for p in sorted(prompts)]
         fits = self.solve_memory.fits if self.solve_memory is not None else None
         solver.capture(shape for shape in shapes if shape.batch == 1 or fits is None or fits(shape))
 

@@ -264,6 +264,36 @@ def test_the_warm_up_solves_only_shapes_within_the_cap() -> None:
     assert any(shape.batch == 1 and shape.own_frames > 0 for shape in solver.runs)
 
 
+@dataclass
+class CapturingSolver:
+    """The part of GraphedSolver that `capture_solve_graphs` reads: the shapes met, and what it captures."""
+
+    shapes: list[SolveShape]
+    captured: list[SolveShape] = dataclasses.field(default_factory=list)
+
+    def capture(self, shapes: Iterator[SolveShape]) -> None:
+        self.captured.extend(shapes)
+
+
+def test_solve_graphs_cover_every_chunk_length_cached_and_short_last_chunks_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After the warm-up's schedule: at the most cached state every frames bucket; at the states before
+    it (after a first chunk: own bucket 32; after a second) the buckets up to the chunk met there, for
+    an utterance of a few words whose last chunk comes early."""
+    flow = DiTFlow(CONFIGS.dit_flow).eval()
+    met = [SolveShape(64, 30, 0, 256, 30), SolveShape(64, 50, 32, 256, 82),
+           SolveShape(64, 100, 100, 256, 100), SolveShape(32, 400, 200, 256, 200)]
+    solver = CapturingSolver(list(met))
+    monkeypatch.setattr(DiTFlow, "graphs", property(lambda self: solver))
+    flow.capture_solve_graphs([64, 32])
+    cached = {SolveShape(b, f, 200, 256, 200) for b in (64, 32) for f in Buckets().frames}
+    after_first = {SolveShape(b, f, 32, 256, min(82, 32 + f)) for b in (64, 32) for f in (30, 50)}
+    after_second = {SolveShape(b, f, 100, 256, 100) for b in (64, 32) for f in (30, 50, 100)}
+    assert set(solver.captured) == cached | after_first | after_second
+    assert solver.captured[0] == SolveShape(64, 400, 200, 256, 200)  # the largest first
+
+
 def seeded_backend(device: str, graphs: bool) -> tuple[TorchToken2Wav, list[SpeakerState]]:
     """The end-to-end tests' backend (random DiT weights, fixed vocoder noise) and its two voices."""
     torch.manual_seed(0)

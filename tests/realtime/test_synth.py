@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -44,8 +45,17 @@ def cli(models: Path, *args: str) -> list[str]:
     return ["synth", *common, *args]
 
 
+# Chunks (tokens, last) of one utterance of TOKENS tokens: by default the streaming schedule's (a hop of
+# 15 with the 3 lookahead tokens handed again, then the rest, fewer than the next hop of 25); with
+# --render-hop, hops of that size; all at once when it is longer than the utterance.
+@pytest.mark.parametrize(("hop_args", "chunks"), [
+    ((), [(18, False), (25, True)]),
+    (("--render-hop", "15"), [(18, False), (18, False), (10, True)]),
+    (("--render-hop", "100"), [(TOKENS, True)]),
+])
 def test_jsonl_items_become_files_of_the_expected_length(
-    tiny_models: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    tiny_models: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    hop_args: tuple[str, ...], chunks: list[tuple[int, bool]],
 ) -> None:
     batches: list[list[tuple[int, bool]]] = []
     launch_chunks = TorchToken2Wav.launch_chunks
@@ -71,9 +81,9 @@ def test_jsonl_items_become_files_of_the_expected_length(
     ]
     jsonl = tmp_path / "items.jsonl"
     jsonl.write_text("\n".join(json.dumps(item) for item in items) + "\n\n")
-    assert main(cli(tiny_models, "--jsonl", str(jsonl), "--batch", "2")) == 0
-    # Each utterance is one final chunk of all its tokens; a call takes at most --batch of them.
-    assert sorted(job for batch in batches for job in batch) == [(TOKENS, True)] * 3
+    assert main(cli(tiny_models, "--jsonl", str(jsonl), "--batch", "2", *hop_args)) == 0
+    # Each utterance's chunks follow the render hop; a call takes at most --batch of them.
+    assert sorted(job for batch in batches for job in batch) == sorted(chunks * 3)
     assert sorted(modes) == sorted(PromptMode)
     assert max(len(batch) for batch in batches) <= 2
 
@@ -85,10 +95,16 @@ def test_jsonl_items_become_files_of_the_expected_length(
     samples, rate = decode(tmp_path / "c.mp3")
     # MP3 frames hold 1152 samples; the encoder pads the start and the last frame.
     assert rate == SAMPLE_RATE and expected <= samples.size <= expected + 3 * 1152
-    header, row = capsys.readouterr().out.strip().splitlines()[-2:]
+    header, row, work = capsys.readouterr().out.strip().splitlines()[-3:]
     assert header.split() == ["items", "audio", "s", "wall", "s", "RTF"]
     count, audio_s, _, _ = row.split()
     assert int(count) == 3 and float(audio_s) == pytest.approx(3 * expected / SAMPLE_RATE)
+    # The engines' work in the run: the LLM decoded the 3 × TOKENS tokens (at least TOKENS steps); the
+    # token2wav calls carried the chunks recorded above.
+    steps = int(re.search(r"LLM: (\d+) steps", work)[1])  # type: ignore[index]
+    calls, per_call = re.search(r"token2wav: (\d+) calls of ([\d.]+) chunks", work).groups()  # type: ignore[union-attr]
+    assert steps >= TOKENS and int(calls) == len(batches)
+    assert float(per_call) == pytest.approx(sum(map(len, batches)) / len(batches), abs=0.05)
 
 
 def test_single_text_writes_one_wav(tiny_models: Path, tmp_path: Path) -> None:

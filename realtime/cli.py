@@ -451,7 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
             )
             sub.add_argument("--render-hop", type=_non_negative_int, default=0,
                              help="speech tokens per token2wav chunk while rendering (the last: the rest; "
-                                  "0: the chunks of --schedule)")
+                                  "0: the exponential schedule's chunks)")
             sub.add_argument("--voice", default="default", help="voice of TEXT")
             sub.add_argument("--out", type=Path, default=Path("speech.wav"), help="output file of TEXT")
             sub.add_argument(

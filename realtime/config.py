@@ -229,8 +229,8 @@ class ServiceConfig:
     render_hop: offline synthesis (`realtime synth`) hands each utterance's tokens to token2wav in chunks
         as the LLM decodes them (the last chunk whatever is left), so token2wav works while the LLM is
         still decoding and a long text never needs one solve over all its frames: chunks of this many
-        tokens, or with None those of `schedule`, the streaming schedule, whose shapes the warm-up
-        captures (docs/benchmarks.md, thirteenth session).
+        tokens, or with None the exponential schedule's (15, 25, 50, 100, 200, ...: the shapes the
+        warm-up captures, whatever `schedule` is; docs/benchmarks.md, thirteenth session).
     token2wav_workers: token2wav threads (each on its own CUDA stream); a stream stays on the thread
         that opened it. More than one turns the PyTorch backend's CUDA graphs off.
     chunk_queue: chunks (per stream) synthesised ahead of a slow consumer before the stream waits.

@@ -55,7 +55,7 @@ from realtime.memory_budget import MemoryBudgets, device_budgets, log_budgets
 from realtime.metrics import Metrics
 from realtime.placement import WorkerLoad, least_loaded, split_capacity
 from realtime.prompts import PromptCache, choose_mode
-from realtime.schedule import ChunkScheduler, EqualHops, HopPolicy, make_policy
+from realtime.schedule import ChunkScheduler, EqualHops, ExponentialHops, HopPolicy
 from realtime.session import PreparedVoice, Segment, ServiceError, Session, SpeechRequest, language_code
 from realtime.token2wav_worker import Token2WavWorker
 from realtime.voices import VoiceInfo, VoiceQuota, VoiceRegistry
@@ -491,9 +491,9 @@ class Runtime:
         `instructions` and `language` choose (`realtime.prompts.choose_mode`).
 
         Every segment's LLM request is submitted at once; each segment's tokens then go to token2wav in
-        chunks as they are decoded (`render_hop`, or else the streaming schedule; the last chunk whatever
-        is left), which the worker batches with the chunks of other renders. Cancelling frees the LLM
-        requests and token2wav streams. Raises ServiceError.
+        chunks as they are decoded (`render_hop`, or else the exponential schedule's; the last chunk
+        whatever is left), which the worker batches with the chunks of other renders. Cancelling frees
+        the LLM requests and token2wav streams. Raises ServiceError.
         """
         with self._counting_errors():
             speech = SpeechRequest(text, voice, sampling, instructions=instructions, language=language)
@@ -510,7 +510,7 @@ class Runtime:
                 for index, segment in enumerate(segments):
                     request = prompt.request(f"{render_id}-{index}", segment.text_ids, sampling)
                     token_streams.append(placed.submit_llm(request))
-                hops = (make_policy(self.config.schedule) if self.config.render_hop is None
+                hops = (ExponentialHops() if self.config.render_hop is None
                         else EqualHops(self.config.render_hop))
                 pieces = [await self._render_segment(placed.worker, prepared, tokens, hops)
                           for tokens in token_streams]

@@ -45,11 +45,13 @@ def cli(models: Path, *args: str) -> list[str]:
     return ["synth", *common, *args]
 
 
-# Chunks (tokens, last) of one utterance of TOKENS tokens: by default the streaming schedule's (a hop of
-# 15 with the 3 lookahead tokens handed again, then the rest, fewer than the next hop of 25); with
-# --render-hop, hops of that size; all at once when it is longer than the utterance.
+# Chunks (tokens, last) of one utterance of TOKENS tokens: by default the exponential schedule's (a hop
+# of 15 with the 3 lookahead tokens handed again, then the rest, fewer than the next hop of 25), whose
+# shapes the warm-up captures, whatever --schedule the sessions use; with --render-hop, hops of that
+# size; all at once when it is longer than the utterance.
 @pytest.mark.parametrize(("hop_args", "chunks"), [
     ((), [(18, False), (25, True)]),
+    (("--schedule", "equal"), [(18, False), (25, True)]),
     (("--render-hop", "15"), [(18, False), (18, False), (10, True)]),
     (("--render-hop", "100"), [(TOKENS, True)]),
 ])

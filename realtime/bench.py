@@ -154,6 +154,8 @@ class ServerFigures:
     first_chunks_per_call: float  # mean first-audio chunks in those calls
     first_tokens_ms: float  # mean time from admission to the first chunk's speech tokens
     first_chunk_ms: float  # mean time from admission to the first audio, as the server sees it
+    # mean new streams whose first chunk had not come yet when such a call started (left for a later call)
+    first_chunks_pending: float = math.nan
     later_chunks: int = 0  # chunks after a stream's first audio
     later_chunks_late: int = 0  # of them, audio ready after it was due though the tokens came in time
     later_chunks_tokens_late: int = 0  # of them, tokens that came after the chunk was due
@@ -202,6 +204,7 @@ class ServerFigures:
             later_chunk_wait_ms=mean(*waited("later")),
             calls_with_first_chunks=int(delta("tts_token2wav_batch_first_chunks_count")),
             first_chunks_per_call=histogram_mean("tts_token2wav_batch_first_chunks", scale=1.0),
+            first_chunks_pending=histogram_mean("tts_token2wav_first_chunks_pending", scale=1.0),
             first_tokens_ms=histogram_mean("tts_first_chunk_tokens_seconds"),
             first_chunk_ms=histogram_mean("tts_first_chunk_latency_seconds"),
             later_chunks=sum(later(outcome) for outcome in ("on_time", "late", "tokens_late")),
@@ -552,7 +555,8 @@ def format_level(lv: LevelResult) -> list[str]:
             f"{sv.token2wav_device_wait_ms:.1f} ms waiting for the device), chunks waited "
             f"{sv.token2wav_wait_ms:.1f} ms "
             f"(first {sv.first_chunk_wait_ms:.1f}, later {sv.later_chunk_wait_ms:.1f}); first chunks in "
-            f"{sv.calls_with_first_chunks} calls of {sv.first_chunks_per_call:.1f}; "
+            f"{sv.calls_with_first_chunks} calls of {sv.first_chunks_per_call:.1f} "
+            f"(at each {sv.first_chunks_pending:.1f} new streams' still to come); "
             f"first chunk: tokens at {sv.first_tokens_ms:.0f} ms, audio at {sv.first_chunk_ms:.0f} ms; "
             f"later chunks ready after due {sv.later_chunks_late} of {sv.later_chunks} "
             f"(and {sv.later_chunks_tokens_late} whose tokens came after due); "

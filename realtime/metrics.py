@@ -94,6 +94,13 @@ class Metrics:
             buckets=BATCH_CHUNKS_BUCKETS,
             registry=self.registry,
         )
+        self.token2wav_first_chunks_pending = Histogram(
+            "tts_token2wav_first_chunks_pending",
+            "New streams whose first chunk had not come yet when a token2wav call of first chunks started "
+            "(they wait for a later call: a burst's first audio split across calls)",
+            buckets=(0, *BATCH_CHUNKS_BUCKETS),
+            registry=self.registry,
+        )
         self.token2wav_wait_seconds = Histogram(
             "tts_token2wav_wait_seconds",
             "Time from a chunk's submission to the start of the token2wav call that runs it, by chunk: "

@@ -143,7 +143,10 @@ class _Lane:
                                            time.monotonic(), self._recent_llm_step() if expected else 0.0,
                                            self._call_time.seconds)
             hold_until = decision.hold_until
-            self._run_chunks(self._take(decision.run))
+            chunks = self._take(decision.run)
+            if self._metrics is not None and any(chunk.waiting.first for chunk in chunks):
+                self._metrics.token2wav_first_chunks_pending.observe(expected)
+            self._run_chunks(chunks)
             for call in calls:
                 self._run_call(call)
             if stop:

@@ -20,6 +20,7 @@ from engines.token2wav.torch_backend import TorchToken2Wav
 from engines.voice import VoicePrompt
 from realtime.batch_policy import FirstChunkHold
 from realtime.config import ServiceConfig
+from realtime.metrics import Metrics
 from realtime.runtime import Runtime
 from realtime.schedule import ScheduleKind
 from realtime.session import SpeechRequest
@@ -105,10 +106,13 @@ async def test_worker_runs_the_most_urgent_chunk_first(tiny_models: Path) -> Non
 
 async def test_first_chunks_of_streams_opened_together_share_a_batch(tiny_models: Path) -> None:
     """A first chunk waits for the first chunks of the other streams opened on its thread that have sent
-    none yet, while they keep coming, so that they run as one batch."""
+    none yet, while they keep coming, so that they run as one batch. The metrics count, for each call of
+    first chunks, the new streams left for a later call."""
     backend = TorchToken2Wav.from_models_dir(tiny_models, "dit", "cpu")
     voice = VoicePrompt.load(ModelPaths(tiny_models).voices / "default.safetensors")
-    worker = Token2WavWorker(backend, max_batch=8, capacity=8, hold=FirstChunkHold(gap_s=0.3, max_s=2.0))
+    metrics = Metrics()
+    worker = Token2WavWorker(backend, max_batch=8, capacity=8, hold=FirstChunkHold(gap_s=0.3, max_s=2.0),
+                             metrics=metrics)
     batches: list[int] = []
     launch_chunks = backend.launch_chunks
 
@@ -134,6 +138,10 @@ async def test_first_chunks_of_streams_opened_together_share_a_batch(tiny_models
         await worker.synthesize(lone, tokens, last=False, due=-math.inf)
         waited = time.perf_counter() - started
         assert batches == [3, 1] and 0.3 <= waited < 10
+        pending = metrics.registry.get_sample_value
+        # The three together left none behind; the lone one left the silent stream.
+        assert pending("tts_token2wav_first_chunks_pending_count") == 2
+        assert pending("tts_token2wav_first_chunks_pending_sum") == 1
         for stream in (*together, lone, silent):
             worker.close_stream(stream)
     finally:

@@ -106,7 +106,8 @@ class EngineWork:
         return EngineWork(**{field: read(sample) or 0.0 for sample, field in _ENGINE_SAMPLES})
 
     def since(self, earlier: EngineWork) -> EngineWork:
-        return EngineWork(*(getattr(self, field) - getattr(earlier, field) for _, field in _ENGINE_SAMPLES))
+        fields = (field for _, field in _ENGINE_SAMPLES)
+        return EngineWork(**{field: getattr(self, field) - getattr(earlier, field) for field in fields})
 
     def summary(self) -> str:
         step_ms = self.llm_step_s / self.llm_steps * 1000 if self.llm_steps else 0.0

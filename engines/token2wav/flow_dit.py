@@ -299,10 +299,10 @@ class DiTFlow(ConformerFlow):
         cached state the warm-up met (its largest own and kept frames, its prompts): once an utterance's
         cache is trimmed it stays there, and its last chunk (any length) or a batch that mixes it with
         other streams' chunks solves at that state with any frames bucket, which running streams through
-        the schedule in step does not meet. At the other cached states the warm-up met (a stream after
-        its first chunk) the shorter frames buckets are captured too: an utterance of a few words ends
-        with a short last chunk there. Shapes over the solve memory cap are skipped, as batch planning
-        never forms them."""
+        the schedule in step does not meet. At the less cached states the warm-up met (after a stream's
+        first chunk or two) the frames buckets up to the chunk met there are captured too: an utterance
+        of a few words ends with a short last chunk there. Shapes over the solve memory cap are skipped,
+        as batch planning never forms them."""
         solver = self.graphs
         if solver is None or not solver.shapes:
             return

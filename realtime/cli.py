@@ -294,7 +294,7 @@ def synth(config: ServiceConfig, args: argparse.Namespace) -> int:
         return 2
     _configure_allocator()
     try:
-        report = run(config, items, sampling)
+        report = run(config, items, sampling, progress=sys.stderr.isatty())
     except ServiceError as exc:
         print(f"realtime synth: {exc.code}: {exc}", file=sys.stderr)
         return 1

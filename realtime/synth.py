@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from engines.config import SAMPLE_RATE
 from engines.llm.base import SamplingParams
@@ -138,10 +139,12 @@ class SynthReport:
         return f"{head}\n{row}\n{self.work.summary()}"
 
 
-async def synthesize(runtime: Runtime, items: Sequence[SynthItem], sampling: SamplingParams) -> SynthReport:
+async def synthesize(runtime: Runtime, items: Sequence[SynthItem], sampling: SamplingParams,
+                     progress: bool = False) -> SynthReport:
     """Speak every item with a started `runtime` and write its file. The first item that fails stops the
-    run: its ServiceError is raised."""
+    run: its ServiceError is raised. `progress`: a bar of the items written on standard error."""
     in_flight = asyncio.Semaphore(2 * (runtime.config.llm_slots or runtime.config.max_streams))
+    bar = tqdm(total=len(items), desc="synth", unit="item", disable=not progress)
 
     async def speak(item: SynthItem) -> float:
         async with in_flight:
@@ -149,6 +152,7 @@ async def synthesize(runtime: Runtime, items: Sequence[SynthItem], sampling: Sam
         data = await asyncio.to_thread(encode_file, pcm, item.out.suffix)
         item.out.parent.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(item.out.write_bytes, data)
+        bar.update()
         return pcm.size / SAMPLE_RATE
 
     before = EngineWork.read(runtime.metrics)
@@ -158,20 +162,24 @@ async def synthesize(runtime: Runtime, items: Sequence[SynthItem], sampling: Sam
             tasks = [group.create_task(speak(item)) for item in items]
     except* ServiceError as failed:  # the others were cancelled
         raise failed.exceptions[0] from None
+    finally:
+        bar.close()
     wall_s = time.perf_counter() - started
     work = EngineWork.read(runtime.metrics).since(before)
     return SynthReport(len(items), sum(task.result() for task in tasks), wall_s, work)
 
 
-def run(config: ServiceConfig, items: Sequence[SynthItem], sampling: SamplingParams) -> SynthReport:
-    """Load the engines of `config`, synthesise `items`, and stop."""
+def run(config: ServiceConfig, items: Sequence[SynthItem], sampling: SamplingParams,
+        progress: bool = False) -> SynthReport:
+    """Load the engines of `config`, synthesise `items` (`progress`: with a bar of the items written),
+    and stop."""
 
     async def main() -> SynthReport:
         # Offline, `token2wav_batch` utterances run at once (no admission): size the engines for them.
         runtime = Runtime(config.replace(max_streams=max(config.max_streams, config.token2wav_batch)))
         await runtime.start()
         try:
-            return await synthesize(runtime, items, sampling)
+            return await synthesize(runtime, items, sampling, progress)
         finally:
             await runtime.stop(config.drain_timeout_s)
 

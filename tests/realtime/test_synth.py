@@ -15,12 +15,13 @@ import pytest
 
 from engines.config import SAMPLE_RATE, SAMPLES_PER_TOKEN
 from engines.cuda_memory import ALLOCATOR_ENV, EXPANDABLE_SEGMENTS, OPERATOR_ENVS
-from engines.llm.base import LLMRequest, PromptMode, TokenStream
+from engines.llm.base import LLMRequest, PromptMode, SamplingParams, TokenStream
 from engines.llm.torch_engine import TorchLLMEngine
 from engines.token2wav.base import ChunkJob, LaunchedChunks
 from engines.token2wav.torch_backend import TorchToken2Wav
 from realtime.cli import main
-from realtime.synth import SynthItem, read_jsonl
+from realtime.config import ServiceConfig
+from realtime.synth import SynthItem, read_jsonl, run
 
 TOKENS = 40
 
@@ -124,3 +125,18 @@ def test_bad_items_are_refused_before_synthesis(tmp_path: Path) -> None:
         read_jsonl(jsonl)
     with pytest.raises(ValueError, match="extension"):
         SynthItem("text", tmp_path / "a.aiff")
+
+
+def test_a_progress_bar_counts_the_items_written(
+    tiny_models: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With `progress` (the CLI's when standard error is a terminal) a bar on standard error counts the
+    items as their files are written; without it, nothing is written there."""
+    config = ServiceConfig(models_dir=tiny_models, voices_dir=tmp_path / "voices", device="cpu")
+    items = [SynthItem(text, tmp_path / f"{i}.wav") for i, text in enumerate(("One.", "Two."))]
+    sampling = SamplingParams(seed=3, fixed_length=TOKENS)
+    report = run(config, items, sampling, progress=True)
+    assert report.items == 2 and all(item.out.exists() for item in items)
+    assert "synth: 100%" in capsys.readouterr().err.replace("\r", "\n")
+    run(config, items[:1], sampling)
+    assert "synth" not in capsys.readouterr().err

@@ -526,28 +526,37 @@ class Runtime:
     async def _render_segment(
         worker: Token2WavWorker, voice: PreparedVoice, token_stream: TokenStream, hops: HopPolicy
     ) -> np.ndarray:
-        # The stream opens before the tokens come: the worker then counts it among the streams whose
-        # chunks are about to arrive and holds a call for them, so renders that finish decoding together
-        # share one call instead of the first-come running alone while the others open.
-        stream = await worker.open_stream(voice.speaker)
+        schedule = ChunkScheduler(hops)
+        tokens: list[int] = []
+        pieces: list[np.ndarray] = []
+        stream: Token2WavStream | None = None
         try:
-            schedule = ChunkScheduler(hops)
-            tokens: list[int] = []
-            pieces: list[np.ndarray] = []
-
-            async def synthesize_due(ended: bool) -> None:
-                while (chunk := schedule.next_chunk(len(tokens), ended)) is not None:
-                    if chunk.end > chunk.start:
-                        pieces.append(await worker.synthesize(stream, tokens[chunk.start : chunk.end],
-                                                              last=chunk.last, due=-math.inf))
-
             async for batch in token_stream:
+                if stream is None:
+                    # Opened once decoding has begun, ~a chunk's tokens before its first chunk: the worker
+                    # then counts it among the streams whose first chunks are about to come and holds a
+                    # call for them (renders decoding together share calls), while renders still queued
+                    # for an LLM slot hold nothing up.
+                    stream = await worker.open_stream(voice.speaker)
                 tokens.extend(batch)
-                await synthesize_due(ended=False)
-            await synthesize_due(ended=True)
+                pieces += await Runtime._render_chunks(worker, stream, schedule, tokens, ended=False)
+            if stream is not None:
+                pieces += await Runtime._render_chunks(worker, stream, schedule, tokens, ended=True)
             return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
         finally:
-            worker.close_stream(stream)
+            if stream is not None:
+                worker.close_stream(stream)
+
+    @staticmethod
+    async def _render_chunks(worker: Token2WavWorker, stream: Token2WavStream, schedule: ChunkScheduler,
+                             tokens: list[int], ended: bool) -> list[np.ndarray]:
+        """The audio of every chunk `schedule` has due with `tokens` (all of them once `ended`)."""
+        pieces = []
+        while (chunk := schedule.next_chunk(len(tokens), ended)) is not None:
+            if chunk.end > chunk.start:
+                piece = tokens[chunk.start : chunk.end]
+                pieces.append(await worker.synthesize(stream, piece, last=chunk.last, due=-math.inf))
+        return pieces
 
     def _track_sessions(self) -> None:
         if self._sessions:

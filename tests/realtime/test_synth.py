@@ -3,10 +3,11 @@ expected lengths (fixed-length requests), and the single-text form still writes 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import av
@@ -21,6 +22,7 @@ from engines.token2wav.base import ChunkJob, LaunchedChunks
 from engines.token2wav.torch_backend import TorchToken2Wav
 from realtime.cli import main
 from realtime.config import ServiceConfig
+from realtime.runtime import Runtime
 from realtime.synth import SynthItem, read_jsonl, run
 
 TOKENS = 40
@@ -140,3 +142,24 @@ def test_a_progress_bar_counts_the_items_written(
     assert "synth: 100%" in capsys.readouterr().err.replace("\r", "\n")
     run(config, items[:1], sampling)
     assert "synth" not in capsys.readouterr().err
+
+
+async def test_a_cancelled_render_frees_its_llm_request_and_token2wav_stream(
+    tiny_models: Path, tmp_path: Path, eventually: Callable[[Callable[[], bool]], Awaitable[None]],
+) -> None:
+    """A render cancelled while its chunks are synthesised (a synth run stopped) releases what it held:
+    its LLM request and its token2wav stream; the runtime then renders the next text in full."""
+    runtime = Runtime(ServiceConfig(models_dir=tiny_models, voices_dir=tmp_path, device="cpu"))
+    await runtime.start()
+    try:
+        sampling = SamplingParams(seed=1, fixed_length=400)
+        render = asyncio.create_task(runtime.render("A long text to stop halfway.", "default", sampling))
+        await eventually(lambda: runtime.stats().token2wav_streams == 1)  # decoding, chunks under way
+        render.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await render
+        await eventually(lambda: runtime.stats().token2wav_streams == 0 and runtime.stats().llm_active == 0)
+        pcm = await runtime.render("Short.", "default", SamplingParams(seed=2, fixed_length=TOKENS))
+        assert pcm.size == TOKENS * SAMPLES_PER_TOKEN
+    finally:
+        await runtime.stop(1.0)

@@ -24,7 +24,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import math
 import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -55,7 +54,8 @@ from realtime.memory_budget import MemoryBudgets, device_budgets, log_budgets
 from realtime.metrics import Metrics
 from realtime.placement import WorkerLoad, least_loaded, split_capacity
 from realtime.prompts import PromptCache, choose_mode
-from realtime.schedule import ChunkScheduler, EqualHops, ExponentialHops, HopPolicy
+from realtime.render import render_segment
+from realtime.schedule import EqualHops, ExponentialHops
 from realtime.session import PreparedVoice, Segment, ServiceError, Session, SpeechRequest, language_code
 from realtime.token2wav_worker import Token2WavWorker
 from realtime.voices import VoiceInfo, VoiceQuota, VoiceRegistry
@@ -512,7 +512,7 @@ class Runtime:
                     token_streams.append(placed.submit_llm(request))
                 hops = (ExponentialHops() if self.config.render_hop is None
                         else EqualHops(self.config.render_hop))
-                pieces = [await self._render_segment(placed.worker, prepared, tokens, hops)
+                pieces = [await render_segment(placed.worker, prepared.speaker, tokens, hops)
                           for tokens in token_streams]
             except LLMError as exc:
                 raise ServiceError(exc.code, str(exc), 500) from exc
@@ -521,42 +521,6 @@ class Runtime:
                 for token_stream in token_streams:
                     token_stream.cancel()
         return np.concatenate(pieces)
-
-    @staticmethod
-    async def _render_segment(
-        worker: Token2WavWorker, voice: PreparedVoice, token_stream: TokenStream, hops: HopPolicy
-    ) -> np.ndarray:
-        schedule = ChunkScheduler(hops)
-        tokens: list[int] = []
-        pieces: list[np.ndarray] = []
-        stream: Token2WavStream | None = None
-        try:
-            async for batch in token_stream:
-                if stream is None:
-                    # Opened once decoding has begun, ~a chunk's tokens before its first chunk: the worker
-                    # then counts it among the streams whose first chunks are about to come and holds a
-                    # call for them (renders decoding together share calls), while renders still queued
-                    # for an LLM slot hold nothing up.
-                    stream = await worker.open_stream(voice.speaker)
-                tokens.extend(batch)
-                pieces += await Runtime._render_chunks(worker, stream, schedule, tokens, ended=False)
-            if stream is not None:
-                pieces += await Runtime._render_chunks(worker, stream, schedule, tokens, ended=True)
-            return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
-        finally:
-            if stream is not None:
-                worker.close_stream(stream)
-
-    @staticmethod
-    async def _render_chunks(worker: Token2WavWorker, stream: Token2WavStream, schedule: ChunkScheduler,
-                             tokens: list[int], ended: bool) -> list[np.ndarray]:
-        """The audio of every chunk `schedule` has due with `tokens` (all of them once `ended`)."""
-        pieces = []
-        while (chunk := schedule.next_chunk(len(tokens), ended)) is not None:
-            if chunk.end > chunk.start:
-                piece = tokens[chunk.start : chunk.end]
-                pieces.append(await worker.synthesize(stream, piece, last=chunk.last, due=-math.inf))
-        return pieces
 
     def _track_sessions(self) -> None:
         if self._sessions:

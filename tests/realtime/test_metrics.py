@@ -20,9 +20,9 @@ from realtime.bench import (
     run_level,
     run_staggered,
     run_streams,
-    scrape,
 )
 from realtime.bench import _outcomes as outcomes
+from realtime.bench_metrics import scrape
 from realtime.metrics import Metrics
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

@@ -37,6 +37,7 @@ from engines.token2wav.base import ChunkJob, SpeakerState  # noqa: E402
 from engines.token2wav.flow_dit import DiTFlow  # noqa: E402
 from engines.token2wav.torch_backend import TorchToken2Wav  # noqa: E402
 from engines.voice import VoicePrompt  # noqa: E402
+from realtime.schedule import ChunkScheduler, EqualHops  # noqa: E402
 
 
 def time_schedule(t2w: TorchToken2Wav, speaker: SpeakerState, batch: int, hops: list[int],
@@ -58,19 +59,18 @@ def time_schedule(t2w: TorchToken2Wav, speaker: SpeakerState, batch: int, hops: 
 
 def time_render(t2w: TorchToken2Wav, speaker: SpeakerState, batch: int, hop: int | None,
                 tokens: torch.Tensor) -> list[float]:
-    """ms of each call rendering all of `tokens` for `batch` streams: one final chunk (hop None), or
-    chunks of `hop` tokens (plus the lookahead) and a final chunk with the rest."""
+    """ms of each call rendering all of `tokens` for `batch` streams as `realtime synth` hands them over
+    (realtime/schedule.py's chunks): one final chunk (hop None), or chunks of `hop` tokens (plus the
+    lookahead) and a final chunk with the rest."""
     streams = [t2w.open_stream(speaker) for _ in range(batch)]
-    times, start, end = [], 0, len(tokens)
-    while True:
-        last = hop is None or start + hop + PRE_LOOKAHEAD >= end
-        piece = tokens[start:] if last else tokens[start : start + hop + PRE_LOOKAHEAD]
+    schedule = ChunkScheduler(EqualHops(hop or len(tokens)))
+    times = []
+    while (chunk := schedule.next_chunk(len(tokens), ended=True)) is not None:
+        piece = tokens[chunk.start : chunk.end]
         began = time.perf_counter()
-        t2w.run_chunks([ChunkJob(stream, piece, last=last) for stream in streams])
+        t2w.run_chunks([ChunkJob(stream, piece, last=chunk.last) for stream in streams])
         times.append((time.perf_counter() - began) * 1000)
-        if last:
-            return times
-        start += hop
+    return times
 
 
 def profile_call(t2w: TorchToken2Wav, speaker: SpeakerState, batch: int, hops: list[int], hop: int,

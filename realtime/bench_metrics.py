@@ -1,5 +1,6 @@
-"""What `realtime bench` reads from the server's Prometheus /metrics: samples scraped by name, the engines'
-work between two scrapes of a level (`ServerFigures`) and its GPU memory per stream (`MemoryFigures`)."""
+"""What `realtime bench` (and `realtime synth`, from its own runtime) reads from the server's Prometheus
+metrics: samples by name, the engines' work between two readings (`ServerFigures`) and a level's GPU memory
+per stream (`MemoryFigures`)."""
 
 from __future__ import annotations
 
@@ -138,6 +139,11 @@ async def scrape(http_url: str) -> dict[str, float]:
             text = (await client.get(f"{http_url}/metrics")).text
     except httpx.HTTPError:
         return {}
+    return parse_samples(text)
+
+
+def parse_samples(text: str) -> dict[str, float]:
+    """The samples of a Prometheus text exposition, named as `scrape` names them (`sample_key`)."""
     return {sample_key(sample.name, sample.labels): sample.value
             for family in text_string_to_metric_families(text) for sample in family.samples}
 
@@ -156,4 +162,4 @@ async def sample_metrics(http_url: str, into: list[dict[str, float]], period_s: 
         await asyncio.sleep(period_s)
 
 
-__all__ = ["MemoryFigures", "ServerFigures", "sample_key", "sample_metrics", "scrape"]
+__all__ = ["MemoryFigures", "ServerFigures", "parse_samples", "sample_key", "sample_metrics", "scrape"]

@@ -24,8 +24,8 @@ from tqdm import tqdm
 from engines.config import SAMPLE_RATE
 from engines.llm.base import SamplingParams
 from realtime.audio import encode_pcm_s16le, make_stream_encoder, wav_header
+from realtime.bench_metrics import ServerFigures, parse_samples
 from realtime.config import ServiceConfig
-from realtime.metrics import Metrics
 from realtime.runtime import Runtime
 from realtime.session import ServiceError
 
@@ -80,45 +80,6 @@ def encode_file(pcm: np.ndarray, suffix: str) -> bytes:
     return encoder.encode(pcm) + encoder.finish()
 
 
-# The counters `EngineWork` reads: (sample name in the registry, EngineWork field).
-_ENGINE_SAMPLES = (
-    ("tts_llm_steps_total", "llm_steps"),
-    ("tts_llm_step_seconds_total", "llm_step_s"),
-    ("tts_token2wav_batch_seconds_count", "token2wav_calls"),
-    ("tts_token2wav_batch_seconds_sum", "token2wav_s"),
-    ("tts_token2wav_batch_chunks_sum", "token2wav_chunks"),
-)
-
-
-@dataclass(frozen=True)
-class EngineWork:
-    """What the engines did, from the runtime's metrics: LLM steps and their seconds, token2wav calls,
-    their seconds and the chunks they carried (to tell which side a run's wall time went to)."""
-
-    llm_steps: float = 0.0
-    llm_step_s: float = 0.0
-    token2wav_calls: float = 0.0
-    token2wav_s: float = 0.0
-    token2wav_chunks: float = 0.0
-
-    @staticmethod
-    def read(metrics: Metrics) -> EngineWork:
-        read = metrics.registry.get_sample_value
-        return EngineWork(**{field: read(sample) or 0.0 for sample, field in _ENGINE_SAMPLES})
-
-    def since(self, earlier: EngineWork) -> EngineWork:
-        fields = (field for _, field in _ENGINE_SAMPLES)
-        return EngineWork(**{field: getattr(self, field) - getattr(earlier, field) for field in fields})
-
-    def summary(self) -> str:
-        step_ms = self.llm_step_s / self.llm_steps * 1000 if self.llm_steps else 0.0
-        chunks = self.token2wav_chunks / self.token2wav_calls if self.token2wav_calls else 0.0
-        call_ms = self.token2wav_s / self.token2wav_calls * 1000 if self.token2wav_calls else 0.0
-        return (f"LLM: {self.llm_steps:.0f} steps of {step_ms:.2f} ms ({self.llm_step_s:.2f} s); token2wav: "
-                f"{self.token2wav_calls:.0f} calls of {chunks:.1f} chunks, {call_ms:.1f} ms each "
-                f"({self.token2wav_s:.2f} s)")
-
-
 @dataclass(frozen=True)
 class SynthReport:
     """What one run produced: wall time counts synthesis and writing, not loading the engines."""
@@ -126,7 +87,7 @@ class SynthReport:
     items: int
     audio_s: float
     wall_s: float
-    work: EngineWork = EngineWork()
+    work: ServerFigures  # what the engines did meanwhile (LLM steps, token2wav calls)
 
     @property
     def real_time_factor(self) -> float:
@@ -136,7 +97,13 @@ class SynthReport:
     def table(self) -> str:
         head = f"{'items':>6} {'audio s':>9} {'wall s':>8} {'RTF':>7}"
         row = f"{self.items:>6} {self.audio_s:>9.2f} {self.wall_s:>8.2f} {self.real_time_factor:>7.3f}"
-        return f"{head}\n{row}\n{self.work.summary()}"
+        w = self.work
+        llm_s = w.llm_steps * w.llm_step_ms / 1000
+        token2wav_s = w.token2wav_batches * w.token2wav_batch_ms / 1000
+        engines = (f"LLM: {w.llm_steps} steps of {w.llm_step_ms:.2f} ms ({llm_s:.2f} s); token2wav: "
+                   f"{w.token2wav_batches} calls of {w.token2wav_chunks_per_batch:.1f} chunks, "
+                   f"{w.token2wav_batch_ms:.1f} ms each ({token2wav_s:.2f} s)")
+        return f"{head}\n{row}\n{engines}"
 
 
 async def synthesize(runtime: Runtime, items: Sequence[SynthItem], sampling: SamplingParams,
@@ -155,7 +122,7 @@ async def synthesize(runtime: Runtime, items: Sequence[SynthItem], sampling: Sam
         bar.update()
         return pcm.size / SAMPLE_RATE
 
-    before = EngineWork.read(runtime.metrics)
+    before = parse_samples(runtime.metrics.render().decode())
     started = time.perf_counter()
     try:
         async with asyncio.TaskGroup() as group:
@@ -165,7 +132,7 @@ async def synthesize(runtime: Runtime, items: Sequence[SynthItem], sampling: Sam
     finally:
         bar.close()
     wall_s = time.perf_counter() - started
-    work = EngineWork.read(runtime.metrics).since(before)
+    work = ServerFigures.between(before, parse_samples(runtime.metrics.render().decode()))
     return SynthReport(len(items), sum(task.result() for task in tasks), wall_s, work)
 
 

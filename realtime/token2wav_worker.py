@@ -143,10 +143,7 @@ class _Lane:
                                            time.monotonic(), self._recent_llm_step() if expected else 0.0,
                                            self._call_time.seconds)
             hold_until = decision.hold_until
-            chunks = self._take(decision.run)
-            if self._metrics is not None and any(chunk.waiting.first for chunk in chunks):
-                self._metrics.token2wav_first_chunks_pending.observe(expected)
-            self._run_chunks(chunks)
+            self._run_chunks(self._take(decision.run), expected)
             for call in calls:
                 self._run_call(call)
             if stop:
@@ -183,8 +180,9 @@ class _Lane:
             while True:
                 items.append(self.inbox.get_nowait())
 
-    def _run_chunks(self, chunks: list[_ChunkTask]) -> None:
-        """Run the chunks that are not cancelled as one call and hand out their audio."""
+    def _run_chunks(self, chunks: list[_ChunkTask], expected_first: int = 0) -> None:
+        """Run the chunks that are not cancelled as one call and hand out their audio (`expected_first`:
+        new streams whose first chunk has not come yet, for the metrics)."""
         live = [c for c in chunks if c.future.set_running_or_notify_cancel()]
         if not live:
             return
@@ -198,7 +196,8 @@ class _Lane:
             finished = time.monotonic()
             self._call_time.record(finished - started)
             if self._metrics is not None:
-                self._observe(live, started, finished - started, launched - started, finished - launched)
+                self._observe(live, started, finished - started, launched - started, finished - launched,
+                              expected_first)
         except BaseException as exc:  # the backend failed this batch: every chunk in it fails
             if isinstance(exc, Exception):
                 logger.exception("token2wav batch of %d chunks failed", len(live))
@@ -209,7 +208,7 @@ class _Lane:
                 raise  # it ends the thread (see `_run`)
 
     def _observe(self, chunks: list[_ChunkTask], started: float, elapsed: float, launch: float,
-                 waited: float) -> None:
+                 waited: float, expected_first: int) -> None:
         assert self._metrics is not None
         self._metrics.token2wav_batch_seconds.observe(elapsed)
         self._metrics.token2wav_launch_seconds.observe(launch)
@@ -218,6 +217,7 @@ class _Lane:
         firsts = sum(chunk.waiting.first for chunk in chunks)
         if firsts:
             self._metrics.token2wav_batch_first_chunks.observe(firsts)
+            self._metrics.token2wav_first_chunks_pending.observe(expected_first)
         ready = started + elapsed
         for chunk in chunks:
             self._metrics.chunk_waited(chunk.waiting.first, started - chunk.submitted)

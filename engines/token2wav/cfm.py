@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from engines.config import MEL_BINS
+from engines.word_copies import gather_words
 
 
 @runtime_checkable
@@ -248,7 +249,7 @@ class ConditionalCFM(nn.Module):
             kept_size = (steps, depth, rows, heads, keep.shape[1], width)
             out = RaggedOutputs(torch.empty_like(mu), torch.empty_like(inputs.cnn_cache),
                                 inputs.own_kv.new_empty(kept_size))
-        index = keep[None, :, None, :, None].expand(*out.kept_kv.shape[1:])
+        index = keep[None, :, None, :, None]  # over (depth, rows, heads, kept frames, ·)
         for step in range(self.n_timesteps):
             own = inputs.own_kv[step]
             v, cnn, kv = estimator.forward_ragged(
@@ -256,8 +257,7 @@ class ConditionalCFM(nn.Module):
                 inputs.prompt_kv[step], own,
             )
             # Straight into the outputs; a first chunk's history is the chunk alone (no copy of it).
-            history = kv if own_frames == 0 else torch.cat([own, kv], dim=3)
-            torch.gather(history, 3, index, out=out.kept_kv[step])
+            gather_words((kv,) if own_frames == 0 else (own, kv), 3, index, out.kept_kv[step])
             out.cnn_cache[step].copy_(cnn)
             x = x + (self.t_grid[step + 1] - self.t_grid[step]) * self._guided(v)
         out.mel.copy_(x)

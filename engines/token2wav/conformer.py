@@ -31,6 +31,7 @@ from torch import nn
 
 from engines.config import ConformerConfig
 from engines.token2wav.batching import frames_before, span_mask
+from engines.word_copies import cat_words
 
 PRE_LOOKAHEAD_LEFT = 2  # conv2 of PreLookahead: kernel 3, causal
 UPSAMPLE_KERNEL_GROWTH = 2  # Upsample1D conv kernel = 2·stride + 1, left context 2·stride
@@ -257,8 +258,8 @@ class ConformerCache:
         return ConformerCache(
             lookahead=newer.lookahead,
             upsample=newer.upsample,
-            token_kv=torch.cat([self.token_kv, newer.token_kv], dim=3),
-            frame_kv=torch.cat([self.frame_kv, newer.frame_kv], dim=3),
+            token_kv=cat_words((self.token_kv, newer.token_kv), dim=3),
+            frame_kv=cat_words((self.frame_kv, newer.frame_kv), dim=3),
         )
 
 

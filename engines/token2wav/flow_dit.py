@@ -61,6 +61,7 @@ from engines.token2wav.graphs import (
 from engines.token2wav.solve_memory import SolveMemory
 from engines.transfer import upload
 from engines.voice import VoicePrompt
+from engines.word_copies import clone_words, copy_words_
 
 logger = logging.getLogger(__name__)
 
@@ -440,14 +441,16 @@ class DiTFlow(ConformerFlow):
             count = sum(1 for _ in run)
             start, stop = end - own - speaker.encoder.num_tokens, end - own
             run_rows = slice(first, first + count)
-            cache.token_kv[:, run_rows, :, start:stop] = speaker.encoder.token_kv
-            cache.frame_kv[:, run_rows, :, stride * start : stride * stop] = speaker.encoder.frame_kv
+            prompt = speaker.encoder
+            copy_words_(cache.token_kv[:, run_rows, :, start:stop], prompt.token_kv)
+            copy_words_(cache.frame_kv[:, run_rows, :, stride * start : stride * stop], prompt.frame_kv)
             first += count
         for i, row in enumerate(rows):
-            own = row.stream.encoder.num_tokens
+            history = row.stream.encoder
+            own = history.num_tokens
             if own:
-                cache.token_kv[:, i : i + 1, :, end - own :] = row.stream.encoder.token_kv
-                cache.frame_kv[:, i : i + 1, :, stride * (end - own) :] = row.stream.encoder.frame_kv
+                copy_words_(cache.token_kv[:, i : i + 1, :, end - own :], history.token_kv)
+                copy_words_(cache.frame_kv[:, i : i + 1, :, stride * (end - own) :], history.frame_kv)
 
     def _solver(self, exact: SolveShape) -> tuple[RaggedSolver, SolveShape]:
         """The bucketed solver at the bucket holding `exact`, or the eager one at `exact`."""
@@ -504,14 +507,14 @@ class DiTFlow(ConformerFlow):
         inputs.spks.zero_()
         inputs.spks[:real] = torch.cat([row.speaker.spks for row in rows])
         for speaker, start in starts.items():
-            inputs.prompt_kv[..., start : start + speaker.prompt_frames, :] = speaker.estimator_kv
+            copy_words_(inputs.prompt_kv[..., start : start + speaker.prompt_frames, :], speaker.estimator_kv)
         steps, depth = inputs.cnn_cache.shape[:2]
         cnn = inputs.cnn_cache.view(steps, depth, 2, batch, *inputs.cnn_cache.shape[3:])
         cnn[:, :, :, :real] = torch.stack([row.stream.estimator_cnn for row in rows], dim=3)
         own_kv = inputs.own_kv.view(steps, depth, 2, batch, *inputs.own_kv.shape[3:])
         for i, (row, cached) in enumerate(zip(rows, own_lengths, strict=True)):
             if cached:
-                own_kv[:, :, :, i, :, own_frames - cached :] = row.stream.estimator_kv
+                copy_words_(own_kv[:, :, :, i, :, own_frames - cached :], row.stream.estimator_kv)
 
         out = solver.run(shape)
         new_kv = out.kept_kv.view(steps, depth, 2, batch, *out.kept_kv.shape[3:])
@@ -519,7 +522,7 @@ class DiTFlow(ConformerFlow):
         mels = []
         for i, (row, length, after) in enumerate(zip(rows, lengths, afters, strict=True)):
             count = len(kept[i])
-            row.stream.estimator_kv = new_kv[:, :, :, i, :, kept_frames - count :].clone()
+            row.stream.estimator_kv = clone_words(new_kv[:, :, :, i, :, kept_frames - count :])
             row.stream.estimator_cnn = new_cnn[:, :, :, i].clone()
             row.stream.keys = after
             mels.append(out.mel[i : i + 1, :, :length].clone())

@@ -4,6 +4,11 @@ Mel (B, 80, T) at 50 Hz → 24 kHz speech (B, 480·T). Parameter names follow th
 whose weight-normed convolutions are stored as `<conv>.parametrizations.weight.original0/1`. A batch
 may be right-padded (`RowEnds`): each row then computes what it computes alone. Its streaming state is
 in hift_stream.py.
+
+On CUDA the decoder's activations are time-major in memory, (B, T, C) seen as (B, C, T): its float32
+convolutions run as cuDNN's channels-last (NHWC) kernels, which are the faster ones on an H100 (up to
+twice at the 24 kHz stage, `TimeMajorConv1d`), and which cuDNN otherwise reached by converting every
+input to NHWC and every output back (~7 % of a 64-stream call, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -80,6 +85,51 @@ class RowEnds:
         return torch.minimum(positions[None, :], (self.frames[:, None] - 1).clamp_min(0))
 
 
+def _channels_last_2d(x: Tensor) -> Tensor:
+    """(B, C, T) as the (B, C, 1, T) channels-last image cuDNN's NHWC kernels read (a view when x is
+    time-major; one copy otherwise, as where the mel enters)."""
+    return x.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+
+
+class TimeMajorConv1d(nn.Conv1d):
+    """nn.Conv1d (same parameters and state dict) that on CUDA convolves time-major: input and output
+    (B, C, T) laid out as (B, T, C). PyTorch's conv1d makes every 3-D input contiguous (B, C, T) first,
+    so this calls the 2-D convolution on a channels-last (B, C, 1, T) view. A CPU runs nn.Conv1d."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not x.is_cuda:
+            return super().forward(x)
+        padding = self.padding
+        if isinstance(padding, str):
+            raise ValueError("TimeMajorConv1d needs numeric padding")
+        return F.conv2d(_channels_last_2d(x), self.weight.unsqueeze(2), self.bias, (1, self.stride[0]),
+                        (0, padding[0]), (1, self.dilation[0]), self.groups).squeeze(2)
+
+
+class TimeMajorConvTranspose1d(nn.ConvTranspose1d):
+    """nn.ConvTranspose1d, time-major on CUDA as `TimeMajorConv1d`."""
+
+    def forward(self, x: Tensor, output_size: list[int] | None = None) -> Tensor:
+        padding = self.padding
+        if not x.is_cuda or output_size is not None or isinstance(padding, str):
+            return super().forward(x, output_size)
+        return F.conv_transpose2d(_channels_last_2d(x), self.weight.unsqueeze(2), self.bias,
+                                  (1, self.stride[0]), (0, padding[0]), (0, self.output_padding[0]),
+                                  self.groups, (1, self.dilation[0])).squeeze(2)
+
+
+def _reflect_first_frame(x: Tensor) -> Tensor:
+    """`F.pad(x, (1, 0), mode="reflect")` of (B, C, T), keeping a time-major x time-major (reflect
+    padding writes (B, C, T) memory)."""
+    rows, channels, length = x.shape
+    if x.stride(1) != 1 or channels == 1:
+        return F.pad(x, (1, 0), mode="reflect")
+    out = x.new_empty(rows, length + 1, channels).transpose(1, 2)
+    out[:, :, 1:] = x
+    out[:, :, :1] = x[:, :, 1:2]
+    return out
+
+
 class Snake(nn.Module):
     """x + sin²(α·x)/α with a learned α per channel (linear scale)."""
 
@@ -109,8 +159,8 @@ class ResBlock(nn.Module):
         super().__init__()
 
         def conv(dilation: int) -> nn.Conv1d:
-            return weight_norm(nn.Conv1d(channels, channels, kernel_size, dilation=dilation,
-                                         padding=_same_padding(kernel_size, dilation)))
+            return weight_norm(TimeMajorConv1d(channels, channels, kernel_size, dilation=dilation,
+                                               padding=_same_padding(kernel_size, dilation)))
 
         self.convs1 = nn.ModuleList(conv(d) for d in dilations)
         self.convs2 = nn.ModuleList(conv(1) for _ in dilations)
@@ -193,9 +243,9 @@ class HiFTGenerator(nn.Module):
         stage_channels = [cfg.base_channels // 2 ** (i + 1) for i in range(len(cfg.upsample_rates))]
 
         self.m_source = HarmonicSource(self.num_harmonics)
-        self.conv_pre = weight_norm(nn.Conv1d(cfg.in_channels, cfg.base_channels, 7, padding=3))
+        self.conv_pre = weight_norm(TimeMajorConv1d(cfg.in_channels, cfg.base_channels, 7, padding=3))
         self.ups = nn.ModuleList(
-            weight_norm(nn.ConvTranspose1d(2 * ch, ch, k, stride=u, padding=(k - u) // 2))
+            weight_norm(TimeMajorConvTranspose1d(2 * ch, ch, k, stride=u, padding=(k - u) // 2))
             for ch, u, k in zip(stage_channels, cfg.upsample_rates, cfg.upsample_kernel_sizes, strict=True)
         )
         # The source STFT runs at the final rate; stage i sees it downsampled by the product of the
@@ -204,8 +254,8 @@ class HiFTGenerator(nn.Module):
         for i, ch in enumerate(stage_channels):
             stride = math.prod(cfg.upsample_rates[i + 1:])
             self.source_downs.append(
-                nn.Conv1d(stft_channels, ch, 1) if stride == 1
-                else nn.Conv1d(stft_channels, ch, 2 * stride, stride=stride, padding=stride // 2)
+                TimeMajorConv1d(stft_channels, ch, 1) if stride == 1
+                else TimeMajorConv1d(stft_channels, ch, 2 * stride, stride=stride, padding=stride // 2)
             )
         source_kernels = zip(cfg.source_resblock_kernel_sizes, cfg.source_resblock_dilations, strict=True)
         self.source_resblocks = nn.ModuleList(
@@ -216,7 +266,7 @@ class HiFTGenerator(nn.Module):
             for ch in stage_channels
             for k, d in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilations, strict=True)
         )
-        self.conv_post = weight_norm(nn.Conv1d(stage_channels[-1], stft_channels, 7, padding=3))
+        self.conv_post = weight_norm(TimeMajorConv1d(stage_channels[-1], stft_channels, 7, padding=3))
         self.f0_predictor = F0Predictor(cfg.in_channels, cfg.f0_cond_channels)
         self.register_buffer("stft_window", torch.hann_window(cfg.istft_n_fft), persistent=False)
         forward_basis, inverse_basis = _real_dft_bases(self.stft_window)
@@ -339,7 +389,7 @@ class HiFTGenerator(nn.Module):
             per_frame *= cfg.upsample_rates[i]
             if i == last_stage:
                 # One extra frame on the left aligns the 120T upsampled frames with the 120T+1 STFT frames.
-                x = F.pad(x, (1, 0), mode="reflect")
+                x = _reflect_first_frame(x)
                 extra = 1
             stage_ends = row_ends(per_frame, extra)
             x = x + source_block(down(source_stft), stage_ends)

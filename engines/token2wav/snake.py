@@ -18,6 +18,7 @@ from torch import Tensor
 from triton.language.extra import libdevice
 
 BLOCK = 1024  # samples of one channel per program
+TIME_MAJOR_TILE = 4096  # samples × channels per program of a time-major activation
 
 
 @triton.jit
@@ -36,14 +37,51 @@ def _snake_kernel(x_ptr, alpha_ptr, ends_ptr, out_ptr, length, channels, BLOCK: 
     tl.store(out_ptr + offsets, y, mask=inside)
 
 
-def snake(x: Tensor, alpha: Tensor, ends: Tensor | None = None) -> Tensor:
-    """Snake of x (B, C, L) float32 on CUDA with α (C,): a new contiguous tensor. `ends` (B,) int64:
-    each row's output is zero from that position on (a right-padded batch's rows, hift.RowEnds)."""
-    x = x.contiguous()
+@triton.jit
+def _snake_time_major_kernel(x_ptr, alpha_ptr, ends_ptr, out_ptr, length, channels, BLOCK_T: tl.constexpr,
+                             BLOCK_C: tl.constexpr, HAS_ENDS: tl.constexpr):
+    # A row's samples are (length, channels) in memory: a program takes BLOCK_T samples of every
+    # channel, so its loads run along the channels, contiguous.
+    row = tl.program_id(0)
+    samples = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    lanes = tl.arange(0, BLOCK_C)
+    inside = (samples[:, None] < length) & (lanes[None, :] < channels)
+    offsets = row.to(tl.int64) * length * channels + samples[:, None] * channels + lanes[None, :]
+    alpha = tl.load(alpha_ptr + lanes, mask=lanes < channels, other=1.0)[None, :]
+    x = tl.load(x_ptr + offsets, mask=inside, other=0.0)
+    wave = libdevice.sin(alpha * x)
+    y = x + wave * wave * (1.0 / (alpha + 1e-9))
+    if HAS_ENDS:
+        y = tl.where(samples[:, None] < tl.load(ends_ptr + row), y, 0.0)
+    tl.store(out_ptr + offsets, y, mask=inside)
+
+
+def is_time_major(x: Tensor) -> bool:
+    """Whether (B, C, L) `x` lies in memory as (B, L, C) (hift.TimeMajorConv1d's outputs)."""
     rows, channels, length = x.shape
-    out = torch.empty_like(x)
-    if out.numel():
+    return channels > 1 and x.stride(1) == 1 and x.stride(2) == channels and x.stride(0) == channels * length
+
+
+def snake(x: Tensor, alpha: Tensor, ends: Tensor | None = None) -> Tensor:
+    """Snake of x (B, C, L) float32 on CUDA with α (C,): a new tensor, in x's memory layout where that is
+    (B, C, L) or time-major (B, L, C), else (B, C, L). `ends` (B,) int64: each row's output is zero
+    from that position on (a right-padded batch's rows, hift.RowEnds)."""
+    time_major = is_time_major(x)
+    if not time_major:
+        x = x.contiguous()
+    rows, channels, length = x.shape
+    out = torch.empty_like(x)  # its strides are x's
+    if not out.numel():
+        return out
+    alpha = alpha.contiguous()
+    row_ends = x if ends is None else ends
+    if time_major:
+        block_c = triton.next_power_of_2(channels)
+        block_t = max(1, TIME_MAJOR_TILE // block_c)
+        grid = (rows, triton.cdiv(length, block_t))
+        _snake_time_major_kernel[grid](x, alpha, row_ends, out, length, channels, BLOCK_T=block_t,
+                                       BLOCK_C=block_c, HAS_ENDS=ends is not None)
+    else:
         grid = (rows * channels, triton.cdiv(length, BLOCK))
-        _snake_kernel[grid](x, alpha.contiguous(), x if ends is None else ends, out, length, channels,
-                            BLOCK=BLOCK, HAS_ENDS=ends is not None)
+        _snake_kernel[grid](x, alpha, row_ends, out, length, channels, BLOCK=BLOCK, HAS_ENDS=ends is not None)
     return out

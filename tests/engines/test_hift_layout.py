@@ -1,0 +1,121 @@
+"""HiFT's time-major decoder on CUDA (hift.TimeMajorConv1d and friends) computes what the (B, C, T) one
+does: each convolution against PyTorch's own, the Snake kernel on time-major activations against its
+definition, and the whole vocoder on the GPU against the same weights on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_hift_snake import snake_definition
+from weights import randomize
+
+from engines.config import ModelConfigs
+from engines.token2wav.hift import (
+    HiFTGenerator,
+    Snake,
+    TimeMajorConv1d,
+    TimeMajorConvTranspose1d,
+    _reflect_first_frame,
+)
+
+CUDA = torch.device("cuda")
+on_gpu = pytest.mark.gpu
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _time_major(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _is_time_major(x: torch.Tensor) -> bool:
+    return x.stride(1) == 1 and x.stride(2) == x.shape[1]
+
+
+def test_the_reflected_first_frame_keeps_the_layout_and_the_values() -> None:
+    x = torch.randn(3, 5, 7)
+    for layout in (x, _time_major(x)):
+        padded = _reflect_first_frame(layout)
+        torch.testing.assert_close(padded, F.pad(x, (1, 0), mode="reflect"), rtol=0, atol=0)
+        assert _is_time_major(padded) == _is_time_major(layout)
+
+
+@pytest.fixture
+def exact_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """IEEE float32 convolutions for this test (the service runs them in TF32): both layouts' kernels
+    then agree to float rounding, so a wrong tap, stride or layout would show."""
+    monkeypatch.setattr(torch.backends.cudnn.conv, "fp32_precision", "ieee")
+
+
+@on_gpu
+@cuda_only
+@pytest.mark.usefixtures("exact_float32")
+@pytest.mark.parametrize(("kernel", "dilation", "stride"),
+                         [(3, 1, 1), (11, 5, 1), (7, 3, 1), (30, 15, 15), (1, 1, 1)])
+def test_a_time_major_convolution_equals_conv1d(kernel: int, dilation: int, stride: int) -> None:
+    torch.manual_seed(kernel)
+    padding = stride // 2 if stride > 1 else dilation * (kernel - 1) // 2
+    dilation = 1 if stride > 1 else dilation
+    conv = TimeMajorConv1d(24, 16, kernel, stride=stride, dilation=dilation, padding=padding).to(CUDA)
+    x = torch.randn(3, 24, 301, device=CUDA)
+    want = F.conv1d(x, conv.weight, conv.bias, stride, padding, dilation)
+    for layout in (x, _time_major(x)):
+        got = conv(layout)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert _is_time_major(got)
+
+
+@on_gpu
+@cuda_only
+@pytest.mark.usefixtures("exact_float32")
+@pytest.mark.parametrize(("kernel", "stride"), [(16, 8), (11, 5), (7, 3)])
+def test_a_time_major_transposed_convolution_equals_conv_transpose1d(kernel: int, stride: int) -> None:
+    torch.manual_seed(kernel)
+    padding = (kernel - stride) // 2
+    conv = TimeMajorConvTranspose1d(32, 16, kernel, stride=stride, padding=padding).to(CUDA)
+    x = torch.randn(2, 32, 57, device=CUDA)
+    want = F.conv_transpose1d(x, conv.weight, conv.bias, stride, padding)
+    for layout in (x, _time_major(x)):
+        got = conv(layout)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert _is_time_major(got)
+
+
+@on_gpu
+@cuda_only
+@pytest.mark.parametrize("channels", [64, 100, 256])
+def test_the_snake_kernel_on_time_major_activations_equals_the_definition(channels: int) -> None:
+    generator = torch.Generator().manual_seed(channels)
+    x = _time_major((3 * torch.randn(3, channels, 1501, generator=generator)).to(CUDA))
+    alpha = (torch.rand(channels, generator=generator) * 2 + 0.05).to(CUDA)
+    alpha[0] = -0.7
+    ends = torch.tensor([1501, 1, 733], device=CUDA)
+    snake = Snake(channels).to(CUDA)
+    with torch.no_grad():
+        snake.alpha.copy_(alpha)
+        plain, masked = snake(x), snake(x, ends)
+    torch.testing.assert_close(plain, snake_definition(x, alpha), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(masked, snake_definition(x, alpha, ends), rtol=1e-5, atol=1e-5)
+    assert _is_time_major(plain) and _is_time_major(masked)
+
+
+@on_gpu
+@cuda_only
+@pytest.mark.usefixtures("exact_float32")
+def test_the_vocoder_on_the_gpu_equals_it_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same non-zero weights, mel and noise (a plain and a right-padded batch): the GPU's
+    time-major decoder against the CPU's (B, C, T) one, matmuls in IEEE float32 too."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "fp32_precision", "ieee")
+    hift = HiFTGenerator(ModelConfigs.tiny().hift).eval()
+    randomize(hift, seed=7)
+    mel = torch.randn(2, 80, 40, generator=torch.Generator().manual_seed(1))
+    noise = hift.draw_noise(torch.Generator().manual_seed(2), 2, 40 * hift.hop_samples, torch.device("cpu"))
+    frames = torch.tensor([40, 23])
+    with torch.inference_mode():
+        cpu = [hift.vocode_with_noise(mel, None, noise), hift.vocode_with_noise(mel, None, noise, frames)]
+        hift.to(CUDA)
+        gpu = [hift.vocode_with_noise(mel.to(CUDA), None, noise.to(CUDA)),
+               hift.vocode_with_noise(mel.to(CUDA), None, noise.to(CUDA), frames.to(CUDA))]
+    for got, want in zip(gpu, cpu, strict=True):
+        assert want.speech.abs().amax() > 0.01
+        torch.testing.assert_close(got.speech.cpu(), want.speech, rtol=1e-4, atol=1e-4)

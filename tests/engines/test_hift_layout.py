@@ -102,20 +102,33 @@ def test_the_snake_kernel_on_time_major_activations_equals_the_definition(channe
 @on_gpu
 @cuda_only
 @pytest.mark.usefixtures("exact_float32")
-def test_the_vocoder_on_the_gpu_equals_it_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same non-zero weights, mel and noise (a plain and a right-padded batch): the GPU's
-    time-major decoder against the CPU's (B, C, T) one, matmuls in IEEE float32 too."""
+def test_the_vocoder_on_the_gpu_is_as_close_to_the_cpu_as_pytorchs_own_layout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same non-zero weights, mel and noise (a plain and a right-padded batch) through the GPU's
+    time-major decoder, the GPU's (B, C, T) one (PyTorch's conv1d) and the CPU's, matmuls in IEEE float32
+    too. Summation order differs between devices, and HiFT's exp and sin magnify it (measured on an
+    H100: up to ~6e-4 of a 0.99 full scale either way); a wrong tap or layout would be off by far more
+    than PyTorch's own GPU path is."""
     monkeypatch.setattr(torch.backends.cuda.matmul, "fp32_precision", "ieee")
     hift = HiFTGenerator(ModelConfigs.tiny().hift).eval()
     randomize(hift, seed=7)
     mel = torch.randn(2, 80, 40, generator=torch.Generator().manual_seed(1))
     noise = hift.draw_noise(torch.Generator().manual_seed(2), 2, 40 * hift.hop_samples, torch.device("cpu"))
     frames = torch.tensor([40, 23])
+
+    def both(device: torch.device) -> list[torch.Tensor]:
+        hift.to(device)
+        args = (mel.to(device), None, noise.to(device))
+        return [hift.vocode_with_noise(*args).speech.cpu(),
+                hift.vocode_with_noise(*args, frames.to(device)).speech.cpu()]
+
     with torch.inference_mode():
-        cpu = [hift.vocode_with_noise(mel, None, noise), hift.vocode_with_noise(mel, None, noise, frames)]
-        hift.to(CUDA)
-        gpu = [hift.vocode_with_noise(mel.to(CUDA), None, noise.to(CUDA)),
-               hift.vocode_with_noise(mel.to(CUDA), None, noise.to(CUDA), frames.to(CUDA))]
-    for got, want in zip(gpu, cpu, strict=True):
-        assert want.speech.abs().amax() > 0.01
-        torch.testing.assert_close(got.speech.cpu(), want.speech, rtol=1e-4, atol=1e-4)
+        cpu, time_major = both(torch.device("cpu")), both(CUDA)
+        monkeypatch.setattr(TimeMajorConv1d, "forward", torch.nn.Conv1d.forward)
+        monkeypatch.setattr(TimeMajorConvTranspose1d, "forward", torch.nn.ConvTranspose1d.forward)
+        plain = both(CUDA)
+    for ours, theirs, want in zip(time_major, plain, cpu, strict=True):
+        assert want.abs().amax() > 0.1
+        ours_error, their_error = (ours - want).abs(), (theirs - want).abs()
+        assert ours_error.amax() <= 2 * their_error.amax() + 1e-6
+        assert ours_error.mean() <= 2 * their_error.mean() + 1e-7

@@ -404,7 +404,8 @@ def format_level(lv: LevelResult) -> list[str]:
     if lv.server is not None:
         sv = lv.server
         lines.append(
-            f"{'':>7} server: {sv.llm_steps} LLM steps of {sv.llm_step_ms:.2f} ms; "
+            f"{'':>7} server: {sv.llm_steps} LLM steps of {sv.llm_step_ms:.2f} ms (prefill in "
+            f"{sv.llm_prefill_calls} calls of {sv.llm_prefill_rows_per_call:.1f} prompts); "
             f"{sv.token2wav_batches} token2wav calls of {sv.token2wav_chunks_per_batch:.1f} chunks, "
             f"{sv.token2wav_batch_ms:.1f} ms each (launch {sv.token2wav_launch_ms:.1f} ms on the host, then "
             f"{sv.token2wav_device_wait_ms:.1f} ms waiting for the device), chunks waited "

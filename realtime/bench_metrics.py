@@ -77,6 +77,8 @@ class ServerFigures:
     later_chunks_tokens_late: int = 0  # of them, tokens that came after the chunk was due
     event_loop_lag_ms: float = math.nan  # how late the server's event loop ran its timers, on average
     event_loop_lag_p99_ms: float = math.nan  # the upper bound of the bucket holding the 99th percentile
+    llm_prefill_calls: int = 0  # batched prefill calls of the LLM
+    llm_prefill_rows_per_call: float = math.nan  # prompt chunks per such call
 
     @staticmethod
     def between(before: dict[str, float], after: dict[str, float]) -> ServerFigures:
@@ -128,6 +130,9 @@ class ServerFigures:
             later_chunks_tokens_late=later("tokens_late"),
             event_loop_lag_ms=histogram_mean("realtime_event_loop_lag_seconds"),
             event_loop_lag_p99_ms=histogram_quantile_bound("realtime_event_loop_lag_seconds", 0.99),
+            llm_prefill_calls=int(delta("tts_llm_prefill_calls_total")),
+            llm_prefill_rows_per_call=mean("tts_llm_prefill_rows_total", "tts_llm_prefill_calls_total",
+                                           scale=1.0),
         )
 
 

@@ -245,6 +245,8 @@ class _LLMCollector(Collector):
             kv_bytes_total=sum(s.kv_bytes_total for s in engines),
             steps=sum(s.steps for s in engines),
             step_seconds=sum(s.step_seconds for s in engines),
+            prefill_calls=sum(s.prefill_calls for s in engines),
+            prefill_rows=sum(s.prefill_rows for s in engines),
         )
         yield GaugeMetricFamily("tts_llm_active_requests", "Requests holding an LLM slot", value=stats.active)
         yield GaugeMetricFamily("tts_llm_waiting_requests", "Requests waiting for an LLM slot",
@@ -261,6 +263,11 @@ class _LLMCollector(Collector):
                                   value=stats.steps)
         yield CounterMetricFamily("tts_llm_step_seconds", "Wall time of the LLM engine's steps",
                                   value=stats.step_seconds)
+        yield CounterMetricFamily("tts_llm_prefill_calls", "Batched prefill calls of the LLM engines",
+                                  value=stats.prefill_calls)
+        yield CounterMetricFamily("tts_llm_prefill_rows",
+                                  "Prompt chunks the prefill calls read (per call: how a burst was grouped)",
+                                  value=stats.prefill_rows)
 
 
 class _PlacementCollector(Collector):

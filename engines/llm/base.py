@@ -145,6 +145,8 @@ class LLMStats:
     kv_bytes_total: int = 0  # device memory of the KV cache (0 where the engine does not know it)
     steps: int = 0  # engine steps since the start (0 where the engine does not count them)
     step_seconds: float = 0.0  # wall time spent in those steps
+    prefill_calls: int = 0  # batched prefill calls since the start (0 where the engine does not count them)
+    prefill_rows: int = 0  # prompt chunks those calls prefilled (a burst's prompts in few calls: many rows)
 
 
 class TokenStream(AsyncIterator[list[int]], abc.ABC):

@@ -145,6 +145,8 @@ class TorchLLMEngine(LLMEngine):
         self._state = _EngineState(slots=[None] * config.max_slots, free=list(range(config.max_slots)))
         self._steps = 0
         self._step_seconds = 0.0
+        self._prefill_calls = 0
+        self._prefill_rows = 0
 
     @classmethod
     def from_models_dir(cls, models_dir: Path, device: str = "cuda", **options: Any) -> TorchLLMEngine:
@@ -203,6 +205,8 @@ class TorchLLMEngine(LLMEngine):
             kv_bytes_total=0 if self._runner is None else self._runner.cache.kv.nbytes,
             steps=self._steps,
             step_seconds=self._step_seconds,
+            prefill_calls=self._prefill_calls,
+            prefill_rows=self._prefill_rows,
         )
 
     # -- event loop side -----------------------------------------------------------------------------
@@ -393,6 +397,8 @@ class TorchLLMEngine(LLMEngine):
             for seq, _ in plan:
                 self._finish(seq, LLMError("engine_error", "the LLM engine failed while reading the prompt"))
             return []
+        self._prefill_calls += 1
+        self._prefill_rows += len(plan)
         completed = []
         for row, (seq, end) in enumerate(plan):
             seq.prefilled = end

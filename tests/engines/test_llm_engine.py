@@ -102,7 +102,10 @@ async def test_a_seeded_request_is_the_same_alone_and_batched() -> None:
         streams = [engine.submit(request(f"b{i}", text_len=2 + i, fixed_length=15 + i)) for i in range(3)]
         streams.insert(1, engine.submit(request("a", fixed_length=20, seed=42)))
         results = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 60)
+        stats = engine.stats()
     assert results[1] == alone
+    # Five prompts, each within one chunk: five rows, the four submitted together in one or more calls.
+    assert stats.prefill_rows == 5 and 2 <= stats.prefill_calls <= 5
 
 
 async def read_until(stream: TokenStream, count: int) -> list[int]:

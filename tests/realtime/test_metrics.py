@@ -55,6 +55,9 @@ async def test_a_bench_level_reports_the_engines_work(live_server: LiveServer) -
     figures = level.server
     # 60 tokens per stream: at least 60 decode steps, and the schedule's chunks (18, then 42) per stream.
     assert figures.llm_steps >= 60 and figures.llm_step_ms > 0
+    # Both prompts prefilled (each one chunk), in one call or two.
+    assert 1 <= figures.llm_prefill_calls <= 2
+    assert figures.llm_prefill_calls * figures.llm_prefill_rows_per_call == 2
     assert figures.token2wav_batches >= 2 and 1 <= figures.token2wav_chunks_per_batch <= 2
     assert figures.token2wav_batch_ms > 0 and figures.token2wav_wait_ms >= 0
     # A call's time is its launch on the host, then its wait for the device (none on the CPU).

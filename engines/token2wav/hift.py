@@ -185,7 +185,8 @@ class F0Predictor(nn.Module):
         super().__init__()
         layers: list[nn.Module] = []
         for i in range(self.num_convs):
-            layers += [weight_norm(nn.Conv1d(in_channels if i == 0 else channels, channels, 3, padding=1)),
+            layers += [weight_norm(TimeMajorConv1d(in_channels if i == 0 else channels, channels, 3,
+                                                   padding=1)),
                        nn.ELU()]
         self.condnet = nn.Sequential(*layers)
         self.classifier = nn.Linear(channels, 1)

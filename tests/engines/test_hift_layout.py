@@ -40,6 +40,14 @@ def test_the_reflected_first_frame_keeps_the_layout_and_the_values() -> None:
         assert _is_time_major(padded) == _is_time_major(layout)
 
 
+def _equal_from_both_layouts(conv: torch.nn.Module, x: torch.Tensor, want: torch.Tensor) -> None:
+    """`conv` of x stored (B, C, T) and stored time-major: `want` either way, and a time-major output."""
+    for layout in (x, _time_major(x)):
+        got = conv(layout)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert _is_time_major(got)
+
+
 @pytest.fixture
 def exact_float32(monkeypatch: pytest.MonkeyPatch) -> None:
     """IEEE float32 convolutions for this test (the service runs them in TF32): both layouts' kernels
@@ -59,10 +67,7 @@ def test_a_time_major_convolution_equals_conv1d(kernel: int, dilation: int, stri
     conv = TimeMajorConv1d(24, 16, kernel, stride=stride, dilation=dilation, padding=padding).to(CUDA)
     x = torch.randn(3, 24, 301, device=CUDA)
     want = F.conv1d(x, conv.weight, conv.bias, stride, padding, dilation)
-    for layout in (x, _time_major(x)):
-        got = conv(layout)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        assert _is_time_major(got)
+    _equal_from_both_layouts(conv, x, want)
 
 
 @on_gpu
@@ -75,10 +80,7 @@ def test_a_time_major_transposed_convolution_equals_conv_transpose1d(kernel: int
     conv = TimeMajorConvTranspose1d(32, 16, kernel, stride=stride, padding=padding).to(CUDA)
     x = torch.randn(2, 32, 57, device=CUDA)
     want = F.conv_transpose1d(x, conv.weight, conv.bias, stride, padding)
-    for layout in (x, _time_major(x)):
-        got = conv(layout)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        assert _is_time_major(got)
+    _equal_from_both_layouts(conv, x, want)
 
 
 @on_gpu

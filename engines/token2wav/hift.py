@@ -97,11 +97,9 @@ class TimeMajorConv1d(nn.Conv1d):
     so this calls the 2-D convolution on a channels-last (B, C, 1, T) view. A CPU runs nn.Conv1d."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if not x.is_cuda:
-            return super().forward(x)
         padding = self.padding
-        if isinstance(padding, str):
-            raise ValueError("TimeMajorConv1d needs numeric padding")
+        if not x.is_cuda or isinstance(padding, str):  # ("same": HiFT's convs give numbers)
+            return super().forward(x)
         return F.conv2d(_channels_last_2d(x), self.weight.unsqueeze(2), self.bias, (1, self.stride[0]),
                         (0, padding[0]), (1, self.dilation[0]), self.groups).squeeze(2)
 

@@ -6,7 +6,9 @@ row, and on an H100 those kernels were about a third of a 64-stream vocoder call
 reads a block of one channel of one row, with that channel's α, and writes the result: one read and one
 write. Same operations in float32 (libdevice's sin, as PyTorch's), so the result equals the eager one up
 to rounding (tests/engines/test_hift_snake.py). For a right-padded batch it also zeroes each row past its
-end, so the masks a padded call needs cost no pass of their own.
+end, so the masks a padded call needs cost no pass of their own. HiFT's decoder keeps its activations
+time-major on CUDA (hift.TimeMajorConv1d): those are read in place by a second kernel whose programs
+take a tile of samples × all channels, so that its loads run along memory (tests/engines/test_hift_layout.py).
 """
 
 from __future__ import annotations

@@ -94,12 +94,19 @@ def _channels_last_2d(x: Tensor) -> Tensor:
 class TimeMajorConv1d(nn.Conv1d):
     """nn.Conv1d (same parameters and state dict) that on CUDA convolves time-major: input and output
     (B, C, T) laid out as (B, T, C). PyTorch's conv1d makes every 3-D input contiguous (B, C, T) first,
-    so this calls the 2-D convolution on a channels-last (B, C, 1, T) view. A CPU runs nn.Conv1d."""
+    so this calls the 2-D convolution on a channels-last (B, C, 1, T) view (`time_major`). A CPU runs
+    nn.Conv1d."""
 
     def forward(self, x: Tensor) -> Tensor:
-        padding = self.padding
-        if not x.is_cuda or isinstance(padding, str):  # ("same": HiFT's convs give numbers)
+        if not x.is_cuda or isinstance(self.padding, str):  # ("same": HiFT's convs give numbers)
             return super().forward(x)
+        return self.time_major(x)
+
+    def time_major(self, x: Tensor) -> Tensor:
+        """The convolution of x through the channels-last 2-D path, on any device."""
+        padding = self.padding
+        if isinstance(padding, str):
+            raise ValueError(f"the time-major path needs numeric padding, not {padding!r}")
         return F.conv2d(_channels_last_2d(x), self.weight.unsqueeze(2), self.bias, (1, self.stride[0]),
                         (0, padding[0]), (1, self.dilation[0]), self.groups).squeeze(2)
 
@@ -108,9 +115,15 @@ class TimeMajorConvTranspose1d(nn.ConvTranspose1d):
     """nn.ConvTranspose1d, time-major on CUDA as `TimeMajorConv1d`."""
 
     def forward(self, x: Tensor, output_size: list[int] | None = None) -> Tensor:
-        padding = self.padding
-        if not x.is_cuda or output_size is not None or isinstance(padding, str):
+        if not x.is_cuda or output_size is not None or isinstance(self.padding, str):
             return super().forward(x, output_size)
+        return self.time_major(x)
+
+    def time_major(self, x: Tensor) -> Tensor:
+        """The transposed convolution of x through the channels-last 2-D path, on any device."""
+        padding = self.padding
+        if isinstance(padding, str):
+            raise ValueError(f"the time-major path needs numeric padding, not {padding!r}")
         return F.conv_transpose2d(_channels_last_2d(x), self.weight.unsqueeze(2), self.bias,
                                   (1, self.stride[0]), (0, padding[0]), (0, self.output_padding[0]),
                                   self.groups, (1, self.dilation[0])).squeeze(2)

@@ -48,6 +48,48 @@ def _equal_from_both_layouts(conv: torch.nn.Module, x: torch.Tensor, want: torch
         assert _is_time_major(got)
 
 
+@pytest.mark.parametrize(("kernel", "dilation", "stride"),
+                         [(3, 1, 1), (11, 5, 1), (7, 3, 1), (30, 1, 15), (1, 1, 1)])
+def test_the_time_major_path_equals_conv1d_on_the_cpu_too(kernel: int, dilation: int, stride: int) -> None:
+    """The 2-D channels-last formulation CUDA runs, checked where CI runs (a CPU's kernels)."""
+    torch.manual_seed(kernel)
+    padding = stride // 2 if stride > 1 else dilation * (kernel - 1) // 2
+    conv = TimeMajorConv1d(24, 16, kernel, stride=stride, dilation=dilation, padding=padding)
+    x = torch.randn(3, 24, 301)
+    want = F.conv1d(x, conv.weight, conv.bias, stride, padding, dilation)
+    for layout in (x, _time_major(x)):
+        torch.testing.assert_close(conv.time_major(layout), want, rtol=1e-5, atol=1e-5)
+    upsample = TimeMajorConvTranspose1d(32, 16, 11, stride=5, padding=3)
+    x = torch.randn(2, 32, 57)
+    want = F.conv_transpose1d(x, upsample.weight, upsample.bias, 5, 3)
+    torch.testing.assert_close(upsample.time_major(_time_major(x)), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_whole_time_major_decoder_equals_the_plain_one_on_the_cpu(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every HiFT conv through the time-major path (as on CUDA), the rest of the decoder then on
+    time-major activations (masks, residual sums, the reflect pad, Snake): the same speech, plain batch
+    and right-padded, as the CPU's (B, C, T) decoder."""
+    hift = HiFTGenerator(ModelConfigs.tiny().hift).eval()
+    randomize(hift, seed=7)
+    mel = torch.randn(2, 80, 40, generator=torch.Generator().manual_seed(1))
+    noise = hift.draw_noise(torch.Generator().manual_seed(2), 2, 40 * hift.hop_samples, torch.device("cpu"))
+    frames = torch.tensor([40, 23])
+    with torch.inference_mode():
+        plain = [hift.vocode_with_noise(mel, None, noise).speech,
+                 hift.vocode_with_noise(mel, None, noise, frames).speech]
+        monkeypatch.setattr(TimeMajorConv1d, "forward", TimeMajorConv1d.time_major)
+        monkeypatch.setattr(TimeMajorConvTranspose1d, "forward", lambda self, x: self.time_major(x))
+        time_major = [hift.vocode_with_noise(mel, None, noise).speech,
+                      hift.vocode_with_noise(mel, None, noise, frames).speech]
+    for got, want in zip(time_major, plain, strict=True):
+        assert want.abs().amax() > 0.1
+        # Same float32 arithmetic in another summation order, magnified at a few samples by HiFT's exp and
+        # sin (5e-4 at most here, ~6e-4 between an H100 and a CPU); a wrong tap or layout is off everywhere.
+        error = (got - want).abs()
+        assert error.amax() < 2e-3 and error.mean() < 1e-5
+
+
 @pytest.fixture
 def exact_float32(monkeypatch: pytest.MonkeyPatch) -> None:
     """IEEE float32 convolutions for this test (the service runs them in TF32): both layouts' kernels

@@ -33,24 +33,19 @@ def as_words(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(WORD)
 
 
-def _both_words(first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Both as words, or None when either cannot be (then neither is: a copy between a word view and an
-    element view would convert values, not move bytes)."""
-    if first.dtype != second.dtype:
+def _word_views(*tensors: torch.Tensor) -> list[torch.Tensor] | None:
+    """All `tensors` (one dtype) as words, or None when any cannot be: then none is, since a copy between
+    a word view and an element view would convert values, not move bytes."""
+    if len({tensor.dtype for tensor in tensors}) > 1:
         return None
-    first_words, second_words = as_words(first), as_words(second)
-    if first_words.dtype != WORD or second_words.dtype != WORD:
-        return None
-    return first_words, second_words
+    views = [as_words(tensor) for tensor in tensors]
+    return views if all(view.dtype == WORD for view in views) else None
 
 
 def copy_words_(destination: torch.Tensor, source: torch.Tensor) -> None:
     """`destination.copy_(source)` (same dtype; `source` may broadcast), moving words where it can."""
-    pair = _both_words(destination, source)
-    if pair is None:
-        destination.copy_(source)
-    else:
-        pair[0].copy_(pair[1])
+    views = _word_views(destination, source) or [destination, source]
+    views[0].copy_(views[1])
 
 
 def clone_words(source: torch.Tensor) -> torch.Tensor:
@@ -64,8 +59,8 @@ def cat_words(tensors: tuple[torch.Tensor, ...], dim: int) -> torch.Tensor:
     """`torch.cat(tensors, dim)` (one dtype, `dim` not the last), joined as words where all allow it."""
     if dim % tensors[0].ndim == tensors[0].ndim - 1:
         raise ValueError("cat_words joins along a dimension before the last")
-    views = [as_words(tensor) for tensor in tensors]
-    if any(view.dtype != WORD for view in views) or len({tensor.dtype for tensor in tensors}) > 1:
+    views = _word_views(*tensors)
+    if views is None:
         return torch.cat(tensors, dim=dim)
     return torch.cat(views, dim=dim).view(tensors[0].dtype)
 
@@ -76,10 +71,6 @@ def gather_words(sources: tuple[torch.Tensor, ...], dim: int, index: torch.Tenso
     gathered as words where every tensor allows it."""
     if dim % out.ndim == out.ndim - 1:
         raise ValueError("gather_words gathers along a dimension before the last")
-    views = [as_words(source) for source in sources]
-    out_view = as_words(out)
-    if out_view.dtype != WORD or any(view.dtype != WORD for view in views) or any(
-            source.dtype != out.dtype for source in sources):
-        views, out_view = list(sources), out
+    *views, out_view = _word_views(*sources, out) or [*sources, out]
     history = views[0] if len(views) == 1 else torch.cat(views, dim=dim)
     torch.gather(history, dim, index.expand(*out_view.shape), out=out_view)

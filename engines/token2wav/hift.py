@@ -129,12 +129,18 @@ class TimeMajorConvTranspose1d(nn.ConvTranspose1d):
                                   self.groups, (1, self.dilation[0])).squeeze(2)
 
 
+def is_time_major(x: Tensor) -> bool:
+    """Whether (B, C, T) `x` lies in memory as a dense (B, T, C) (what `TimeMajorConv1d` returns)."""
+    rows, channels, length = x.shape
+    return channels > 1 and x.stride(1) == 1 and x.stride(2) == channels and x.stride(0) == channels * length
+
+
 def _reflect_first_frame(x: Tensor) -> Tensor:
     """`F.pad(x, (1, 0), mode="reflect")` of (B, C, T), keeping a time-major x time-major (reflect
     padding writes (B, C, T) memory)."""
-    rows, channels, length = x.shape
-    if x.stride(1) != 1 or channels == 1:
+    if not is_time_major(x):
         return F.pad(x, (1, 0), mode="reflect")
+    rows, channels, length = x.shape
     out = x.new_empty(rows, length + 1, channels).transpose(1, 2)
     out[:, :, 1:] = x
     out[:, :, :1] = x[:, :, 1:2]

@@ -19,6 +19,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra import libdevice
 
+from engines.token2wav.hift import is_time_major
+
 BLOCK = 1024  # samples of one channel per program
 TIME_MAJOR_TILE = 4096  # samples × channels per program of a time-major activation
 
@@ -56,12 +58,6 @@ def _snake_time_major_kernel(x_ptr, alpha_ptr, ends_ptr, out_ptr, length, channe
     if HAS_ENDS:
         y = tl.where(samples[:, None] < tl.load(ends_ptr + row), y, 0.0)
     tl.store(out_ptr + offsets, y, mask=inside)
-
-
-def is_time_major(x: Tensor) -> bool:
-    """Whether (B, C, L) `x` lies in memory as (B, L, C) (hift.TimeMajorConv1d's outputs)."""
-    rows, channels, length = x.shape
-    return channels > 1 and x.stride(1) == 1 and x.stride(2) == channels and x.stride(0) == channels * length
 
 
 def snake(x: Tensor, alpha: Tensor, ends: Tensor | None = None) -> Tensor:

@@ -1,0 +1,103 @@
+"""What a new input shape costs HiFT's convolutions on the host the first time (cuDNN picks and builds an
+execution plan per shape), against the same call once the plan is cached, per convolution layout and
+cuDNN setting. The warm-up meets ~150 HiFT shapes (a graph each), so this cost recurs at every start.
+
+    bash benchmarks/on_device.sh python3 benchmarks/cudnn_first_calls.py --models /tmp/m
+
+Each variant runs in a process of its own (cuDNN's plan cache lives in the process): the decoder on
+`--shapes` (rows x frames, all distinct), every shape called twice, synchronised; the table gives the
+first calls' total, the second calls' total, and the device time of a few shapes from CUDA graphs (the
+serving cost of the plans each setting picks). Prints a table; timings go to no test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+VARIANTS = {  # name: (environment, time-major convolutions)
+    "time-major (service)": ({}, True),
+    "conv1d (B, C, T)": ({}, False),
+    "time-major, cuDNN v7 API": ({"TORCH_CUDNN_V8_API_DISABLED": "1"}, True),
+    "conv1d, cuDNN v7 API": ({"TORCH_CUDNN_V8_API_DISABLED": "1"}, False),
+}
+DEFAULT_SHAPES = [(rows, frames) for rows in (64, 32, 16, 8, 4, 2, 1)
+                  for frames in (30, 58, 108, 208, 16, 48, 96, 160)]
+TIMED = [(64, 208), (16, 58), (1, 30)]
+
+
+def one_variant(models: Path, time_major: bool, shapes: list[tuple[int, int]]) -> dict[str, object]:
+    from benchmarks.dit_attention import time_us
+    from benchmarks.hift_layout import channel_major_convolutions
+    from engines.compilation import use_tf32_matmuls
+    from engines.config import ModelPaths, configs_for_models_dir
+    from engines.token2wav.hift import load_hift
+
+    use_tf32_matmuls()
+    paths = ModelPaths(models)
+    cfg = configs_for_models_dir(paths.root).hift
+    hift = load_hift(paths.hift, cfg, "cuda")
+
+    def inputs(rows: int, frames: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.randn(rows, cfg.in_channels, frames, device="cuda"),
+                torch.randn(rows, 1, frames * cfg.hop_samples, device="cuda") * 0.1)
+
+    def timed_call(mel: torch.Tensor, source: torch.Tensor) -> float:
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        hift.decode(mel, source)
+        torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    layout = contextlib.nullcontext() if time_major else channel_major_convolutions()
+    with torch.inference_mode(), layout:
+        hift.decode(*inputs(1, 8))  # cuDNN's and cuBLAS's handles, not a shape of the list
+        first = second = 0.0
+        for rows, frames in shapes:
+            mel, source = inputs(rows, frames)
+            first += timed_call(mel, source)
+            second += timed_call(mel, source)
+        device_us = {f"{rows}x{frames}": time_us(lambda m=m, s=s: hift.decode(m, s))
+                     for rows, frames in TIMED for m, s in [inputs(rows, frames)]}
+    return {"first_s": first, "second_s": second, "device_us": device_us}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", type=Path, required=True)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--variant", help=argparse.SUPPRESS)  # the child process's part
+    args = parser.parse_args()
+    if args.variant is not None:
+        print(json.dumps(one_variant(args.models, VARIANTS[args.variant][1], DEFAULT_SHAPES)))
+        return
+    print(f"{len(DEFAULT_SHAPES)} shapes, each called twice; torch {torch.__version__}")
+    timed = " ".join(f"{rows}x{frames} µs".rjust(12) for rows, frames in TIMED)
+    print(f"{'variant':<26} {'first calls s':>13} {'again s':>8} {timed}")
+    report = {}
+    for name, (env, _) in VARIANTS.items():
+        run = subprocess.run([sys.executable, __file__, "--models", str(args.models), "--variant", name],
+                             env={**os.environ, **env}, capture_output=True, text=True, check=False)
+        if run.returncode != 0:
+            print(f"{name:<26} failed: {run.stderr.strip().splitlines()[-1:]}")
+            continue
+        result = json.loads(run.stdout.strip().splitlines()[-1])
+        report[name] = result
+        device = result["device_us"]
+        print(f"{name:<26} {result['first_s']:>13.2f} {result['second_s']:>8.2f} "
+              + " ".join(f"{device[f'{r}x{f}']:>12.1f}" for r, f in TIMED))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

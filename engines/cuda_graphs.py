@@ -34,12 +34,15 @@ _CAPTURING = threading.Lock()
 LOW_FREE_SHARE = 0.2
 
 
-def capture_graph(fn: Callable[[], object], pool: Any, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+def capture_graph(fn: Callable[[], object], pool: Any, stream: torch.cuda.Stream,
+                  warmup: Callable[[], object] | None = None) -> torch.cuda.CUDAGraph:
     """A CUDA graph of `fn` captured on `stream`, its intermediates in memory pool `pool` (None: a new
     pool, `graph.pool()`; every graph of a pool is captured on the same stream).
 
-    `fn` runs once before, on the caller's stream: a first call may compile, pick kernels or allocate
-    workspaces, none of which may happen inside a capture.
+    `warmup` (default `fn`) runs once before, on the caller's stream: a first call may compile, pick
+    kernels or allocate workspaces, none of which may happen inside a capture. It must launch every
+    kernel `fn` does on the same shapes; it may repeat them fewer times (the solve's graphs warm up on
+    one Euler step of ten: the device runs a warm-up, a capture only records).
     """
     current = torch.cuda.current_stream(stream.device)
     graph = torch.cuda.CUDAGraph()
@@ -50,7 +53,7 @@ def capture_graph(fn: Callable[[], object], pool: Any, stream: torch.cuda.Stream
             # streams can fill the device; hand them back when it is nearly full (no capture is under
             # way while the lock is held).
             torch.cuda.empty_cache()
-        fn()
+        (fn if warmup is None else warmup)()
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
             if pool is None:

@@ -98,10 +98,11 @@ class CosyVoice2LM(nn.Module):
     def embed_speech(self, tokens: Tensor) -> Tensor:
         return self.speech_embedding(tokens)
 
-    def forward(self, x: Tensor, batch: CacheBatch, cache: KVCache) -> Tensor:
+    def forward(self, x: Tensor, batch: CacheBatch, cache: KVCache, layers: int | None = None) -> Tensor:
         """Speech logits [B, speech_vocab] at the last position of each row of input embeddings `x`
-        [B, T, hidden]; every position's keys and values go into `cache` (see `Qwen2Model.forward`)."""
-        return self.speech_logits(self.backbone(x, batch, cache)[:, -1])
+        [B, T, hidden]; every position's keys and values go into `cache` (see `Qwen2Model.forward`, also
+        for `layers`)."""
+        return self.speech_logits(self.backbone(x, batch, cache, layers)[:, -1])
 
     def speech_logits(self, hidden: Tensor) -> Tensor:
         """Logits over the speech vocabulary (codebook + stop tokens) of hidden states [..., hidden]."""

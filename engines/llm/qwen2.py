@@ -14,6 +14,7 @@ separate tensors.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
@@ -294,10 +295,13 @@ class Qwen2Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ops = EAGER_KERNELS
 
-    def forward(self, x: Tensor, batch: CacheBatch, cache: KVCache) -> Tensor:
+    def forward(self, x: Tensor, batch: CacheBatch, cache: KVCache, layers: int | None = None) -> Tensor:
         """Final hidden states [B, T, hidden] of input embeddings `x` [B, T, hidden].
 
         Writes the keys and values of every query position into `cache` at `batch.positions`.
+        layers: run only the first `layers` decoder layers (None: all). Every layer launches the same
+        kernels on the same shapes, so one layer is a CUDA graph's warm-up run; the output is then not
+        the model's.
         """
         positions, cfg = batch.positions, self.cfg
         inputs = _LayerInputs(
@@ -311,7 +315,7 @@ class Qwen2Model(nn.Module):
             mask = attention_mask(positions, batch.kv_len, cfg.num_heads // cfg.num_kv_heads, x.dtype)
             inputs = dataclasses.replace(inputs, mask=mask)
         x = x.clone(memory_format=torch.contiguous_format)  # the residual stream, updated in place
-        for layer, layer_cache in zip(self.layers, cache.kv, strict=True):
+        for layer, layer_cache in itertools.islice(zip(self.layers, cache.kv, strict=True), layers):
             x = layer(x, inputs, layer_cache)
         return self.norm(x, self.ops.rms_norm)
 

@@ -256,9 +256,10 @@ class ModelRunner:
         # be warming up meanwhile (engines/cuda_graphs.py).
         stream = torch.cuda.Stream(self.config.torch_device, priority=-1)
 
-        def capture(step: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        def capture(step: Callable[..., None], *shape: int) -> torch.cuda.CUDAGraph:
             nonlocal pool
-            graph = capture_graph(step, pool, stream)
+            # Warm-up on one layer: the others launch the same kernels on the same shapes.
+            graph = capture_graph(partial(step, *shape), pool, stream, warmup=partial(step, *shape, layers=1))
             pool = graph.pool()
             return graph
 
@@ -266,12 +267,11 @@ class ModelRunner:
         prefill_kv = self.config.prefill_graph_kv_len
         for kv_len in reversed(self.config.kv_lengths):
             for size in reversed(self.config.batch_sizes):
-                self.decode_graphs[size, kv_len] = capture(partial(self._decode_step, size, kv_len))
+                self.decode_graphs[size, kv_len] = capture(self._decode_step, size, kv_len)
             if kv_len != prefill_kv:
                 continue
             for rows, length in reversed(self.config.prefill_shapes):
-                self.prefill_graphs[rows, length, kv_len] = capture(
-                    partial(self._prefill_step, rows, length, kv_len))
+                self.prefill_graphs[rows, length, kv_len] = capture(self._prefill_step, rows, length, kv_len)
         # This stream only: a device-wide wait is not allowed while another thread captures.
         torch.cuda.current_stream(self.config.torch_device).synchronize()
 
@@ -339,11 +339,12 @@ class ModelRunner:
         if self.config.torch_device.type == "cuda":
             torch.cuda.synchronize(self.config.torch_device)
 
-    def _prefill_step(self, rows: int, length: int, kv_len: int) -> None:
+    def _prefill_step(self, rows: int, length: int, kv_len: int, layers: int | None = None) -> None:
+        """One prefill call (`layers`: of the first layers only, a graph's warm-up; see Qwen2Model)."""
         slots, start, last, ends_prompt = self.prefill_rows[:, :rows]
         positions = start.unsqueeze(1) + torch.arange(length, device=start.device)
         batch = CacheBatch(slots, positions, kv_len)
-        hidden = self.model.backbone(self.prefill_input[:rows, :length], batch, self.cache)
+        hidden = self.model.backbone(self.prefill_input[:rows, :length], batch, self.cache, layers)
         logits = self.model.speech_logits(hidden[torch.arange(rows, device=start.device), last])
         tokens = self.sampling.sample(logits, slots)
         done = ends_prompt.bool()
@@ -352,11 +353,12 @@ class ModelRunner:
         self.active[slots] = self.active[slots] | done
         self.prefill_sampled[:rows] = tokens
 
-    def _decode_step(self, size: int, kv_len: int) -> None:
+    def _decode_step(self, size: int, kv_len: int, layers: int | None = None) -> None:
+        """One decode step (`layers`: as for `_prefill_step`)."""
         rows = slice(0, size)
         active = self.active[rows]
         x = self.model.embed_speech(self.next_token[rows]).unsqueeze(1)
-        logits = self.model(x, CacheBatch(0, self.positions[rows].unsqueeze(1), kv_len), self.cache)
+        logits = self.model(x, CacheBatch(0, self.positions[rows].unsqueeze(1), kv_len), self.cache, layers)
         tokens = self.sampling.sample(logits, rows)
         self.sampling.record(tokens, rows, active)
         self.next_token[rows] = torch.where(active, tokens, self.next_token[rows])

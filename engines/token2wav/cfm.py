@@ -223,11 +223,15 @@ class ConditionalCFM(nn.Module):
         inputs: RaggedInputs,
         out: RaggedOutputs | None = None,
         conditioning: list[Any] | None = None,
+        steps: int | None = None,
     ) -> RaggedOutputs:
         """Mel of every row's chunk and the rows' new caches (see `RaggedInputs`, `RaggedOutputs`).
 
         `out`: buffers to write into (e.g. a CUDA graph's static outputs); None allocates them.
         conditioning: `step_conditioning()` (None computes it).
+        steps: run only the first `steps` Euler steps (None: all). Every step launches the same kernels
+        on the same shapes, so one step is a CUDA graph's warm-up run (what a first call compiles and
+        plans), at a tenth of the device time; its outputs are then not a solution.
         """
         estimator = self.estimator
         if not isinstance(estimator, RaggedEstimator):
@@ -245,12 +249,11 @@ class ConditionalCFM(nn.Module):
         keep = torch.cat([inputs.keep, inputs.keep])
         own_frames = inputs.own_kv.shape[5]
         if out is None:
-            steps, depth, rows, heads, _, width = inputs.own_kv.shape
-            kept_size = (steps, depth, rows, heads, keep.shape[1], width)
+            kept_size = (*inputs.own_kv.shape[:4], keep.shape[1], inputs.own_kv.shape[5])
             out = RaggedOutputs(torch.empty_like(mu), torch.empty_like(inputs.cnn_cache),
                                 inputs.own_kv.new_empty(kept_size))
         index = keep[None, :, None, :, None]  # over (depth, rows, heads, kept frames, ·)
-        for step in range(self.n_timesteps):
+        for step in range(self.n_timesteps if steps is None else steps):
             own = inputs.own_kv[step]
             v, cnn, kv = estimator.forward_ragged(
                 torch.cat([x, x]), mu2, spks2, conditioning[step], layout, inputs.cnn_cache[step],

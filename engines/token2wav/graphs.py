@@ -333,7 +333,8 @@ class GraphedSolver(_ShapeGraphs[SolveShape, RaggedInputs, RaggedOutputs]):
             self._conditioning = self.cfm.step_conditioning()
         conditioning = self._conditioning
         graph = capture_graph(lambda: self.cfm.solve_ragged(inputs, outputs, conditioning),
-                              self._pool, self._stream)
+                              self._pool, self._stream,
+                              warmup=lambda: self.cfm.solve_ragged(inputs, outputs, conditioning, steps=1))
         logger.info("captured token2wav solve graph %s", shape)
         return _Graph(graph, inputs, outputs)
 

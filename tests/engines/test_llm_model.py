@@ -132,6 +132,21 @@ def test_cached_decode_equals_a_full_forward() -> None:
         torch.testing.assert_close(logits[0], expected[pos], atol=1e-5, rtol=1e-4)
 
 
+def test_a_forward_of_its_first_layers_writes_their_cache_as_the_whole_forward() -> None:
+    """A graph's warm-up runs one layer (`layers=1`): layer 0's keys and values are the whole forward's,
+    and the other layers' cache is left as it was."""
+    model = tiny_model()
+    assert TINY.qwen.num_layers > 1
+    sequence = torch.randn(1, 9, TINY.qwen.hidden_size)
+    batch = CacheBatch(1, torch.arange(9)[None], 16)
+    whole, first = cache_for(model), cache_for(model)
+    expected = model(sequence, batch, whole)
+    torch.testing.assert_close(model(sequence, batch, cache_for(model), layers=None), expected)
+    model(sequence, batch, first, layers=1)
+    assert torch.equal(first.kv[0], whole.kv[0])
+    assert not first.kv[1:].any()
+
+
 def test_batched_decode_equals_each_sequence_alone() -> None:
     model = tiny_model()
     lengths = [7, 15, 3]

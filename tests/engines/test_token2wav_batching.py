@@ -224,6 +224,24 @@ def test_bucketed_shapes_with_stale_buffers_equal_each_stream_alone() -> None:
     assert len(solver.inputs) < len(solver.runs)  # buffers were reused
 
 
+def test_a_solve_of_its_first_steps_leaves_those_steps_caches_as_the_whole_solve(
+    flow: DiTFlow, speakers: list[DiTSpeaker]
+) -> None:
+    """A graph's warm-up runs one Euler step (`steps=1`): the same kernels on the same inputs as the
+    first step of the solve, so the caches that step writes are the whole solve's, to the bit."""
+    solver = PersistentSolver(flow)
+    flow.use_bucketed_solver(solver, Buckets(batch=(4,), frames=(20, 40, 80), prompt_frames=(64,),
+                                             own_frames=(16, 32, 64), history_tokens=(16, 48, 96)))
+    batched_mels(flow, speakers, plans())
+    shape = solver.runs[-1]
+    inputs = solver.inputs[shape]
+    whole = flow.decoder.solve_ragged(inputs)
+    first = flow.decoder.solve_ragged(inputs, steps=1)
+    assert torch.equal(first.cnn_cache[0], whole.cnn_cache[0])
+    assert torch.equal(first.kept_kv[0], whole.kept_kv[0])
+    assert not torch.equal(first.mel, whole.mel)  # one step of ten is not the solution
+
+
 def test_a_solve_memory_cap_splits_long_caches_only_and_keeps_results() -> None:
     """With a bytes cap that four first chunks fill, the later chunks (longer own caches) are solved in
     smaller batches, each within the cap, and every stream still equals its run alone."""

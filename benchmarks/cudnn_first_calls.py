@@ -1,8 +1,10 @@
 """What a new input shape costs HiFT's convolutions on the host the first time (cuDNN picks and builds an
 execution plan per shape), against the same call once the plan is cached, per convolution layout and
 cuDNN setting. The warm-up meets ~150 HiFT shapes (a graph each), so this cost recurs at every start.
+With `--sdpa`, the same for the LLM's prefill attention (engines/llm/qwen2.grouped_attention) over the
+44 prefill graph shapes, cuDNN's fused attention against the memory-efficient kernel.
 
-    bash benchmarks/on_device.sh python3 benchmarks/cudnn_first_calls.py --models /tmp/m
+    bash benchmarks/on_device.sh python3 benchmarks/cudnn_first_calls.py --models /tmp/m [--sdpa]
 
 Each variant runs in a process of its own (cuDNN's plan cache lives in the process): the decoder on
 `--shapes` (rows x frames, all distinct), every shape called twice, synchronised; the table gives the
@@ -70,13 +72,49 @@ def one_variant(models: Path, time_major: bool, shapes: list[tuple[int, int]]) -
     return {"first_s": first, "second_s": second, "device_us": device_us}
 
 
+def sdpa_first_calls() -> None:
+    """First and second calls of the prefill attention at every prefill graph shape, per SDPA backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from engines.llm.qwen2 import attention_mask
+    from engines.llm.torch_runner import TorchLLMConfig
+
+    config = TorchLLMConfig()
+    kv_len = config.prefill_graph_kv_len
+    q_heads, kv_heads, head_dim = 14, 2, 64  # Qwen2-0.5B
+    print(f"{len(config.prefill_shapes)} prefill shapes (rows x length, {kv_len} keys), each called twice")
+    print(f"{'SDPA backend':<26} {'first calls s':>13} {'again s':>8}")
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        first = second = 0.0
+        for rows, length in config.prefill_shapes:
+            q = torch.randn(rows, kv_heads, q_heads // kv_heads * length, head_dim, device="cuda",
+                            dtype=torch.bfloat16)
+            k, v = (torch.randn(rows, kv_heads, kv_len, head_dim, device="cuda", dtype=torch.bfloat16)
+                    for _ in range(2))
+            positions = torch.arange(length, device="cuda").expand(rows, -1)
+            mask = attention_mask(positions, kv_len, q_heads // kv_heads, torch.bfloat16)
+            for repeat in range(2):
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                with sdpa_kernel(backend):
+                    torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                torch.cuda.synchronize()
+                elapsed = time.perf_counter() - started
+                first, second = (first + elapsed, second) if repeat == 0 else (first, second + elapsed)
+        print(f"{backend.name:<26} {first:>13.2f} {second:>8.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", type=Path, required=True)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--sdpa", action="store_true", help="the LLM's prefill attention instead")
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # the child process's part
     args = parser.parse_args()
+    if args.sdpa:
+        sdpa_first_calls()
+        return
     if args.variant is not None:
         print(json.dumps(one_variant(args.models, VARIANTS[args.variant][1], DEFAULT_SHAPES)))
         return

@@ -21,9 +21,12 @@ conv caches are taken at each row's real end.
 
 from __future__ import annotations
 
+import inspect
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import cast
 
 import torch
@@ -33,6 +36,8 @@ from torch import nn
 
 from engines.checkpoints import store_as_parts
 from engines.config import DiTConfig
+from engines.precompiled import PrecompiledFunction, supported, variant_folder
+from engines.token2wav import attention as attention_module
 from engines.token2wav.attention import aligned_bias, attention_with_lse, merge_attention
 from engines.token2wav.batching import frame_index
 
@@ -417,7 +422,7 @@ class DiT(nn.Module):
         keys = [DenseKeys(past=past, mask=None) for past in att_cache]
         return self._run_blocks(x, mu, t, spks, cond, keys, cnn_cache)
 
-    def compile_blocks(self, backend: str = "inductor") -> None:
+    def compile_blocks(self, backend: str = "inductor", precompiled: Path | None = None) -> None:
         """Run the blocks of `forward_ragged` (the batched streaming path that CUDA graphs replay) through
         torch.compile (Inductor, dynamic shapes): the elementwise work between the matmuls (norms,
         modulation, gates, the conv branch's padding and activation) fuses into a few kernels. All 16
@@ -430,13 +435,28 @@ class DiT(nn.Module):
         lengths are multiples of 8 (the fused attention's alignment); the warm-up alone meets more than
         torch.compile's default of 8 recompilations, past which a shape would run uncompiled. Duck
         shaping is off: with it, a batch whose row count equals another size of the call (128 rows =
-        2·head_dim at 64 streams) was compiled as a class of its own, once per batch bucket."""
+        2·head_dim at 64 streams) was compiled as a class of its own, once per batch bucket.
+
+        `precompiled`: a folder where each class's compiled block is kept (engines/precompiled.py), so a
+        later process loads it instead of tracing the block again; Inductor only."""
+        if precompiled is not None and backend == "inductor" and supported():
+            # What the saved graphs bake in: the code they compiled, the sizes, the dtype, torch.
+            keys = (inspect.getsource(sys.modules[__name__]), inspect.getsource(attention_module),
+                    str(self.cfg), str(self.in_proj.weight.dtype), torch.__version__)
+            folder = variant_folder(precompiled, "dit-block", keys)
+            self._ragged_block = PrecompiledFunction(DiTBlock.forward, folder)
+            return
         compiled = torch.compile(DiTBlock.forward, dynamic=True, backend=backend)
         # Floats (the norms' eps) are constants: as dynamic inputs Dynamo converts them to tensors and
         # restarts its analysis, one more trace of the block in every process.
         limited = torch._dynamo.config.patch(recompile_limit=RAGGED_SHAPE_CLASSES,
                                              specialize_float=True)(compiled)
         self._ragged_block = fx_config.patch(use_duck_shape=False)(limited)  # type: ignore[attr-defined]
+
+    def seal_compilation(self) -> None:
+        """Compile no more block variants (see `compile_blocks`): a class met later runs uncompiled."""
+        if isinstance(self._ragged_block, PrecompiledFunction):
+            self._ragged_block.seal()
 
     def conditioning(self, t: float) -> StepConditioning:
         """The modulation vectors of time t for every block and the final layer (for `forward_ragged`)."""

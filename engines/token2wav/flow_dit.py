@@ -264,12 +264,15 @@ class DiTFlow(ConformerFlow):
         layout = SolverLayout.of(self.cfg, self.dtype, self.device)
         self.solve_memory = None if budget_bytes is None else SolveMemory(layout, budget_bytes)
 
-    def enable_cuda_graphs(self, buckets: Buckets | None = None) -> GraphedSolver:
+    def enable_cuda_graphs(self, buckets: Buckets | None = None,
+                           precompiled: Path | None = None) -> GraphedSolver:
         """Encode and solve batches that fit the buckets with CUDA graphs (captured on the first use of a
-        shape). Needs the flow on a CUDA device, in its final dtype."""
+        shape). Needs the flow on a CUDA device, in its final dtype. `precompiled`: where the compiled DiT
+        block's variants are kept across processes (`DiT.compile_blocks`)."""
         graphs = self.graphs
         if graphs is None:
-            graphs = GraphedSolver(self.decoder, SolverLayout.of(self.cfg, self.dtype, self.device))
+            layout = SolverLayout.of(self.cfg, self.dtype, self.device)
+            graphs = GraphedSolver(self.decoder, layout, precompiled)
         encoder = self._bucketed_encoder
         if not isinstance(encoder, GraphedEncoder):
             encoder = GraphedEncoder(self._encode_inputs, self._encoder_layout)
@@ -325,7 +328,10 @@ class DiTFlow(ConformerFlow):
         solver.capture(shape for shape in shapes if shape.batch == 1 or fits is None or fits(shape))
 
     def seal_graphs(self) -> None:
-        """From now on capture no graph: shapes without one run eagerly (see graphs.py)."""
+        """From now on capture no graph and compile no block: shapes without one run eagerly (see
+        graphs.py)."""
+        if isinstance(self.decoder.estimator, DiT):
+            self.decoder.estimator.seal_compilation()
         for graphs in (self.graphs, self._bucketed_encoder):
             if isinstance(graphs, GraphedSolver | GraphedEncoder):
                 graphs.seal()

@@ -31,6 +31,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
 import torch
@@ -311,13 +312,13 @@ class _ShapeGraphs(Generic[ShapeT, InputsT, OutputsT]):
 class GraphedSolver(_ShapeGraphs[SolveShape, RaggedInputs, RaggedOutputs]):
     """The CFM solve from one CUDA graph per `SolveShape`."""
 
-    def __init__(self, cfm: ConditionalCFM, layout: SolverLayout) -> None:
+    def __init__(self, cfm: ConditionalCFM, layout: SolverLayout, precompiled: Path | None = None) -> None:
         super().__init__(layout.device, EagerSolver(cfm, layout))
         self.cfm = cfm
         self.layout = layout
         if isinstance(cfm.estimator, DiT):
             # The graphs replay fused kernels: on a GPU a graph of unfused blocks is launch-bound.
-            cfm.estimator.compile_blocks()
+            cfm.estimator.compile_blocks(precompiled=precompiled)
         # The steps' time conditioning, computed once from the weights and read by every graph.
         self._conditioning: list[Any] | None = None
 

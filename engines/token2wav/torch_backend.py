@@ -21,6 +21,7 @@ from typing import Literal
 
 import torch
 
+from engines.compilation import compile_cache_dir
 from engines.config import PRE_LOOKAHEAD, TOKEN_MEL_RATIO, HiFTConfig, ModelPaths, configs_for_models_dir
 from engines.token2wav.base import ChunkJob, LaunchedChunks, SpeakerState, Token2Wav, Token2WavStream
 from engines.token2wav.dit_cache import CacheRule
@@ -86,11 +87,14 @@ class TorchToken2Wav(Token2Wav):
     tokens (first chunks, and later ones with HiFT's cached frames) and final chunks of any length
     (padded to length buckets, masked) from CUDA graphs; graphs are captured on the first use of a
     shape, or ahead by `warmup`. final_chunk_graphs off: final chunks run eagerly at their own lengths.
+    precompiled: where the compiled DiT block is kept for later processes (engines/precompiled.py; None:
+    compiled anew in each, through torch.compile).
     """
 
     def __init__(self, flow: FlowModel, hift: HiFTGenerator, name: str = "torch",
                  vocoder_seed: int | None = None, cuda_graphs: bool = True,
-                 graph_hops: Sequence[int] = GRAPH_HOPS, final_chunk_graphs: bool = True) -> None:
+                 graph_hops: Sequence[int] = GRAPH_HOPS, final_chunk_graphs: bool = True,
+                 precompiled: Path | None = None) -> None:
         self.flow = flow.eval()
         self.hift = hift.eval()
         self.name = name
@@ -99,7 +103,8 @@ class TorchToken2Wav(Token2Wav):
         self.vocoder_graphs: GraphedVocoder | None = None
         if cuda_graphs and self.device.type == "cuda":
             if isinstance(flow, DiTFlow) and flow.batches_streams:
-                flow.enable_cuda_graphs(dataclasses.replace(flow.buckets, batch=FLOW_GRAPH_BATCHES))
+                flow.enable_cuda_graphs(dataclasses.replace(flow.buckets, batch=FLOW_GRAPH_BATCHES),
+                                        precompiled)
             self.vocoder_graphs = GraphedVocoder(self.hift, vocoder_graph_chunks(hift.cfg, self.graph_hops),
                                                  VOCODER_GRAPH_BATCHES,
                                                  FINAL_CHUNK_FRAMES if final_chunk_graphs else ())
@@ -141,8 +146,12 @@ class TorchToken2Wav(Token2Wav):
             hift_path = paths.cosyvoice2_hift
         else:
             raise ValueError(f"unknown flow variant {variant!r}; expected 'dit' or 'unet'")
+        # Beside Inductor's cache for these models, GPU and torch (engines/compilation.py).
+        on_cuda = torch.device(device).type == "cuda"
+        precompiled = compile_cache_dir(paths.root, torch.device(device)) if on_cuda else None
         return TorchToken2Wav(flow, load_hift(hift_path, configs.hift, device), name=f"torch-{variant}",
-                              cuda_graphs=cuda_graphs, final_chunk_graphs=final_chunk_graphs)
+                              cuda_graphs=cuda_graphs, final_chunk_graphs=final_chunk_graphs,
+                              precompiled=precompiled)
 
     @property
     def device(self) -> torch.device:

@@ -1,0 +1,121 @@
+"""A function compiled once per shape class and kept on disk, so that a restart skips Dynamo.
+
+`torch.compile` traces a function's bytecode again in every process (Dynamo), even when Inductor's cache
+then hands back the compiled kernels: for the DiT block ~4 s per shape class, six classes, ~24 s of an
+H100 restart (docs/benchmarks.md, fifteenth session). `PrecompiledFunction` compiles each class it meets
+with Dynamo's ahead-of-time API (`aot_compile`: one whole graph and the guards that say which inputs it
+serves), saves it in a folder, and a later process loads every saved variant and calls the one whose
+guards accept the inputs: no tracing at all.
+
+The folder's name must change with anything the saved graphs bake in (the source of the compiled code,
+the model's sizes, dtype, torch, the GPU): `variant_folder` hashes what it is given. Variants are loaded
+and called under `torch.inference_mode()`, the mode their guards were built in (a guard checks each
+tensor's dispatch keys, which differ between inference tensors and others); the guards also check the
+process's global torch state (grad mode, CPU threads, ...), so a process set up otherwise compiles its
+own variants beside the others. `seal` ends compiling: a
+class met later runs the plain function (uncompiled), logged once, as `torch.compile` does under the
+service's "eager_on_recompile" stance.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import uuid
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx.experimental._config as fx_config
+
+logger = logging.getLogger(__name__)
+
+SUFFIX = ".aot"
+
+
+def variant_folder(root: Path, name: str, keys: Iterable[str]) -> Path:
+    """`root`/`name`-<hash of keys>: one folder per combination of what the compiled code depends on."""
+    digest = hashlib.sha256("\0".join(keys).encode()).hexdigest()[:16]
+    return root / f"{name}-{digest}"
+
+
+def supported() -> bool:
+    """Whether this torch has Dynamo's ahead-of-time compile and its loader."""
+    return hasattr(torch.compiler, "load_compiled_function")
+
+
+class PrecompiledFunction:
+    """`fn` (positional arguments only) through per-class ahead-of-time compiled variants kept in
+    `folder`. `dynamic`, `specialize_float` and `duck_shape` are the compile's settings (as for
+    `torch.compile`, Dynamo's `specialize_float`, and the FX shape config's `use_duck_shape`)."""
+
+    def __init__(self, fn: Callable[..., Any], folder: Path, dynamic: bool = True,
+                 specialize_float: bool = True, duck_shape: bool = False) -> None:
+        self.fn = fn
+        self.folder = folder
+        self.dynamic = dynamic
+        self.specialize_float = specialize_float
+        self.duck_shape = duck_shape
+        self.compiled = 0  # variants compiled by this process
+        self._sealed = False
+        self._missed = False
+        self._variants: list[Any] = []
+        self._load()
+
+    @property
+    def variants(self) -> int:
+        return len(self._variants)
+
+    def seal(self) -> None:
+        """Compile nothing more: inputs no variant serves run `fn` itself."""
+        self._sealed = True
+
+    def __call__(self, *args: Any) -> Any:
+        with torch.inference_mode():
+            for index, variant in enumerate(self._variants):
+                if variant.guard_check(*args):
+                    if index:  # the class just met first: calls come in runs of one class (a solve)
+                        self._variants.insert(0, self._variants.pop(index))
+                    return variant(*args)
+            if self._sealed:
+                if not self._missed:
+                    self._missed = True
+                    logger.warning("%s: inputs of a shape class not compiled before the warm-up ended run "
+                                   "uncompiled", self.folder.name)
+                return self.fn(*args)
+            return self._compile(args)(*args)
+
+    def _compile(self, args: tuple[Any, ...]) -> Any:
+        compiled = torch.compile(self.fn, dynamic=self.dynamic, fullgraph=True)
+        with torch._dynamo.config.patch(specialize_float=self.specialize_float), \
+                fx_config.patch(use_duck_shape=self.duck_shape):  # type: ignore[attr-defined]
+            variant = compiled.aot_compile((args, {}))  # type: ignore[attr-defined]
+        variant.disable_guard_check()  # __call__ checks them before calling
+        self._variants.append(variant)
+        self.compiled += 1
+        path = self.folder / f"{uuid.uuid4().hex}{SUFFIX}"
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            variant.save_compiled_function(str(path))  # written aside, then renamed into place
+        except (OSError, RuntimeError) as exc:
+            logger.warning("%s: a compiled variant could not be saved (%s); the next start compiles it again",
+                           self.folder.name, exc)
+        return variant
+
+    def _load(self) -> None:
+        """Every variant saved in the folder; one that does not load is logged and left out."""
+        if not self.folder.is_dir():
+            return
+        for path in sorted(self.folder.glob(f"*{SUFFIX}")):
+            try:
+                with path.open("rb") as file, torch.inference_mode():
+                    variant = torch.compiler.load_compiled_function(file)
+            except Exception as exc:  # a file from another torch or a torn write: compile that class anew
+                logger.warning("%s: %s did not load (%s: %s); its class compiles again", self.folder.name,
+                               path.name, type(exc).__name__, exc)
+                continue
+            variant.disable_guard_check()  # type: ignore[attr-defined]
+            self._variants.append(variant)
+        if self._variants:
+            logger.info("%s: %d compiled variants loaded", self.folder.name, len(self._variants))

@@ -1,0 +1,188 @@
+"""engines/precompiled.py: a function compiled once per shape class, kept on disk, and loaded by a later
+process without tracing; the DiT block through it equals the eager block (CPU, Inductor)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from weights import randomize
+
+from engines.config import ModelConfigs
+from engines.precompiled import SUFFIX, PrecompiledFunction, supported, variant_folder
+from engines.token2wav.flow_dit import DiTFlow
+
+pytestmark = pytest.mark.skipif(not supported(), reason="this torch has no ahead-of-time compile")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def scaled_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, None, eps) * 2 + 1
+
+
+def inputs(*shape: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, float]:
+    generator = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(*shape, generator=generator, dtype=dtype)
+    return x, torch.randn(shape[-1], generator=generator, dtype=dtype), 1e-5
+
+
+def test_a_variant_serves_its_class_and_a_new_class_compiles_another(tmp_path: Path) -> None:
+    function = PrecompiledFunction(scaled_norm, tmp_path / "norm")
+    for shape in ((4, 8, 16), (7, 3, 16), (2, 5, 16)):  # one class: every dim above 1
+        torch.testing.assert_close(function(*inputs(*shape)), scaled_norm(*inputs(*shape)))
+    assert function.compiled == 1
+    torch.testing.assert_close(function(*inputs(4, 1, 16)), scaled_norm(*inputs(4, 1, 16)))  # a dim of 1
+    assert function.compiled == 2
+    assert len(list((tmp_path / "norm").glob(f"*{SUFFIX}"))) == 2
+
+
+def test_a_later_process_loads_the_variants_and_compiles_nothing(tmp_path: Path) -> None:
+    folder = tmp_path / "norm"
+    first = PrecompiledFunction(scaled_norm, folder)
+    first(*inputs(4, 8, 16))
+    first(*inputs(4, 1, 16))
+    script = textwrap.dedent(f"""
+        import json, pathlib, torch
+        import test_precompiled as t  # the name pytest imported it by, as the saved graph recorded
+        from engines.precompiled import PrecompiledFunction
+        def no_tracing(*args, **kwargs):
+            raise AssertionError("a loaded variant should need no torch.compile")
+        torch.compile = no_tracing
+        torch.set_num_threads(1)  # as tests/conftest.py: the thread count is part of the guards' global state
+        function = PrecompiledFunction(t.scaled_norm, pathlib.Path({str(folder)!r}))
+        errors = [(function(*t.inputs(*shape)) - t.scaled_norm(*t.inputs(*shape))).abs().max().item()
+                  for shape in ((3, 9, 16), (5, 1, 16))]
+        print(json.dumps({{"loaded": function.variants, "compiled": function.compiled, "errors": errors}}))
+    """)
+    path = f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'engines'}"
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
+                         check=False, env={**os.environ, "PYTHONPATH": path})
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["loaded"] == 2 and report["compiled"] == 0
+    assert max(report["errors"]) < 1e-5
+
+
+def test_after_seal_a_new_class_runs_uncompiled_and_is_logged_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    function = PrecompiledFunction(scaled_norm, tmp_path / "norm")
+    function(*inputs(4, 8, 16))
+    function.seal()
+    with caplog.at_level(logging.WARNING, logger="engines.precompiled"):
+        for _ in range(2):  # float64 fails the variant's dtype guard
+            torch.testing.assert_close(function(*inputs(4, 8, 16, dtype=torch.float64)),
+                                       scaled_norm(*inputs(4, 8, 16, dtype=torch.float64)))
+    assert function.compiled == 1
+    assert sum("run uncompiled" in record.getMessage() for record in caplog.records) == 1
+
+
+def test_a_file_that_does_not_load_is_skipped_and_its_class_compiled_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = tmp_path / "norm"
+    folder.mkdir()
+    (folder / f"torn{SUFFIX}").write_bytes(b"not a compiled function")
+    with caplog.at_level(logging.WARNING, logger="engines.precompiled"):
+        function = PrecompiledFunction(scaled_norm, folder)
+    assert function.variants == 0 and "did not load" in caplog.text
+    torch.testing.assert_close(function(*inputs(4, 8, 16)), scaled_norm(*inputs(4, 8, 16)))
+    assert function.compiled == 1
+
+
+def test_the_folder_changes_with_every_key() -> None:
+    root = Path("/cache")
+    base = variant_folder(root, "dit-block", ["source", "config", "torch.float16"])
+    assert base.parent == root and base.name.startswith("dit-block-")
+    assert variant_folder(root, "dit-block", ["source", "config", "torch.float16"]) == base
+    for keys in (["source2", "config", "torch.float16"], ["source", "config", "torch.float32"]):
+        assert variant_folder(root, "dit-block", keys) != base
+
+
+def test_precompiled_dit_blocks_equal_eager_and_load_in_a_second_flow(tmp_path: Path) -> None:
+    """The DiT block (a module, dataclass keys, the attention custom op) through Inductor, saved, then
+    loaded by another flow of the same weights: its first chunk's mel equals the eager flow's, and the
+    second flow compiles nothing."""
+    from test_token2wav_batching import ATOL, RTOL, make_voice
+
+    cfg = ModelConfigs.tiny().dit_flow
+    tokens = torch.randint(0, cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(3))
+
+    def first_chunk(flow: DiTFlow) -> torch.Tensor:
+        speakers = [flow.prepare_speaker(make_voice(1, 12)) for _ in range(2)]
+        streams = [flow.open_stream(speaker) for speaker in speakers]
+        with torch.inference_mode():
+            return flow.chunks(streams, [tokens, tokens], [False, False])[0]
+
+    flows = []
+    for _ in range(3):
+        flow = DiTFlow(cfg).eval().requires_grad_(False)
+        randomize(flow, seed=0)
+        flows.append(flow)
+    eager, compiling, loading = flows
+    compiling.decoder.estimator.compile_blocks(precompiled=tmp_path)
+    want = first_chunk(eager)
+    torch.testing.assert_close(first_chunk(compiling), want, atol=ATOL, rtol=RTOL)
+    loading.decoder.estimator.compile_blocks(precompiled=tmp_path)
+    loading_block = loading.decoder.estimator._ragged_block
+    assert isinstance(loading_block, PrecompiledFunction) and loading_block.variants >= 1
+    torch.testing.assert_close(first_chunk(loading), want, atol=ATOL, rtol=RTOL)
+    assert loading_block.compiled == 0
+
+
+# One start of the service's token2wav on CUDA (TorchToken2Wav.from_models_dir keeps the compiled DiT
+# block beside the models): warm up two batch sizes, then one chunk; report what it compiled and loaded.
+CUDA_START = """
+import json, sys, torch
+from test_token2wav_batching import make_voice
+from engines.config import PRE_LOOKAHEAD
+from engines.token2wav.base import ChunkJob
+from engines.token2wav.torch_backend import TorchToken2Wav
+backend = TorchToken2Wav.from_models_dir(sys.argv[1], "dit", "cuda")
+backend.vocoder_seed = 0  # HiFT's noise: the same in both processes
+speaker = backend.prepare_speaker(make_voice(1, 12))
+backend.warmup(speaker, batches=(4, 2))
+block = backend.flow.decoder.estimator._ragged_block
+tokens = torch.randint(0, 100, (15 + PRE_LOOKAHEAD,), generator=torch.Generator().manual_seed(0))
+audio = backend.run_chunks([ChunkJob(backend.open_stream(speaker), tokens, last=False) for _ in range(2)])
+print(json.dumps({"compiled": block.compiled, "loaded": block.variants - block.compiled,
+                  "audio": [a.tolist() for a in audio]}))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_restart_loads_the_compiled_block_and_compiles_nothing(tmp_path: Path) -> None:
+    """Two processes over one models directory: the first compiles the DiT block's classes during its
+    warm-up (graphs captured through them), the second loads them all, compiles none, and its audio is
+    the first's."""
+    from engines.config import MANIFEST_NAME, ModelPaths
+    from engines.token2wav.hift import HiFTGenerator
+
+    cfg = ModelConfigs.tiny()
+    paths = ModelPaths(tmp_path)
+    paths.step_audio2_token2wav.mkdir(parents=True)
+    flow = DiTFlow(cfg.dit_flow)
+    randomize(flow, seed=0)
+    torch.save(flow.state_dict(), paths.dit_flow)
+    torch.save(HiFTGenerator(cfg.hift).state_dict(), paths.hift)
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps({"size": "tiny"}))
+    path = f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'engines'}"
+    reports = []
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", CUDA_START, str(tmp_path)], cwd=ROOT, capture_output=True,
+                             text=True, check=False, env={**os.environ, "PYTHONPATH": path})
+        assert run.returncode == 0, run.stderr[-3000:]
+        reports.append(json.loads(run.stdout.strip().splitlines()[-1]))
+    first, second = reports
+    assert first["compiled"] > 0 and first["loaded"] == 0
+    assert second["compiled"] == 0 and second["loaded"] == first["compiled"]
+    for a, b in zip(first["audio"], second["audio"], strict=True):
+        torch.testing.assert_close(torch.tensor(b), torch.tensor(a))

@@ -19,10 +19,11 @@ service's "eager_on_recompile" stance.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,12 +48,15 @@ def supported() -> bool:
 
 class PrecompiledFunction:
     """`fn` (positional arguments only) through per-class ahead-of-time compiled variants kept in
-    `folder`. `dynamic`, `specialize_float` and `duck_shape` are the compile's settings (as for
-    `torch.compile`, Dynamo's `specialize_float`, and the FX shape config's `use_duck_shape`)."""
+    `folder`. `jit`: `fn` through `torch.compile` with the same settings, which serves instead if an
+    ahead-of-time compile fails (today's behaviour, one trace per class in each process). `dynamic`,
+    `specialize_float` and `duck_shape` are the compile's settings (as for `torch.compile`, Dynamo's
+    `specialize_float`, and the FX shape config's `use_duck_shape`)."""
 
-    def __init__(self, fn: Callable[..., Any], folder: Path, dynamic: bool = True,
+    def __init__(self, fn: Callable[..., Any], folder: Path, jit: Callable[..., Any], dynamic: bool = True,
                  specialize_float: bool = True, duck_shape: bool = False) -> None:
         self.fn = fn
+        self.jit = jit
         self.folder = folder
         self.dynamic = dynamic
         self.specialize_float = specialize_float
@@ -61,6 +65,7 @@ class PrecompiledFunction:
         self._sealed = False
         self._missed = False
         self._variants: list[Any] = []
+        self._failed = False  # an AOT compile failed: `jit` serves every call from then on
         self._load()
 
     @property
@@ -72,6 +77,8 @@ class PrecompiledFunction:
         self._sealed = True
 
     def __call__(self, *args: Any) -> Any:
+        if self._failed:
+            return self.jit(*args)
         with torch.inference_mode():
             for index, variant in enumerate(self._variants):
                 if variant.guard_check(*args):
@@ -84,13 +91,20 @@ class PrecompiledFunction:
                     logger.warning("%s: inputs of a shape class not compiled before the warm-up ended run "
                                    "uncompiled", self.folder.name)
                 return self.fn(*args)
-            return self._compile(args)(*args)
+            variant = self._compile(args)
+        return self.jit(*args) if variant is None else variant(*args)
 
     def _compile(self, args: tuple[Any, ...]) -> Any:
+        """A new variant for `args`' class, saved; None when the compile failed (then `jit` serves)."""
         compiled = torch.compile(self.fn, dynamic=self.dynamic, fullgraph=True)
-        with torch._dynamo.config.patch(specialize_float=self.specialize_float), \
-                fx_config.patch(use_duck_shape=self.duck_shape):  # type: ignore[attr-defined]
-            variant = compiled.aot_compile((args, {}))  # type: ignore[attr-defined]
+        try:
+            with self._settings():
+                variant = compiled.aot_compile((args, {}))  # type: ignore[attr-defined]
+        except Exception as exc:  # an API this torch lacks or a graph it cannot export: compile as before
+            logger.warning("%s: ahead-of-time compile failed (%s: %s); compiling in each process instead",
+                           self.folder.name, type(exc).__name__, exc)
+            self._failed = True
+            return None
         variant.disable_guard_check()  # __call__ checks them before calling
         self._variants.append(variant)
         self.compiled += 1
@@ -102,6 +116,13 @@ class PrecompiledFunction:
             logger.warning("%s: a compiled variant could not be saved (%s); the next start compiles it again",
                            self.folder.name, exc)
         return variant
+
+    @contextlib.contextmanager
+    def _settings(self) -> Iterator[None]:
+        """The compile's Dynamo and shape settings, while inside."""
+        with torch._dynamo.config.patch(specialize_float=self.specialize_float), \
+                fx_config.patch(use_duck_shape=self.duck_shape):  # type: ignore[attr-defined]
+            yield
 
     def _load(self) -> None:
         """Every variant saved in the folder; one that does not load is logged and left out."""
@@ -119,3 +140,4 @@ class PrecompiledFunction:
             self._variants.append(variant)
         if self._variants:
             logger.info("%s: %d compiled variants loaded", self.folder.name, len(self._variants))
+

@@ -439,19 +439,19 @@ class DiT(nn.Module):
 
         `precompiled`: a folder where each class's compiled block is kept (engines/precompiled.py), so a
         later process loads it instead of tracing the block again; Inductor only."""
-        if precompiled is not None and backend == "inductor" and supported():
-            # What the saved graphs bake in: the code they compiled, the sizes, the dtype, torch.
-            keys = (inspect.getsource(sys.modules[__name__]), inspect.getsource(attention_module),
-                    str(self.cfg), str(self.in_proj.weight.dtype), torch.__version__)
-            folder = variant_folder(precompiled, "dit-block", keys)
-            self._ragged_block = PrecompiledFunction(DiTBlock.forward, folder)
-            return
         compiled = torch.compile(DiTBlock.forward, dynamic=True, backend=backend)
         # Floats (the norms' eps) are constants: as dynamic inputs Dynamo converts them to tensors and
         # restarts its analysis, one more trace of the block in every process.
         limited = torch._dynamo.config.patch(recompile_limit=RAGGED_SHAPE_CLASSES,
                                              specialize_float=True)(compiled)
-        self._ragged_block = fx_config.patch(use_duck_shape=False)(limited)  # type: ignore[attr-defined]
+        jit = fx_config.patch(use_duck_shape=False)(limited)  # type: ignore[attr-defined]
+        self._ragged_block = jit
+        if precompiled is not None and backend == "inductor" and supported():
+            # What the saved graphs bake in: the code they compiled, the sizes, the dtype, torch.
+            keys = (inspect.getsource(sys.modules[__name__]), inspect.getsource(attention_module),
+                    str(self.cfg), str(self.in_proj.weight.dtype), torch.__version__)
+            folder = variant_folder(precompiled, "dit-block", keys)
+            self._ragged_block = PrecompiledFunction(DiTBlock.forward, folder, jit)
 
     def seal_compilation(self) -> None:
         """Compile no more block variants (see `compile_blocks`): a class met later runs uncompiled."""

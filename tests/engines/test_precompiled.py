@@ -34,7 +34,7 @@ def inputs(*shape: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tenso
 
 
 def test_a_variant_serves_its_class_and_a_new_class_compiles_another(tmp_path: Path) -> None:
-    function = PrecompiledFunction(scaled_norm, tmp_path / "norm")
+    function = PrecompiledFunction(scaled_norm, tmp_path / "norm", scaled_norm)
     for shape in ((4, 8, 16), (7, 3, 16), (2, 5, 16)):  # one class: every dim above 1
         torch.testing.assert_close(function(*inputs(*shape)), scaled_norm(*inputs(*shape)))
     assert function.compiled == 1
@@ -45,7 +45,7 @@ def test_a_variant_serves_its_class_and_a_new_class_compiles_another(tmp_path: P
 
 def test_a_later_process_loads_the_variants_and_compiles_nothing(tmp_path: Path) -> None:
     folder = tmp_path / "norm"
-    first = PrecompiledFunction(scaled_norm, folder)
+    first = PrecompiledFunction(scaled_norm, folder, scaled_norm)
     first(*inputs(4, 8, 16))
     first(*inputs(4, 1, 16))
     script = textwrap.dedent(f"""
@@ -56,7 +56,7 @@ def test_a_later_process_loads_the_variants_and_compiles_nothing(tmp_path: Path)
             raise AssertionError("a loaded variant should need no torch.compile")
         torch.compile = no_tracing
         torch.set_num_threads(1)  # as tests/conftest.py: the thread count is part of the guards' global state
-        function = PrecompiledFunction(t.scaled_norm, pathlib.Path({str(folder)!r}))
+        function = PrecompiledFunction(t.scaled_norm, pathlib.Path({str(folder)!r}), t.scaled_norm)
         errors = [(function(*t.inputs(*shape)) - t.scaled_norm(*t.inputs(*shape))).abs().max().item()
                   for shape in ((3, 9, 16), (5, 1, 16))]
         print(json.dumps({{"loaded": function.variants, "compiled": function.compiled, "errors": errors}}))
@@ -73,7 +73,7 @@ def test_a_later_process_loads_the_variants_and_compiles_nothing(tmp_path: Path)
 def test_after_seal_a_new_class_runs_uncompiled_and_is_logged_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    function = PrecompiledFunction(scaled_norm, tmp_path / "norm")
+    function = PrecompiledFunction(scaled_norm, tmp_path / "norm", scaled_norm)
     function(*inputs(4, 8, 16))
     function.seal()
     with caplog.at_level(logging.WARNING, logger="engines.precompiled"):
@@ -91,10 +91,29 @@ def test_a_file_that_does_not_load_is_skipped_and_its_class_compiled_again(
     folder.mkdir()
     (folder / f"torn{SUFFIX}").write_bytes(b"not a compiled function")
     with caplog.at_level(logging.WARNING, logger="engines.precompiled"):
-        function = PrecompiledFunction(scaled_norm, folder)
+        function = PrecompiledFunction(scaled_norm, folder, scaled_norm)
     assert function.variants == 0 and "did not load" in caplog.text
     torch.testing.assert_close(function(*inputs(4, 8, 16)), scaled_norm(*inputs(4, 8, 16)))
     assert function.compiled == 1
+
+
+def test_a_failed_ahead_of_time_compile_hands_every_call_to_the_jit_function(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls = []
+
+    def jit(*args: object) -> torch.Tensor:
+        calls.append(args)
+        return scaled_norm(*args)  # type: ignore[arg-type]
+
+    function = PrecompiledFunction(scaled_norm, tmp_path / "norm", jit)
+    monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: None)  # no aot_compile on None
+    with caplog.at_level(logging.WARNING, logger="engines.precompiled"):
+        for shape in ((4, 8, 16), (4, 1, 16)):
+            torch.testing.assert_close(function(*inputs(*shape)), scaled_norm(*inputs(*shape)))
+    assert len(calls) == 2 and function.compiled == 0
+    assert "ahead-of-time compile failed" in caplog.text
+    assert not (tmp_path / "norm").exists()
 
 
 def test_the_folder_changes_with_every_key() -> None:

@@ -4,7 +4,8 @@ cuDNN setting. The warm-up meets ~150 HiFT shapes (a graph each), so this cost r
 With `--sdpa`, the same for the LLM's prefill attention (engines/llm/qwen2.grouped_attention) over the
 44 prefill graph shapes, cuDNN's fused attention against the memory-efficient kernel.
 
-    bash benchmarks/on_device.sh python3 benchmarks/cudnn_first_calls.py --models /tmp/m [--sdpa]
+    bash benchmarks/on_device.sh python3 benchmarks/cudnn_first_calls.py --models /tmp/m
+    bash benchmarks/on_device.sh python3 benchmarks/cudnn_first_calls.py --sdpa
 
 Each variant runs in a process of its own (cuDNN's plan cache lives in the process): the decoder on
 `--shapes` (rows x frames, all distinct), every shape called twice, synchronised; the table gives the
@@ -118,7 +119,7 @@ def run_shape(backend: object, rows: int, length: int, kv_len: int, q_heads: int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", type=Path, required=True)
+    parser.add_argument("--models", type=Path, help="the models directory (HiFT's weights; not for --sdpa)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--sdpa", action="store_true", help="the LLM's prefill attention instead")
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # the child process's part
@@ -126,6 +127,8 @@ def main() -> None:
     if args.sdpa:
         sdpa_first_calls()
         return
+    if args.models is None:
+        parser.error("--models is needed for HiFT's convolutions")
     if args.variant is not None:
         print(json.dumps(one_variant(args.models, VARIANTS[args.variant][1], DEFAULT_SHAPES)))
         return

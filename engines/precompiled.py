@@ -8,23 +8,28 @@ serves), saves it in a folder, and a later process loads every saved variant and
 guards accept the inputs: no tracing at all.
 
 The folder's name must change with anything the saved graphs bake in (the source of the compiled code,
-the model's sizes, dtype, torch, the GPU): `variant_folder` hashes what it is given. Variants are loaded
-and called under `torch.inference_mode()`, the mode their guards were built in (a guard checks each
-tensor's dispatch keys, which differ between inference tensors and others); the guards also check the
-process's global torch state (grad mode, CPU threads, ...), so a process set up otherwise compiles its
-own variants beside the others. `seal` ends compiling: a
-class met later runs the plain function (uncompiled), logged once, as `torch.compile` does under the
-service's "eager_on_recompile" stance.
+the model's sizes, dtype, torch, Triton, Python, the GPU): `variant_folder` hashes the modules' source,
+the keys it is given and the versions; the GPU is the caller's root folder (engines/compilation.py).
+Variants are loaded and called under `torch.inference_mode()`, the mode their guards were built in (a
+guard checks each tensor's dispatch keys, which differ between inference tensors and others); the guards
+also check the process's global torch state (grad mode, CPU threads, ...), so a process set up otherwise
+compiles its own variants beside the others. `seal` ends compiling: a class met later runs the plain
+function (uncompiled), logged once, as `torch.compile` does under the service's "eager_on_recompile"
+stance.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import logging
+import platform
 import uuid
 from collections.abc import Callable, Iterable, Iterator
+from importlib import metadata
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -35,10 +40,25 @@ logger = logging.getLogger(__name__)
 SUFFIX = ".aot"
 
 
-def variant_folder(root: Path, name: str, keys: Iterable[str]) -> Path:
-    """`root`/`name`-<hash of keys>: one folder per combination of what the compiled code depends on."""
-    digest = hashlib.sha256("\0".join(keys).encode()).hexdigest()[:16]
+def variant_folder(root: Path, name: str, modules: Iterable[ModuleType], keys: Iterable[str]) -> Path | None:
+    """`root`/`name`-<hash>: one folder per combination of what the compiled code depends on: the source
+    of `modules`, `keys` (sizes, dtype), and the versions of torch, Triton and Python. None (logged) when
+    a module's source is not installed: nothing then tells a changed module from the saved one."""
+    try:
+        sources = [inspect.getsource(module) for module in modules]
+    except OSError:
+        logger.warning("%s: source not installed; compiled in each process instead", name)
+        return None
+    stack = (torch.__version__, _version_of("triton"), platform.python_version())
+    digest = hashlib.sha256("\0".join([*sources, *keys, *stack]).encode()).hexdigest()[:16]
     return root / f"{name}-{digest}"
+
+
+def _version_of(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "none"
 
 
 def supported() -> bool:
@@ -51,7 +71,8 @@ class PrecompiledFunction:
     `folder`. `jit`: `fn` through `torch.compile` with the same settings, which serves instead if an
     ahead-of-time compile fails (today's behaviour, one trace per class in each process). `dynamic`,
     `specialize_float` and `duck_shape` are the compile's settings (as for `torch.compile`, Dynamo's
-    `specialize_float`, and the FX shape config's `use_duck_shape`)."""
+    `specialize_float`, and the FX shape config's `use_duck_shape`). Called from one thread at a time
+    (the DiT of a token2wav backend with CUDA graphs is); the variants' order changes as calls come."""
 
     def __init__(self, fn: Callable[..., Any], folder: Path, jit: Callable[..., Any], dynamic: bool = True,
                  specialize_float: bool = True, duck_shape: bool = False) -> None:
@@ -66,6 +87,7 @@ class PrecompiledFunction:
         self._missed = False
         self._variants: list[Any] = []
         self._failed = False  # an AOT compile failed: `jit` serves every call from then on
+        self._seen: set[str] = set()  # file names looked at (loaded or refused)
         self._load()
 
     @property
@@ -91,8 +113,10 @@ class PrecompiledFunction:
                     logger.warning("%s: inputs of a shape class not compiled before the warm-up ended run "
                                    "uncompiled", self.folder.name)
                 return self.fn(*args)
-            variant = self._compile(args)
-        return self.jit(*args) if variant is None else variant(*args)
+            variant = self._load(args) or self._compile(args)  # saved meanwhile by another process or device?
+            if variant is not None:
+                return variant(*args)
+        return self.jit(*args)
 
     def _compile(self, args: tuple[Any, ...]) -> Any:
         """A new variant for `args`' class, saved; None when the compile failed (then `jit` serves)."""
@@ -109,12 +133,13 @@ class PrecompiledFunction:
         self._variants.append(variant)
         self.compiled += 1
         path = self.folder / f"{uuid.uuid4().hex}{SUFFIX}"
+        self._seen.add(path.name)
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             variant.save_compiled_function(str(path))  # written aside, then renamed into place
-        except (OSError, RuntimeError) as exc:
-            logger.warning("%s: a compiled variant could not be saved (%s); the next start compiles it again",
-                           self.folder.name, exc)
+        except Exception as exc:  # a full disk, a read-only folder, an artefact that does not pickle
+            logger.warning("%s: a compiled variant could not be saved (%s: %s); the next start compiles it "
+                           "again", self.folder.name, type(exc).__name__, exc)
         return variant
 
     @contextlib.contextmanager
@@ -124,11 +149,16 @@ class PrecompiledFunction:
                 fx_config.patch(use_duck_shape=self.duck_shape):  # type: ignore[attr-defined]
             yield
 
-    def _load(self) -> None:
-        """Every variant saved in the folder; one that does not load is logged and left out."""
+    def _load(self, args: tuple[Any, ...] | None = None) -> Any:
+        """Load the variants saved in the folder since the last look (one that does not load is logged and
+        left out); return the first new one whose guards accept `args`, if given."""
         if not self.folder.is_dir():
-            return
+            return None
+        found = None
         for path in sorted(self.folder.glob(f"*{SUFFIX}")):
+            if path.name in self._seen:
+                continue
+            self._seen.add(path.name)
             try:
                 with path.open("rb") as file, torch.inference_mode():
                     variant = torch.compiler.load_compiled_function(file)
@@ -138,6 +168,9 @@ class PrecompiledFunction:
                 continue
             variant.disable_guard_check()  # type: ignore[attr-defined]
             self._variants.append(variant)
-        if self._variants:
+            if found is None and args is not None and variant.guard_check(*args):  # type: ignore[attr-defined]
+                found = variant
+        if self._variants and args is None:
             logger.info("%s: %d compiled variants loaded", self.folder.name, len(self._variants))
+        return found
 

@@ -11,6 +11,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -46,7 +47,7 @@ class LoadedEngines:
             raise ValueError("one LLM engine per LLM device and one token2wav backend per token2wav device")
 
 
-def _load_token2wav(config: ServiceConfig, device: str) -> Token2Wav:
+def _load_token2wav(config: ServiceConfig, device: str, compiled: Path | None) -> Token2Wav:
     started = time.perf_counter()
     backend = select_token2wav(
         config.models_dir,
@@ -59,6 +60,7 @@ def _load_token2wav(config: ServiceConfig, device: str) -> Token2Wav:
         dit_cache_rule=config.dit_cache_rule,
         solve_memory_bytes=config.token2wav_solve_bytes,
         final_chunk_graphs=config.final_chunk_graphs,
+        precompiled=compiled,
     )
     logger.info("token2wav %s loaded on %s in %.1f s", backend.name, device, time.perf_counter() - started)
     return backend
@@ -89,11 +91,13 @@ def load_engines(config: ServiceConfig) -> LoadedEngines:
         )
         gpus = [torch.device(name) for name in (*plan.llm_devices, *plan.token2wav_devices)
                 if torch.device(name).type == "cuda"]
+        cache = None  # where compiled artifacts are kept (on GPUs; None: nowhere writable)
         if gpus:
             use_tf32_matmuls()
             cache = keep_compiled_artifacts(compile_cache_dir(config.models_dir, gpus[0]))
             logger.info("compiled kernels cached in %s", cache or "Inductor's default folder")
-        token2wav_loads = [pool.submit(_load_token2wav, config, device) for device in plan.token2wav_devices]
+        token2wav_loads = [pool.submit(_load_token2wav, config, device, cache)
+                           for device in plan.token2wav_devices]
         slots = config.llm_slots or config.max_streams
         # Constructing an LLM engine is cheap: its weights load when it starts.
         llms = tuple(

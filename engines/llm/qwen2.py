@@ -13,7 +13,6 @@ separate tensors.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 from collections.abc import Callable
@@ -23,10 +22,12 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engines.checkpoints import store_as_parts
 from engines.config import Qwen2Config
+
+# The memory-efficient attention kernel reads mask rows whose stride is a multiple of this (elements).
+MASK_ALIGNMENT = 16
 
 
 @dataclass(frozen=True)
@@ -220,11 +221,14 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     """
     batch, q_heads, length, head_dim = q.shape
     q = q.reshape(batch, k.shape[1], -1, head_dim)
-    # On CUDA the memory-efficient kernel, not cuDNN's: cuDNN builds an execution plan for every new
-    # shape on its first call (~80 ms of host time on an H100), once per prefill graph at every start
-    # (44 graphs: ~3.7 s), for an attention that is a small part of a prefill's time.
-    backends = sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION) if q.is_cuda else contextlib.nullcontext()
-    with backends:
+    if q.is_cuda and mask.shape[-1] % MASK_ALIGNMENT == 0:
+        # The memory-efficient kernel, called directly, not SDPA's pick (cuDNN's on an H100): cuDNN
+        # builds an execution plan for every new shape on its first call (~50 ms of host time), once per
+        # prefill graph at every start (44 graphs: 2.2 s), for a small part of a prefill's time. (SDPA's
+        # backend switch, `sdpa_kernel`, sets flags of the whole process, which the DiT's threads read.)
+        bias = mask.expand(batch, k.shape[1], mask.shape[2], mask.shape[3])
+        out = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, False)[0]
+    else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return out.reshape(batch, q_heads, length, head_dim)
 

@@ -247,7 +247,7 @@ class ConditionalCFM(nn.Module):
         lengths2 = torch.cat([inputs.lengths, inputs.lengths])
         layout = estimator.ragged_layout(lengths2, inputs.mask, inputs.prompt_kv.shape[4], frames)
         keep = torch.cat([inputs.keep, inputs.keep])
-        own_frames = inputs.own_kv.shape[5]
+        own_frames = inputs.own_kv.shape[4]  # (steps, depth, rows, heads, frames, 2·head_dim)
         if out is None:
             kept_size = (*inputs.own_kv.shape[:4], keep.shape[1], inputs.own_kv.shape[5])
             out = RaggedOutputs(torch.empty_like(mu), torch.empty_like(inputs.cnn_cache),

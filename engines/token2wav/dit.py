@@ -21,7 +21,6 @@ conv caches are taken at each row's real end.
 
 from __future__ import annotations
 
-import inspect
 import math
 import sys
 from collections.abc import Callable
@@ -447,11 +446,13 @@ class DiT(nn.Module):
         jit = fx_config.patch(use_duck_shape=False)(limited)  # type: ignore[attr-defined]
         self._ragged_block = jit
         if precompiled is not None and backend == "inductor" and supported():
-            # What the saved graphs bake in: the code they compiled, the sizes, the dtype, torch.
-            keys = (inspect.getsource(sys.modules[__name__]), inspect.getsource(attention_module),
-                    str(self.cfg), str(self.in_proj.weight.dtype), torch.__version__)
-            folder = variant_folder(precompiled, "dit-block", keys)
-            self._ragged_block = PrecompiledFunction(DiTBlock.forward, folder, jit)
+            # What the saved graphs bake in: the code they compiled, the sizes, the dtype and the GPU.
+            weight = self.in_proj.weight
+            gpu = torch.cuda.get_device_name(weight.device) if weight.is_cuda else weight.device.type
+            folder = variant_folder(precompiled, "dit-block", (sys.modules[__name__], attention_module),
+                                    (str(self.cfg), str(weight.dtype), gpu))
+            if folder is not None:
+                self._ragged_block = PrecompiledFunction(DiTBlock.forward, folder, jit)
 
     def seal_compilation(self) -> None:
         """Compile no more block variants (see `compile_blocks`): a class met later runs uncompiled."""

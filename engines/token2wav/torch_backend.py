@@ -21,7 +21,6 @@ from typing import Literal
 
 import torch
 
-from engines.compilation import compile_cache_dir
 from engines.config import PRE_LOOKAHEAD, TOKEN_MEL_RATIO, HiFTConfig, ModelPaths, configs_for_models_dir
 from engines.token2wav.base import ChunkJob, LaunchedChunks, SpeakerState, Token2Wav, Token2WavStream
 from engines.token2wav.dit_cache import CacheRule
@@ -119,6 +118,7 @@ class TorchToken2Wav(Token2Wav):
         dit_cache_rule: CacheRule = "reference",
         solve_memory_bytes: int | None = None,
         final_chunk_graphs: bool = True,
+        precompiled: Path | None = None,
     ) -> TorchToken2Wav:
         """Load the `variant` flow of a models directory with its HiFT (Step-Audio2's for the DiT flow,
         CosyVoice2's for the UNet flow); the architecture comes from the directory's manifest.
@@ -126,7 +126,7 @@ class TorchToken2Wav(Token2Wav):
         dtype: the flow's (None: fp16 on CUDA as the reference runs it, fp32 elsewhere); HiFT is fp32.
         cuda_graphs: as for the constructor. dit_cache_rule: the DiT flow's (dit_cache.py).
         solve_memory_bytes: the DiT flow's cap on one batched solve (solve_memory.py; None: none).
-        final_chunk_graphs: as for the constructor.
+        final_chunk_graphs, precompiled: as for the constructor (`precompiled` on CUDA only).
         """
         if dtype is None:
             dtype = torch.float16 if torch.device(device).type == "cuda" else torch.float32
@@ -146,9 +146,6 @@ class TorchToken2Wav(Token2Wav):
             hift_path = paths.cosyvoice2_hift
         else:
             raise ValueError(f"unknown flow variant {variant!r}; expected 'dit' or 'unet'")
-        # Beside Inductor's cache for these models, GPU and torch (engines/compilation.py).
-        on_cuda = torch.device(device).type == "cuda"
-        precompiled = compile_cache_dir(paths.root, torch.device(device)) if on_cuda else None
         return TorchToken2Wav(flow, load_hift(hift_path, configs.hift, device), name=f"torch-{variant}",
                               cuda_graphs=cuda_graphs, final_chunk_graphs=final_chunk_graphs,
                               precompiled=precompiled)

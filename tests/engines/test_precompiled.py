@@ -116,13 +116,21 @@ def test_a_failed_ahead_of_time_compile_hands_every_call_to_the_jit_function(
     assert not (tmp_path / "norm").exists()
 
 
-def test_the_folder_changes_with_every_key() -> None:
+def test_the_folder_changes_with_the_source_and_every_key() -> None:
     root = Path("/cache")
-    base = variant_folder(root, "dit-block", ["source", "config", "torch.float16"])
-    assert base.parent == root and base.name.startswith("dit-block-")
-    assert variant_folder(root, "dit-block", ["source", "config", "torch.float16"]) == base
-    for keys in (["source2", "config", "torch.float16"], ["source", "config", "torch.float32"]):
-        assert variant_folder(root, "dit-block", keys) != base
+    base = variant_folder(root, "norm", [json], ["config", "torch.float16"])
+    assert base is not None and base.parent == root and base.name.startswith("norm-")
+    assert variant_folder(root, "norm", [json], ["config", "torch.float16"]) == base
+    assert variant_folder(root, "norm", [json, logging], ["config", "torch.float16"]) != base
+    assert variant_folder(root, "norm", [json], ["config", "torch.float32"]) != base
+
+
+def test_without_the_source_there_is_no_folder(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_source(module: object) -> str:
+        raise OSError("could not get source code")
+
+    monkeypatch.setattr("inspect.getsource", no_source)
+    assert variant_folder(Path("/cache"), "norm", [json], []) is None
 
 
 def test_precompiled_dit_blocks_equal_eager_and_load_in_a_second_flow(tmp_path: Path) -> None:
@@ -205,3 +213,34 @@ def test_on_cuda_a_restart_loads_the_compiled_block_and_compiles_nothing(tmp_pat
     assert second["compiled"] == 0 and second["loaded"] == first["compiled"]
     for a, b in zip(first["audio"], second["audio"], strict=True):
         torch.testing.assert_close(torch.tensor(b), torch.tensor(a))
+
+
+def test_a_one_step_warm_up_compiles_every_class_the_whole_solve_runs(tmp_path: Path) -> None:
+    """What a graph's warm-up run (`solve_ragged(steps=1)`) must do for the capture after it: meet every
+    shape class of the DiT block that the whole solve meets, so the capture compiles nothing."""
+    from test_token2wav_batching import PersistentSolver, batched_mels, make_voice, plans
+
+    from engines.token2wav.batching import Buckets
+
+    cfg = ModelConfigs.tiny().dit_flow
+    recorder, compiled = (DiTFlow(cfg).eval().requires_grad_(False) for _ in range(2))
+    for flow in (recorder, compiled):
+        randomize(flow, seed=0)
+    solver = PersistentSolver(recorder)  # records real inputs of each solve shape
+    recorder.use_bucketed_solver(solver, Buckets(batch=(4,), frames=(20, 40, 80), prompt_frames=(64,),
+                                                 own_frames=(16, 32, 64), history_tokens=(16, 48, 96)))
+    speakers = [recorder.prepare_speaker(make_voice(1, 12)), recorder.prepare_speaker(make_voice(2, 7))]
+    with torch.inference_mode():
+        batched_mels(recorder, speakers, plans()[:2])
+    compiled.decoder.estimator.compile_blocks(precompiled=tmp_path)
+    block = compiled.decoder.estimator._ragged_block
+    assert isinstance(block, PrecompiledFunction)
+    first, later = solver.runs[0], solver.runs[-1]  # a first chunk (no own cache) and a later one
+    assert first.own_frames == 0 < later.own_frames
+    with torch.inference_mode():
+        for shape in (first, later):
+            compiled.decoder.solve_ragged(solver.inputs[shape], steps=1)
+            warmed = block.compiled
+            compiled.decoder.solve_ragged(solver.inputs[shape])
+            assert block.compiled == warmed
+    assert block.compiled >= 2

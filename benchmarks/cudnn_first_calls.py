@@ -8,7 +8,7 @@ With `--sdpa`, the same for the LLM's prefill attention (engines/llm/qwen2.group
     bash benchmarks/on_device.sh python3 benchmarks/cudnn_first_calls.py --sdpa
 
 Each variant runs in a process of its own (cuDNN's plan cache lives in the process): the decoder on
-`--shapes` (rows x frames, all distinct), every shape called twice, synchronised; the table gives the
+56 shapes (rows x frames, all distinct), every shape called twice, synchronised; the table gives the
 first calls' total, the second calls' total, and the device time of a few shapes from CUDA graphs (the
 serving cost of the plans each setting picks). Prints a table; timings go to no test.
 """

@@ -62,8 +62,14 @@ def _version_of(package: str) -> str:
 
 
 def supported() -> bool:
-    """Whether this torch has Dynamo's ahead-of-time compile and its loader."""
-    return hasattr(torch.compiler, "load_compiled_function")
+    """Whether this torch has Dynamo's ahead-of-time compile, its loader, and the guard calls used here."""
+    try:
+        from torch._dynamo.aot_compile import AOTCompiledFunction
+    except ImportError:
+        return False
+    return (hasattr(torch.compiler, "load_compiled_function")
+            and all(hasattr(AOTCompiledFunction, name)
+                    for name in ("guard_check", "disable_guard_check", "save_compiled_function")))
 
 
 class PrecompiledFunction:
@@ -124,12 +130,12 @@ class PrecompiledFunction:
         try:
             with self._settings():
                 variant = compiled.aot_compile((args, {}))  # type: ignore[attr-defined]
+            variant.disable_guard_check()  # __call__ checks them before calling
         except Exception as exc:  # an API this torch lacks or a graph it cannot export: compile as before
             logger.warning("%s: ahead-of-time compile failed (%s: %s); compiling in each process instead",
                            self.folder.name, type(exc).__name__, exc)
             self._failed = True
             return None
-        variant.disable_guard_check()  # __call__ checks them before calling
         self._variants.append(variant)
         self.compiled += 1
         path = self.folder / f"{uuid.uuid4().hex}{SUFFIX}"

@@ -7,6 +7,7 @@ digit, as wetext 0.0.4 (the reference's pin) does.
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -186,3 +187,33 @@ def test_a_voice_transcript_is_normalised_whole(normalize: ReferenceNormalizer, 
     assert frontend.encode_transcript(transcript) == frontend.encode(
         "It costs five dollars. I counted twelve of them."
     )
+
+
+def test_inflect_is_imported_without_typeguard_and_spells_as_the_instrumented_one() -> None:
+    """In a fresh interpreter (where inflect is not yet imported): `import_inflect` leaves inflect's
+    engine without typeguard's inserted checks, restores `typeguard.typechecked`, and the words equal
+    those of inflect imported as usual (this test process's)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import inflect
+
+    script = textwrap.dedent("""
+        import json, typeguard
+        original = typeguard.typechecked
+        from engines.normalize import import_inflect
+        inflect = import_inflect()
+        names = inflect.engine.number_to_words.__code__.co_names
+        print(json.dumps({"restored": typeguard.typechecked is original,
+                          "checked": any(name.startswith("check_") for name in names),
+                          "words": [inflect.engine().number_to_words(n) for n in ("12", "2024", "1000001")]}))
+    """)
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True,
+                         check=False, env={**os.environ, "PYTHONPATH": str(root)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["restored"] and not report["checked"]
+    assert report["words"] == [inflect.engine().number_to_words(n) for n in ("12", "2024", "1000001")]

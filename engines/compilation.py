@@ -6,7 +6,8 @@ builds.
 - `compile_cache_dir`: Inductor's and Triton's on-disk caches for one models directory, GPU and torch
   version, kept beside the models (a container's models volume outlives the container), so that a
   restart loads the compiled kernels instead of compiling them again: Inductor's kernels and our own
-  Triton kernels (the LLM's decode attention) alike.
+  Triton kernels (the LLM's decode attention) alike. `host_cache_dir`: beside them, what no device
+  shapes (the built text tokenizer).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+COMPILE_CACHE = "compile-cache"  # beside the models: a container's models volume outlives the container
 TRITON_CACHE_ENV = "TRITON_CACHE_DIR"
 
 
@@ -35,7 +37,12 @@ def compile_cache_dir(models_dir: Path, device: torch.device) -> Path:
     """The folder of compiled artifacts for `models_dir` on `device`'s GPU model with this torch."""
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     key = re.sub(r"[^A-Za-z0-9.]+", "-", f"{gpu}-torch{torch.__version__}").strip("-")
-    return Path(models_dir) / "compile-cache" / key
+    return Path(models_dir) / COMPILE_CACHE / key
+
+
+def host_cache_dir(models_dir: Path) -> Path:
+    """The folder of built artifacts for `models_dir` that no device shapes (the text tokenizer)."""
+    return Path(models_dir) / COMPILE_CACHE / "host"
 
 
 def keep_compiled_artifacts(directory: Path) -> Path | None:

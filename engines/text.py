@@ -14,9 +14,12 @@ takes it, ending in `<|endofprompt|>`.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import re
 from collections.abc import Callable, Iterable
+from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,6 +27,7 @@ from engines.errors import CodedError
 from engines.inline_tags import ENDOFPROMPT, PROMPT_MARKER, clean_tags, inside, protected_spans
 
 if TYPE_CHECKING:
+    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
@@ -104,10 +108,62 @@ def load_text_tokenizer(tokenizer_dir: Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def load_backend_tokenizer(tokenizer_dir: Path, cache: Path | None = None) -> Tokenizer:
+    """The Rust tokenizer behind `load_text_tokenizer(tokenizer_dir)` (`tokenizers.Tokenizer`: the same
+    ids, vocabulary and decoding), which `TextFrontend` runs without transformers' per-call Python.
+
+    With `cache`, it is kept there as JSON, named by a hash of the directory's files, the special tokens
+    and the two libraries' versions: a later start reads that file instead of importing transformers to
+    build it again (~1.5 s of a start). Decoding is the Rust tokenizer's, without the clean-up of spaces
+    transformers applies when a tokenizer asks for it (CosyVoice-BlankEN does not).
+    """
+    from tokenizers import Tokenizer
+
+    tokenizer_dir = Path(tokenizer_dir)
+    if not tokenizer_dir.is_dir():
+        raise FileNotFoundError(f"tokenizer directory {tokenizer_dir} does not exist")
+    kept = None if cache is None else cache / f"text-tokenizer-{_tokenizer_key(tokenizer_dir)}.json"
+    if kept is not None and kept.is_file():
+        try:
+            return Tokenizer.from_file(str(kept))
+        except Exception as exc:  # a torn or foreign file: build it again
+            logger.warning("kept text tokenizer %s did not load (%s); building it again", kept.name, exc)
+    built = load_text_tokenizer(tokenizer_dir)
+    if not built.is_fast:
+        raise TypeError(f"the tokenizer of {tokenizer_dir} has no fast (Rust) implementation")
+    backend: Tokenizer = built.backend_tokenizer
+    if kept is not None:
+        try:
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            aside = kept.with_suffix(f".{os.getpid()}.tmp")
+            aside.write_text(backend.to_str())
+            aside.replace(kept)  # whole or not at all, also with another process writing it
+        except OSError as exc:
+            logger.warning("text tokenizer not kept in %s (%s)", cache, exc.strerror)
+    return backend
+
+
+def _tokenizer_key(tokenizer_dir: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(p for p in tokenizer_dir.iterdir() if p.is_file() and p.suffix in (".json", ".txt")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for part in (EOS_TOKEN, *SPECIAL_TOKENS, _version_of("tokenizers"), _version_of("transformers")):
+        digest.update(part.encode() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _version_of(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "none"
+
+
 class TextFrontend:
     """Tokenizer + normalisation + segmentation for one `CosyVoice-BlankEN` directory.
 
     `normalize` is applied by `prepare`/`split_segments` only; `encode` tokenizes exactly what it is given.
+    `tokenizer_cache`: where the built tokenizer is kept for later starts (`load_backend_tokenizer`).
     """
 
     def __init__(
@@ -116,16 +172,14 @@ class TextFrontend:
         normalize: Normalizer = collapse_whitespace,
         max_text_chars: int = DEFAULT_MAX_TEXT_CHARS,
         max_instruction_tokens: int = DEFAULT_MAX_INSTRUCTION_TOKENS,
+        tokenizer_cache: Path | None = None,
     ) -> None:
         if max_text_chars <= 0 or max_instruction_tokens < 2:
             raise ValueError(f"need max_text_chars > 0 and max_instruction_tokens > 1, got {max_text_chars}, "
                              f"{max_instruction_tokens}")
-        self._tokenizer = load_text_tokenizer(tokenizer_dir)
-        if not self._tokenizer.is_fast:
-            raise TypeError(f"the tokenizer of {tokenizer_dir} has no fast (Rust) implementation")
         # Encoding runs on the event loop several times per request: the Rust tokenizer directly gives
         # the same ids without transformers' per-call Python (half the time).
-        self._backend = self._tokenizer.backend_tokenizer
+        self._backend = load_backend_tokenizer(tokenizer_dir, tokenizer_cache)
         self._normalize = normalize
         self.max_text_chars = max_text_chars
         self.max_instruction_tokens = max_instruction_tokens
@@ -135,11 +189,11 @@ class TextFrontend:
     @property
     def vocab_size(self) -> int:
         """Number of ids, added special tokens included (151663 for the released tokenizer)."""
-        return len(self._tokenizer)
+        return int(self._backend.get_vocab_size(with_added_tokens=True))
 
     def token_id(self, token: str) -> int:
         """Id of one special token such as `<|endofprompt|>`."""
-        ids = self._tokenizer.encode(token, add_special_tokens=False)
+        ids = self._backend.encode(token, add_special_tokens=False).ids
         if len(ids) != 1:
             raise KeyError(f"{token!r} is not a single token")
         return int(ids[0])
@@ -154,7 +208,7 @@ class TextFrontend:
         return self.encode(self._normalize(transcript))
 
     def decode(self, ids: Iterable[int]) -> str:
-        return str(self._tokenizer.decode(list(ids)))
+        return str(self._backend.decode(list(ids), skip_special_tokens=False))
 
     def count(self, text: str) -> int:
         return len(self.encode(text))

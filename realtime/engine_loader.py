@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from engines.compilation import compile_cache_dir, keep_compiled_artifacts, use_tf32_matmuls
+from engines.compilation import compile_cache_dir, host_cache_dir, keep_compiled_artifacts, use_tf32_matmuls
 from engines.config import ModelPaths
 from engines.llm.auto import select_llm
 from engines.llm.base import LLMEngine
@@ -67,7 +67,8 @@ def _load_token2wav(config: ServiceConfig, device: str, compiled: Path | None) -
 
 
 def _load_text(paths: ModelPaths, max_text_chars: int) -> TextFrontend:
-    return TextFrontend(paths.text_tokenizer, ReferenceNormalizer(), max_text_chars=max_text_chars)
+    return TextFrontend(paths.text_tokenizer, ReferenceNormalizer(), max_text_chars=max_text_chars,
+                        tokenizer_cache=host_cache_dir(paths.root))
 
 
 def load_engines(config: ServiceConfig) -> LoadedEngines:

@@ -180,3 +180,75 @@ def test_streaming_splitter_offers_clause_and_word_cuts_of_the_pending_text():
     assert splitter.take_words() == []  # only the growing word is left
     assert splitter.pending == " consid"
     assert splitter.take_all() == ["consid"] and splitter.pending == ""
+
+
+TOKENIZER_TEXTS = ("Hello there, how are you?", "你好，世界！ 42 🎉", "a  b\tc\nd", "It's 3:45pm; ok?",
+                   "[laughter] so <strong>this</strong> is it<|endofprompt|>", "")
+
+
+def test_a_kept_tokenizer_is_read_back_without_transformers_and_equals_it(
+    tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built = TextFrontend(tokenizer_dir, tokenizer_cache=tmp_path)
+    assert len(list(tmp_path.glob("text-tokenizer-*.json"))) == 1
+    reference = load_text_tokenizer(tokenizer_dir)
+
+    def no_transformers(directory: Path) -> None:
+        raise AssertionError("a kept tokenizer needs no transformers")
+
+    monkeypatch.setattr("engines.text.load_text_tokenizer", no_transformers)
+    kept = TextFrontend(tokenizer_dir, tokenizer_cache=tmp_path)
+    assert kept.vocab_size == built.vocab_size == len(reference)
+    for text in TOKENIZER_TEXTS:
+        ids = reference.encode(text, add_special_tokens=False)
+        assert kept.encode(text) == built.encode(text) == ids
+        assert kept.decode(ids) == reference.decode(ids)
+    assert kept.token_id("<|endofprompt|>") == built.token_id("<|endofprompt|>")
+
+
+def test_a_changed_tokenizer_directory_is_kept_under_another_name(tmp_path: Path) -> None:
+    directory = tmp_path / "tokenizer"
+    write_qwen2_tokenizer(directory, vocab_size=1500)
+    TextFrontend(directory, tokenizer_cache=tmp_path / "cache")
+    config = directory / "tokenizer_config.json"
+    config.write_text(config.read_text().replace("}", ', "model_max_length": 4096}', 1))
+    TextFrontend(directory, tokenizer_cache=tmp_path / "cache")
+    assert len(list((tmp_path / "cache").glob("text-tokenizer-*.json"))) == 2
+
+
+def test_a_torn_kept_tokenizer_is_built_again(
+    tokenizer_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    TextFrontend(tokenizer_dir, tokenizer_cache=tmp_path)
+    [kept] = tmp_path.glob("text-tokenizer-*.json")
+    kept.write_text('{"version": "1.0", "trunc')
+    with caplog.at_level("WARNING", logger="engines.text"):
+        frontend = TextFrontend(tokenizer_dir, tokenizer_cache=tmp_path)
+    assert "did not load" in caplog.text
+    assert frontend.encode("Hello there") == load_text_tokenizer(tokenizer_dir).encode("Hello there",
+                                                                                     add_special_tokens=False)
+    TextFrontend(tokenizer_dir, tokenizer_cache=tmp_path)  # the rebuilt file reads back
+
+
+def test_a_start_with_a_kept_tokenizer_never_imports_transformers(
+    tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """What the cache is for: in a fresh interpreter, the front end comes up without transformers."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    TextFrontend(tokenizer_dir, tokenizer_cache=tmp_path)
+    script = textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        from engines.text import TextFrontend
+        frontend = TextFrontend(Path({str(tokenizer_dir)!r}), tokenizer_cache=Path({str(tmp_path)!r}))
+        print(frontend.encode("Hello there"), "transformers" in sys.modules)
+    """)
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True,
+                         check=False, env={**os.environ, "PYTHONPATH": str(root)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().endswith("False")

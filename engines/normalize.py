@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import re
 import sys
+import threading
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -55,6 +56,7 @@ _SOFT_BREAK = re.compile(r"[,，、:：]\s*|\s+")
 # without a sentence end, here): it gets windows of whole sentences up to about this long, which keep
 # an abbreviation's full stop ("Jan. 5, 2024") inside the context its reading depends on.
 WINDOW_CHARS = 160
+_IMPORTING_INFLECT = threading.Lock()
 
 
 def detect_language(text: str) -> Language:
@@ -125,18 +127,19 @@ def import_inflect() -> ModuleType:
     at import to insert argument checks (1.6 s of CPU on the dev machine, ~2.3 s on an H100 host, while
     the other engines load under the same GIL). The words are the same; only an argument of a wrong type
     would fail otherwise, and this module passes digit strings alone."""
-    loaded = sys.modules.get("inflect")
-    if loaded is not None:
-        return loaded
-    import typeguard
+    with _IMPORTING_INFLECT:  # one import at a time, so the original decorator is the one put back
+        loaded = sys.modules.get("inflect")
+        if loaded is not None:
+            return loaded
+        import typeguard
 
-    instrumenting = typeguard.typechecked
-    typeguard.typechecked = _unchecked  # type: ignore[assignment]
-    try:
-        import inflect
-    finally:
-        typeguard.typechecked = instrumenting
-    return inflect
+        instrumenting = typeguard.typechecked
+        typeguard.typechecked = _unchecked  # type: ignore[assignment]
+        try:
+            import inflect
+        finally:
+            typeguard.typechecked = instrumenting
+        return inflect
 
 
 def _unchecked(target: Any = None, **options: Any) -> Any:

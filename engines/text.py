@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import re
+import tempfile
 from collections.abc import Callable, Iterable
 from importlib import metadata
 from pathlib import Path
@@ -41,6 +42,9 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 EOS_TOKEN = "<|endoftext|>"
 
 DEFAULT_MAX_TEXT_CHARS = 8000
+# Bump when `load_text_tokenizer` builds the tokenizer differently: kept tokenizers of older builds are then
+# not read (engines/text.load_backend_tokenizer).
+TOKENIZER_BUILD = "qwen2-fast-eos-pad-specials/1"
 DEFAULT_MAX_INSTRUCTION_TOKENS = 256  # `<|endofprompt|>` included
 
 # A sentence ends after terminal punctuation (plus closing quotes/brackets). ASCII terminals need
@@ -123,28 +127,42 @@ def load_backend_tokenizer(tokenizer_dir: Path, cache: Path | None = None) -> To
     if not tokenizer_dir.is_dir():
         raise FileNotFoundError(f"tokenizer directory {tokenizer_dir} does not exist")
     kept = None if cache is None else cache / f"text-tokenizer-{_tokenizer_key(tokenizer_dir)}.json"
-    if kept is not None and kept.is_file():
+    if kept is not None:
         try:
-            return Tokenizer.from_file(str(kept))
-        except Exception as exc:  # a torn or foreign file: build it again
+            if kept.is_file():
+                return Tokenizer.from_file(str(kept))
+        except Exception as exc:  # a torn or foreign file, an unreadable folder: build it again
             logger.warning("kept text tokenizer %s did not load (%s); building it again", kept.name, exc)
     built = load_text_tokenizer(tokenizer_dir)
     if not built.is_fast:
         raise TypeError(f"the tokenizer of {tokenizer_dir} has no fast (Rust) implementation")
     backend: Tokenizer = built.backend_tokenizer
     if kept is not None:
-        try:
-            kept.parent.mkdir(parents=True, exist_ok=True)
-            aside = kept.with_suffix(f".{os.getpid()}.tmp")
-            aside.write_text(backend.to_str())
-            aside.replace(kept)  # whole or not at all, also with another process writing it
-        except OSError as exc:
-            logger.warning("text tokenizer not kept in %s (%s)", cache, exc.strerror)
+        _keep(kept, backend.to_str())
     return backend
 
 
+def _keep(path: Path, text: str) -> None:
+    """Write `path` whole or not at all (a file of its own aside, then renamed: other processes sharing the
+    models volume may be writing the same path); a failure is logged, the start goes on."""
+    aside = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        aside = Path(name)
+        with os.fdopen(handle, "w") as file:
+            file.write(text)
+        aside.replace(path)
+    except OSError as exc:
+        logger.warning("text tokenizer not kept in %s (%s)", path.parent, exc.strerror or exc)
+        if aside is not None:
+            aside.unlink(missing_ok=True)
+
+
 def _tokenizer_key(tokenizer_dir: Path) -> str:
-    digest = hashlib.sha256()
+    """What the built tokenizer depends on: the directory's tokenizer files (not its weights), how
+    `load_text_tokenizer` builds it (`TOKENIZER_BUILD`), and the libraries' versions."""
+    digest = hashlib.sha256(TOKENIZER_BUILD.encode())
     for path in sorted(p for p in tokenizer_dir.iterdir() if p.is_file() and p.suffix in (".json", ".txt")):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     for part in (EOS_TOKEN, *SPECIAL_TOKENS, _version_of("tokenizers"), _version_of("transformers")):

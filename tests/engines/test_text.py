@@ -211,7 +211,7 @@ def test_a_changed_tokenizer_directory_is_kept_under_another_name(tmp_path: Path
     write_qwen2_tokenizer(directory, vocab_size=1500)
     TextFrontend(directory, tokenizer_cache=tmp_path / "cache")
     config = directory / "tokenizer_config.json"
-    config.write_text(config.read_text().replace("}", ', "model_max_length": 4096}', 1))
+    config.write_text(json.dumps({**json.loads(config.read_text()), "model_max_length": 4096}))
     TextFrontend(directory, tokenizer_cache=tmp_path / "cache")
     assert len(list((tmp_path / "cache").glob("text-tokenizer-*.json"))) == 2
 

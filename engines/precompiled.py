@@ -10,8 +10,9 @@ guards accept the inputs: no tracing at all.
 The folder's name must change with anything the saved graphs bake in (the source of the compiled code,
 the model's sizes, dtype, torch, Triton, Python, the GPU): `variant_folder` hashes the modules' source,
 the keys it is given and the versions; the GPU is the caller's root folder (engines/compilation.py).
-Variants are loaded and called under `torch.inference_mode()`, the mode their guards were built in (a
-guard checks each tensor's dispatch keys, which differ between inference tensors and others); the guards
+Variants are loaded and called in the autograd mode their guards were built in, inference mode for
+the token2wav engines (a guard checks each tensor's dispatch keys, which differ between inference
+tensors and others); the guards
 also check the process's global torch state (grad mode, CPU threads, ...), so a process set up otherwise
 compiles its own variants beside the others. `seal` ends compiling: a class met later runs the plain
 function (uncompiled), logged once, as `torch.compile` does under the service's "eager_on_recompile"
@@ -77,13 +78,16 @@ class PrecompiledFunction:
     `folder`. `jit`: `fn` through `torch.compile` with the same settings, which serves instead if an
     ahead-of-time compile fails (today's behaviour, one trace per class in each process). `dynamic`,
     `specialize_float` and `duck_shape` are the compile's settings (as for `torch.compile`, Dynamo's
-    `specialize_float`, and the FX shape config's `use_duck_shape`). Called from one thread at a time
-    (the DiT of a token2wav backend with CUDA graphs is); the variants' order changes as calls come."""
+    `specialize_float`, and the FX shape config's `use_duck_shape`). `inference`: the calls come with
+    inference tensors (the token2wav engines'), so variants are loaded and called in inference mode;
+    False for callers under `torch.no_grad()` with ordinary tensors (the LLM's). Called from one thread at
+    a time (each engine's are); the variants' order changes as calls come."""
 
     def __init__(self, fn: Callable[..., Any], folder: Path, jit: Callable[..., Any], dynamic: bool = True,
-                 specialize_float: bool = True, duck_shape: bool = False) -> None:
+                 specialize_float: bool = True, duck_shape: bool = False, inference: bool = True) -> None:
         self.fn = fn
         self.jit = jit
+        self.inference = inference
         self.folder = folder
         self.dynamic = dynamic
         self.specialize_float = specialize_float
@@ -107,7 +111,7 @@ class PrecompiledFunction:
     def __call__(self, *args: Any) -> Any:
         if self._failed:
             return self.jit(*args)
-        with torch.inference_mode():
+        with self._mode():
             for index, variant in enumerate(self._variants):
                 if variant.guard_check(*args):
                     if index:  # the class just met first: calls come in runs of one class (a solve)
@@ -148,6 +152,10 @@ class PrecompiledFunction:
                            "again", self.folder.name, type(exc).__name__, exc)
         return variant
 
+    def _mode(self) -> contextlib.AbstractContextManager[Any]:
+        """The autograd mode the variants' guards were built in (see `inference`)."""
+        return torch.inference_mode() if self.inference else contextlib.nullcontext()
+
     @contextlib.contextmanager
     def _settings(self) -> Iterator[None]:
         """The compile's Dynamo and shape settings, while inside."""
@@ -166,7 +174,7 @@ class PrecompiledFunction:
                 continue
             self._seen.add(path.name)
             try:
-                with path.open("rb") as file, torch.inference_mode():
+                with path.open("rb") as file, self._mode():
                     variant = torch.compiler.load_compiled_function(file)
             except Exception as exc:  # a file from another torch or a torn write: compile that class anew
                 logger.warning("%s: %s did not load (%s: %s); its class compiles again", self.folder.name,

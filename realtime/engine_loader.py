@@ -102,7 +102,7 @@ def load_engines(config: ServiceConfig) -> LoadedEngines:
         slots = config.llm_slots or config.max_streams
         # Constructing an LLM engine is cheap: its weights load when it starts.
         llms = tuple(
-            select_llm(config.models_dir, config.llm_backend, device, max_slots=slots)
+            select_llm(config.models_dir, config.llm_backend, device, max_slots=slots, precompiled=cache)
             for device in plan.llm_devices
         )
         token2wavs = tuple(load.result() for load in token2wav_loads)

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +27,7 @@ from torch import Tensor, nn
 
 from engines.checkpoints import store_as_parts
 from engines.config import Qwen2Config
+from engines.precompiled import PrecompiledFunction, supported, variant_folder
 
 # The memory-efficient attention kernel reads mask rows whose stride is a multiple of this (elements).
 MASK_ALIGNMENT = 16
@@ -174,19 +177,34 @@ class LayerKernels:
     decode_attention: DecodeAttentionFn | None = None
 
     @staticmethod
-    def compiled() -> LayerKernels:
+    def compiled(precompiled: Path | None = None, device: torch.device | None = None) -> LayerKernels:
         """The same functions through torch.compile (Inductor): one kernel each instead of 3 and 2 for
         rope and SwiGLU; for RMSNorm one kernel still, with the same results (H100, 2026-11-24: 1.7 µs
         against 2.2 µs for one row).
 
         Shapes are dynamic so the batch and length buckets share the compiled code; a call compiles on
-        its first shape, so run each shape once before capturing it in a CUDA graph.
+        its first shape, so run each shape once before capturing it in a CUDA graph. `precompiled`: a
+        folder where each function's compiled shape classes are kept for later processes
+        (engines/precompiled.py; `device` names the GPU they are for); `seal` once warmed up.
         """
-        return LayerKernels(
-            rope_=torch.compile(apply_rope_, dynamic=True, fullgraph=True),
-            silu_mul=torch.compile(silu_mul, dynamic=True, fullgraph=True),
-            rms_norm=torch.compile(rms_norm, dynamic=True, fullgraph=True),
-        )
+
+        def compile_(fn: Callable[..., Any]) -> Callable[..., Any]:
+            jit = torch.compile(fn, dynamic=True, fullgraph=True)
+            if precompiled is None or not supported():
+                return jit
+            on_gpu = device is not None and device.type == "cuda"
+            gpu = torch.cuda.get_device_name(device) if on_gpu else "cpu"
+            folder = variant_folder(precompiled, f"llm-{fn.__name__}", (sys.modules[__name__],), (gpu,))
+            return jit if folder is None else PrecompiledFunction(fn, folder, jit, inference=False)
+
+        return LayerKernels(rope_=compile_(apply_rope_), silu_mul=compile_(silu_mul),
+                            rms_norm=compile_(rms_norm))
+
+    def seal(self) -> None:
+        """Compile no more variants of the kept functions (`compiled(precompiled=...)`)."""
+        for kernel in (self.rope_, self.silu_mul, self.rms_norm):
+            if isinstance(kernel, PrecompiledFunction):
+                kernel.seal()
 
 
 EAGER_KERNELS = LayerKernels(rope_=apply_rope_, silu_mul=silu_mul, rms_norm=rms_norm)

@@ -252,13 +252,16 @@ class TorchLLMEngine(LLMEngine):
         loaded = time.perf_counter()
         if self.config.cuda_graphs and self.config.torch_device.type == "cuda":
             runner.capture_graphs()
+            model.backbone.ops.seal()  # the graphs met every shape class: compile nothing while serving
         logger.info("torch LLM weights and cache ready in %.1f s, CUDA graphs captured in %.1f s",
                     loaded - started, time.perf_counter() - loaded)
         return runner
 
     def _cuda_kernels(self, model: CosyVoice2LM) -> LayerKernels:
         """The layers' fused kernels the configuration asks for (on CUDA)."""
-        kernels = LayerKernels.compiled() if self.config.fused_elementwise else EAGER_KERNELS
+        config = self.config
+        kernels = (LayerKernels.compiled(config.precompiled, config.torch_device) if config.fused_elementwise
+                   else EAGER_KERNELS)
         if self.config.decode_attention_kernel:
             from engines.llm import decode_attention  # Triton: present with CUDA builds of torch
 

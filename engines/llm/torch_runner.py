@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property, partial
+from pathlib import Path
 from typing import Literal, Protocol
 
 import torch
@@ -53,6 +54,9 @@ class TorchLLMConfig:
     prefill_graph_kv: int = 512
     prefill_length_step: int = 64  # prefill chunk lengths: multiples of this up to prefill_chunk
     ras_history: int = 32  # longest RAS window a request may ask for
+    # Only used on CUDA: where the compiled elementwise functions are kept for later processes (the
+    # models' compile cache; None: compiled in each process). See LayerKernels.compiled.
+    precompiled: Path | None = None
     # Prompt modes served: all three by default; a models directory whose LLM was fine-tuned for one
     # mode only may turn the others off.
     modes: frozenset[PromptMode] = ALL_MODES

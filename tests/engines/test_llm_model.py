@@ -3,6 +3,7 @@ full re-forwards and against Hugging Face's Qwen2 (tiny random weights, CPU)."""
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,8 @@ from engines.checkpoints import CheckpointError, load_strict, read_manifest_tsv
 from engines.config import LLMConfig, ModelConfigs
 from engines.llm.hf_export import qwen2_hf_config
 from engines.llm.model import CosyVoice2LM, load_llm, prompt_length
-from engines.llm.qwen2 import CacheBatch, KVCache, LayerKernels, Qwen2Model
+from engines.llm.qwen2 import EAGER_KERNELS, CacheBatch, KVCache, LayerKernels, Qwen2Model
+from engines.precompiled import PrecompiledFunction, supported
 
 MANIFEST = "cosyvoice2-0.5b.llm.pt.tsv"
 TINY = ModelConfigs.tiny().llm
@@ -201,3 +203,55 @@ def test_compiled_elementwise_ops_equal_eager() -> None:
         logits.append(model(step, CacheBatch(0, torch.tensor([[8], [8]]), 16), cache))
     torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(caches[1].kv, caches[0].kv, atol=1e-5, rtol=1e-4)
+
+
+def _fused_logits(kernels: LayerKernels) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of a prefill and a decode step through `kernels`, as the engine runs them (no_grad)."""
+    model = tiny_model()
+    model.backbone.ops = kernels
+    sequence = torch.randn(9, TINY.qwen.hidden_size, generator=torch.Generator().manual_seed(5))
+    cache = cache_for(model)
+    with torch.no_grad():
+        prompt_positions = torch.arange(8)[None].expand(2, -1)
+        prefill = model(sequence[None, :8].expand(2, -1, -1), CacheBatch(0, prompt_positions, 8), cache)
+        step = model(sequence[None, 8:].expand(2, -1, -1), CacheBatch(0, torch.tensor([[8], [8]]), 16), cache)
+    return prefill, step
+
+
+@pytest.mark.skipif(not supported(), reason="this torch has no ahead-of-time compile")
+def test_kept_elementwise_kernels_equal_eager_and_a_later_process_compiles_none(tmp_path: Path) -> None:
+    """The fused rope, SwiGLU and RMSNorm kept ahead of time (engines/precompiled.py, ordinary tensors
+    under no_grad as the engine calls them) give the eager logits; a fresh interpreter loads every class
+    and compiles nothing; sealed, the kernels compile no more."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    kernels = LayerKernels.compiled(tmp_path)
+    want = _fused_logits(EAGER_KERNELS)
+    for got, wanted in zip(_fused_logits(kernels), want, strict=True):
+        torch.testing.assert_close(got, wanted, atol=1e-5, rtol=1e-4)
+    kept = [kernels.rope_, kernels.silu_mul, kernels.rms_norm]
+    assert all(isinstance(kernel, PrecompiledFunction) and kernel.compiled >= 1 for kernel in kept)
+    kernels.seal()
+    script = textwrap.dedent(f"""
+        import json, pathlib, torch
+        import test_llm_model as t
+        from engines.llm.qwen2 import LayerKernels
+        torch.set_num_threads(1)  # as tests/conftest.py: the thread count is part of the guards' state
+        kernels = LayerKernels.compiled(pathlib.Path({str(tmp_path)!r}))
+        logits = t._fused_logits(kernels)
+        kept = [kernels.rope_, kernels.silu_mul, kernels.rms_norm]
+        print(json.dumps({{"compiled": sum(k.compiled for k in kept), "loaded": sum(k.variants for k in kept),
+                          "logits": [x.tolist() for x in logits]}}))
+    """)
+    root = Path(__file__).resolve().parents[2]
+    path = f"{root}{os.pathsep}{root / 'tests' / 'engines'}{os.pathsep}{root / 'tests'}"
+    run = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True,
+                         check=False, env={**os.environ, "PYTHONPATH": path})
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["compiled"] == 0 and report["loaded"] == sum(kernel.compiled for kernel in kept)
+    for got, wanted in zip(report["logits"], want, strict=True):
+        torch.testing.assert_close(torch.tensor(got), wanted, atol=1e-5, rtol=1e-4)

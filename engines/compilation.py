@@ -33,10 +33,14 @@ def use_tf32_matmuls() -> None:
     torch.backends.cudnn.conv.fp32_precision = "tf32"  # type: ignore[attr-defined]
 
 
+def device_name(device: torch.device) -> str:
+    """What compiled code is built for: the GPU model (its name), or the device type elsewhere."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
 def compile_cache_dir(models_dir: Path, device: torch.device) -> Path:
     """The folder of compiled artifacts for `models_dir` on `device`'s GPU model with this torch."""
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    key = re.sub(r"[^A-Za-z0-9.]+", "-", f"{gpu}-torch{torch.__version__}").strip("-")
+    key = re.sub(r"[^A-Za-z0-9.]+", "-", f"{device_name(device)}-torch{torch.__version__}").strip("-")
     return Path(models_dir) / COMPILE_CACHE / key
 
 

@@ -9,7 +9,7 @@ guards accept the inputs: no tracing at all.
 
 The folder's name must change with anything the saved graphs bake in (the source of the compiled code,
 the model's sizes, dtype, torch, Triton, Python, the GPU): `variant_folder` hashes the modules' source,
-the keys it is given and the versions; the GPU is the caller's root folder (engines/compilation.py).
+the keys it is given, the GPU model and the versions.
 Variants are loaded and called in the autograd mode their guards were built in, inference mode for
 the token2wav engines (a guard checks each tensor's dispatch keys, which differ between inference
 tensors and others); the guards
@@ -36,21 +36,26 @@ from typing import Any
 import torch
 import torch.fx.experimental._config as fx_config
 
+from engines.compilation import device_name
+
 logger = logging.getLogger(__name__)
 
 SUFFIX = ".aot"
 
 
-def variant_folder(root: Path, name: str, modules: Iterable[ModuleType], keys: Iterable[str]) -> Path | None:
+def variant_folder(root: Path, name: str, modules: Iterable[ModuleType], keys: Iterable[str],
+                   device: torch.device | None = None) -> Path | None:
     """`root`/`name`-<hash>: one folder per combination of what the compiled code depends on: the source
-    of `modules`, `keys` (sizes, dtype), and the versions of torch, Triton and Python. None (logged) when
-    a module's source is not installed: nothing then tells a changed module from the saved one."""
+    of `modules`, `keys` (sizes, dtype), the GPU model of `device`, and the versions of torch, Triton and
+    Python. None (logged) when a module's source is not installed: nothing then tells a changed module
+    from the saved one."""
     try:
         sources = [inspect.getsource(module) for module in modules]
     except OSError:
         logger.warning("%s: source not installed; compiled in each process instead", name)
         return None
-    stack = (torch.__version__, _version_of("triton"), platform.python_version())
+    target = "any" if device is None else device_name(device)
+    stack = (target, torch.__version__, _version_of("triton"), platform.python_version())
     digest = hashlib.sha256("\0".join([*sources, *keys, *stack]).encode()).hexdigest()[:16]
     return root / f"{name}-{digest}"
 

@@ -165,16 +165,10 @@ def _tokenizer_key(tokenizer_dir: Path) -> str:
     digest = hashlib.sha256(TOKENIZER_BUILD.encode())
     for path in sorted(p for p in tokenizer_dir.iterdir() if p.is_file() and p.suffix in (".json", ".txt")):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    for part in (EOS_TOKEN, *SPECIAL_TOKENS, _version_of("tokenizers"), _version_of("transformers")):
+    versions = (metadata.version("tokenizers"), metadata.version("transformers"))  # both declared
+    for part in (EOS_TOKEN, *SPECIAL_TOKENS, *versions):
         digest.update(part.encode() + b"\0")
     return digest.hexdigest()[:16]
-
-
-def _version_of(package: str) -> str:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return "none"
 
 
 class TextFrontend:

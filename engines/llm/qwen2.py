@@ -192,9 +192,7 @@ class LayerKernels:
             jit = torch.compile(fn, dynamic=True, fullgraph=True)
             if precompiled is None or not supported():
                 return jit
-            on_gpu = device is not None and device.type == "cuda"
-            gpu = torch.cuda.get_device_name(device) if on_gpu else "cpu"
-            folder = variant_folder(precompiled, f"llm-{fn.__name__}", (sys.modules[__name__],), (gpu,))
+            folder = variant_folder(precompiled, f"llm-{fn.__name__}", (sys.modules[__name__],), (), device)
             return jit if folder is None else PrecompiledFunction(fn, folder, jit, inference=False)
 
         return LayerKernels(rope_=compile_(apply_rope_), silu_mul=compile_(silu_mul),

@@ -448,9 +448,8 @@ class DiT(nn.Module):
         if precompiled is not None and backend == "inductor" and supported():
             # What the saved graphs bake in: the code they compiled, the sizes, the dtype and the GPU.
             weight = self.in_proj.weight
-            gpu = torch.cuda.get_device_name(weight.device) if weight.is_cuda else weight.device.type
             folder = variant_folder(precompiled, "dit-block", (sys.modules[__name__], attention_module),
-                                    (str(self.cfg), str(weight.dtype), gpu))
+                                    (str(self.cfg), str(weight.dtype)), weight.device)
             if folder is not None:
                 self._ragged_block = PrecompiledFunction(DiTBlock.forward, folder, jit)
 

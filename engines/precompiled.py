@@ -37,6 +37,7 @@ import torch
 import torch.fx.experimental._config as fx_config
 
 from engines.compilation import device_name
+from engines.files import write_whole
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def supported() -> bool:
         return False
     return (hasattr(torch.compiler, "load_compiled_function")
             and all(hasattr(AOTCompiledFunction, name)
-                    for name in ("guard_check", "disable_guard_check", "save_compiled_function")))
+                    for name in ("guard_check", "disable_guard_check", "serialize")))
 
 
 class PrecompiledFunction:
@@ -150,8 +151,8 @@ class PrecompiledFunction:
         path = self.folder / f"{uuid.uuid4().hex}{SUFFIX}"
         self._seen.add(path.name)
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            variant.save_compiled_function(str(path))  # written aside, then renamed into place
+            # `save_compiled_function` without its write, which leaves its file aside on a failure.
+            write_whole(path, type(variant).serialize(variant).serialized_data)
         except Exception as exc:  # a full disk, a read-only folder, an artefact that does not pickle
             logger.warning("%s: a compiled variant could not be saved (%s: %s); the next start compiles it "
                            "again", self.folder.name, type(exc).__name__, exc)

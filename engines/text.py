@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import re
-import tempfile
 from collections.abc import Callable, Iterable
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engines.errors import CodedError
+from engines.files import write_whole
 from engines.inline_tags import ENDOFPROMPT, PROMPT_MARKER, clean_tags, inside, protected_spans
 
 if TYPE_CHECKING:
@@ -138,25 +137,11 @@ def load_backend_tokenizer(tokenizer_dir: Path, cache: Path | None = None) -> To
         raise TypeError(f"the tokenizer of {tokenizer_dir} has no fast (Rust) implementation")
     backend: Tokenizer = built.backend_tokenizer
     if kept is not None:
-        _keep(kept, backend.to_str())
+        try:
+            write_whole(kept, backend.to_str().encode())
+        except OSError as exc:  # a read-only models volume, a full disk: the start goes on
+            logger.warning("text tokenizer not kept in %s (%s)", kept.parent, exc.strerror or exc)
     return backend
-
-
-def _keep(path: Path, text: str) -> None:
-    """Write `path` whole or not at all (a file of its own aside, then renamed: other processes sharing the
-    models volume may be writing the same path); a failure is logged, the start goes on."""
-    aside = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        aside = Path(name)
-        with os.fdopen(handle, "w") as file:
-            file.write(text)
-        aside.replace(path)
-    except OSError as exc:
-        logger.warning("text tokenizer not kept in %s (%s)", path.parent, exc.strerror or exc)
-        if aside is not None:
-            aside.unlink(missing_ok=True)
 
 
 def _tokenizer_key(tokenizer_dir: Path) -> str:

@@ -136,9 +136,9 @@ class PrecompiledFunction:
 
     def _compile(self, args: tuple[Any, ...]) -> Any:
         """A new variant for `args`' class, saved; None when the compile failed (then `jit` serves)."""
-        compiled = torch.compile(self.fn, dynamic=self.dynamic, fullgraph=True)
         try:
             with self._settings():
+                compiled = torch.compile(self.fn, dynamic=self.dynamic, fullgraph=True)
                 variant = compiled.aot_compile((args, {}))  # type: ignore[attr-defined]
             variant.disable_guard_check()  # __call__ checks them before calling
         except Exception as exc:  # an API this torch lacks or a graph it cannot export: compile as before
@@ -164,8 +164,12 @@ class PrecompiledFunction:
 
     @contextlib.contextmanager
     def _settings(self) -> Iterator[None]:
-        """The compile's Dynamo and shape settings, while inside."""
-        with torch._dynamo.config.patch(specialize_float=self.specialize_float), \
+        """The compile's Dynamo and shape settings, while inside. `enable_aot_compile`: off by default
+        before torch 2.13, and `torch.compile` only gives its result an `aot_compile` when it is on."""
+        dynamo: dict[str, bool] = {"specialize_float": self.specialize_float}
+        if hasattr(torch._dynamo.config, "enable_aot_compile"):
+            dynamo["enable_aot_compile"] = True
+        with torch._dynamo.config.patch(**dynamo), \
                 fx_config.patch(use_duck_shape=self.duck_shape):  # type: ignore[attr-defined]
             yield
 

@@ -43,6 +43,15 @@ def test_a_variant_serves_its_class_and_a_new_class_compiles_another(tmp_path: P
     assert len(list((tmp_path / "norm").glob(f"*{SUFFIX}"))) == 2
 
 
+def test_variants_compile_where_torch_leaves_its_ahead_of_time_api_off(tmp_path: Path) -> None:
+    """torch 2.11 (the GPU image's) has `enable_aot_compile` off by default: without it `torch.compile`'s
+    result has no `aot_compile`, and every class fell back to the per-process compile."""
+    with torch._dynamo.config.patch(enable_aot_compile=False):
+        function = PrecompiledFunction(scaled_norm, tmp_path / "norm", scaled_norm)
+        torch.testing.assert_close(function(*inputs(4, 8, 16)), scaled_norm(*inputs(4, 8, 16)))
+    assert function.compiled == 1
+
+
 def test_a_later_process_loads_the_variants_and_compiles_nothing(tmp_path: Path) -> None:
     folder = tmp_path / "norm"
     first = PrecompiledFunction(scaled_norm, folder, scaled_norm)
@@ -168,11 +177,12 @@ def test_precompiled_dit_blocks_equal_eager_and_load_in_a_second_flow(tmp_path: 
 # block beside the models): warm up two batch sizes, then one chunk; report what it compiled and loaded.
 CUDA_START = """
 import json, sys, torch
+from pathlib import Path
 from test_token2wav_batching import make_voice
 from engines.config import PRE_LOOKAHEAD
 from engines.token2wav.base import ChunkJob
 from engines.token2wav.torch_backend import TorchToken2Wav
-backend = TorchToken2Wav.from_models_dir(sys.argv[1], "dit", "cuda")
+backend = TorchToken2Wav.from_models_dir(sys.argv[1], "dit", "cuda", precompiled=Path(sys.argv[1]) / "kept")
 backend.vocoder_seed = 0  # HiFT's noise: the same in both processes
 speaker = backend.prepare_speaker(make_voice(1, 12))
 backend.warmup(speaker, batches=(4, 2))

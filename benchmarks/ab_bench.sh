@@ -6,10 +6,13 @@
 #   bash benchmarks/on_device.sh bash benchmarks/ab_bench.sh .gpu/base -- --streams 1,16,64,128 \
 #       --no-search --no-baseline --server-arg=--device --server-arg=cuda
 #
-# The base tree runs first (its server compiles what the cache lacks), then this repository. Each
-# writes its JSON report to $OUT (or bench-results/) as ab-base.json and ab-head.json; the tables go to
-# standard output without the per-request log lines. BASE_SERVER_ARGS / HEAD_SERVER_ARGS (words) add
-# server options to one side, so BASE_TREE may be this repository itself for an A/B of an option:
+# The base tree runs first (its server compiles what the cache lacks), then this repository; ROUNDS
+# (default 1) repeats the pair, base and head alternating, since one burst's first-chunk figures move
+# by ~10 % between runs of the same code. Each run writes its JSON report to $OUT (or bench-results/)
+# as ab-base-<round>.json and ab-head-<round>.json; the tables go to standard output without the
+# per-request log lines, and benchmarks/ab_summary.py ends with the p50 first chunk of every run per
+# level, side by side. BASE_SERVER_ARGS / HEAD_SERVER_ARGS (words) add server options to one side, so
+# BASE_TREE may be this repository itself for an A/B of an option:
 #
 #   BASE_SERVER_ARGS=--no-final-chunk-graphs bash benchmarks/on_device.sh bash benchmarks/ab_bench.sh . -- ...
 set -euo pipefail
@@ -25,6 +28,7 @@ mkdir -p "$DEST"
 MODELS=${MODELS:-/tmp/m}
 QUIET='INFO realtime.session\|INFO realtime.transports\|GET /metrics\|httpx\|WebSocket /v1/ws\|connection open'
 QUIET+='\|connection closed\|admitted: voice\|captured'
+for round in $(seq "${ROUNDS:-1}"); do
 for side in base head; do
     tree=$PWD
     extra=${HEAD_SERVER_ARGS:-}
@@ -38,5 +42,7 @@ for side in base head; do
     done
     echo "== $side: $(git -C "$tree" log -1 --format='%h %s' 2>/dev/null || echo "$tree") $extra"
     (cd "$tree" && PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" python3 -m realtime bench --models "$MODELS" \
-        "$@" ${server_args[@]+"${server_args[@]}"} --json "$DEST/ab-$side.json" 2>&1 | grep -v "$QUIET")
+        "$@" ${server_args[@]+"${server_args[@]}"} --json "$DEST/ab-$side-$round.json" 2>&1 | grep -v "$QUIET")
 done
+done
+python3 benchmarks/ab_summary.py "$DEST"

@@ -2,7 +2,8 @@
 execution plan per shape), against the same call once the plan is cached, per convolution layout and
 cuDNN setting. The warm-up meets ~150 HiFT shapes (a graph each), so this cost recurs at every start.
 With `--sdpa`, the same for the LLM's prefill attention (engines/llm/qwen2.grouped_attention) over the
-44 prefill graph shapes, cuDNN's fused attention against the memory-efficient kernel.
+44 prefill graph shapes, cuDNN's fused attention against the memory-efficient kernel, then each kernel's
+device time per call once planned (what a prefill graph replays, 24 layers per prefill call).
 
     bash benchmarks/on_device.sh python3 benchmarks/cudnn_first_calls.py --models /tmp/m
     bash benchmarks/on_device.sh python3 benchmarks/cudnn_first_calls.py --sdpa
@@ -94,13 +95,19 @@ def sdpa_first_calls() -> None:
             first += run_shape(backend, rows, length, kv_len, q_heads, kv_heads, head_dim)
             second += run_shape(backend, rows, length, kv_len, q_heads, kv_heads, head_dim)
         print(f"{backend.name:<26} {first:>13.2f} {second:>8.2f}")
+    largest = sorted(shapes, key=lambda shape: shape[0] * shape[1], reverse=True)[:4]
+    print(f"device µs per call once planned (mean of {REPEATS}), largest shapes and the sum over all:")
+    print(f"{'SDPA backend':<26} " + " ".join(f"{rows}x{length}".rjust(9) for rows, length in largest)
+          + f" {'all 44':>9}")
+    for backend in backends:
+        times = {shape: device_us(backend, *shape, kv_len, q_heads, kv_heads, head_dim) for shape in shapes}
+        print(f"{backend.name:<26} " + " ".join(f"{times[shape]:>9.1f}" for shape in largest)
+              + f" {sum(times.values()):>9.1f}")
 
 
-def run_shape(backend: object, rows: int, length: int, kv_len: int, q_heads: int, kv_heads: int,
-              head_dim: int) -> float:
-    """Seconds of one synchronised prefill attention call of that shape through `backend`."""
-    from torch.nn.attention import sdpa_kernel
-
+def prefill_inputs(rows: int, length: int, kv_len: int, q_heads: int, kv_heads: int,
+                   head_dim: int) -> tuple[torch.Tensor, ...]:
+    """q (query heads folded per KV head, as `grouped_attention` lays them out), k, v and the mask."""
     from engines.llm.qwen2 import attention_mask
 
     group = q_heads // kv_heads
@@ -108,12 +115,42 @@ def run_shape(backend: object, rows: int, length: int, kv_len: int, q_heads: int
     k, v = (torch.randn(rows, kv_heads, kv_len, head_dim, device="cuda", dtype=torch.bfloat16)
             for _ in range(2))
     mask = attention_mask(torch.arange(length, device="cuda").expand(rows, -1), kv_len, group, torch.bfloat16)
+    return q, k, v, mask
+
+
+def run_shape(backend: object, rows: int, length: int, kv_len: int, q_heads: int, kv_heads: int,
+              head_dim: int) -> float:
+    """Seconds of one synchronised prefill attention call of that shape through `backend`."""
+    from torch.nn.attention import sdpa_kernel
+
+    q, k, v, mask = prefill_inputs(rows, length, kv_len, q_heads, kv_heads, head_dim)
     torch.cuda.synchronize()
     started = time.perf_counter()
     with sdpa_kernel(backend):  # type: ignore[arg-type]
         torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     torch.cuda.synchronize()
     return time.perf_counter() - started
+
+
+REPEATS = 50
+
+
+def device_us(backend: object, rows: int, length: int, kv_len: int, q_heads: int, kv_heads: int,
+              head_dim: int) -> float:
+    """Mean device µs of one call of that shape through `backend`, planned beforehand, from CUDA events
+    around `REPEATS` calls in a row (for the smallest shapes the host's launches may be what is timed)."""
+    from torch.nn.attention import sdpa_kernel
+
+    q, k, v, mask = prefill_inputs(rows, length, kv_len, q_heads, kv_heads, head_dim)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with sdpa_kernel(backend):  # type: ignore[arg-type]
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        start.record()
+        for _ in range(REPEATS):
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000 / REPEATS
 
 
 def main() -> None:

@@ -166,10 +166,10 @@ class PrecompiledFunction:
     def _settings(self) -> Iterator[None]:
         """The compile's Dynamo and shape settings, while inside. `enable_aot_compile`: off by default
         before torch 2.13, and `torch.compile` only gives its result an `aot_compile` when it is on."""
-        dynamo: dict[str, bool] = {"specialize_float": self.specialize_float}
+        dynamo: dict[str, Any] = {"specialize_float": self.specialize_float}
         if hasattr(torch._dynamo.config, "enable_aot_compile"):
             dynamo["enable_aot_compile"] = True
-        with torch._dynamo.config.patch(**dynamo), \
+        with torch._dynamo.config.patch(dynamo), \
                 fx_config.patch(use_duck_shape=self.duck_shape):  # type: ignore[attr-defined]
             yield
 

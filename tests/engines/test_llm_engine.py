@@ -292,6 +292,31 @@ async def test_cuda_graphs_replay_the_eager_computation() -> None:
     assert results[True] == results[False]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+async def test_kept_elementwise_functions_sample_what_the_compiled_ones_do(tmp_path: Path) -> None:
+    """The fused rope / SwiGLU / RMSNorm kept ahead of time (`precompiled`, the service's compile cache):
+    an engine that compiles them into the folder and one that then loads them sample the tokens of an
+    engine compiling them in-process; the second compiles nothing."""
+    from engines.precompiled import PrecompiledFunction
+
+    results, compiled = [], []
+    for precompiled in (None, tmp_path, tmp_path):
+        config = dataclasses.replace(CONFIG, device="cuda", precompiled=precompiled)
+        async with running(config) as engine:
+            streams = [engine.submit(request(f"k{i}", speech_len=7 * i, fixed_length=20 + i, seed=i))
+                       for i in range(6)]
+            results.append(await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 60))
+            assert engine._runner is not None
+            ops = engine._runner.model.backbone.ops
+            kernels = [ops.rope_, ops.silu_mul, ops.rms_norm]
+            if precompiled is not None:
+                assert all(isinstance(kernel, PrecompiledFunction) for kernel in kernels)
+                compiled.append(sum(kernel.compiled for kernel in kernels))  # type: ignore[attr-defined]
+    assert compiled[0] > 0 and compiled[1] == 0
+    assert results[1] == results[0] and results[2] == results[0]
+
+
 def test_read_backs_alternate_buffers_so_the_one_in_flight_keeps_its_tokens() -> None:
     tokens = torch.arange(6)
     ring = ReadbackRing(tokens)

@@ -79,6 +79,25 @@ def supported() -> bool:
                     for name in ("guard_check", "disable_guard_check", "serialize")))
 
 
+def compile_kept(fn: Callable[..., Any], root: Path | None, name: str, modules: Iterable[ModuleType],
+                 device: torch.device | None, inference: bool) -> Callable[..., Any]:
+    """`fn` through `torch.compile` (dynamic shapes, one graph), kept per shape class in the folder
+    `variant_folder(root, name, modules, (), device)` names (`PrecompiledFunction`, with `inference` as
+    there); the plain `torch.compile` when `root` is None or this torch cannot keep it."""
+    jit = torch.compile(fn, dynamic=True, fullgraph=True)
+    if root is None or not supported():
+        return jit
+    folder = variant_folder(root, name, modules, (), device)
+    return jit if folder is None else PrecompiledFunction(fn, folder, jit, inference=inference)
+
+
+def seal_kept(*functions: Callable[..., Any]) -> None:
+    """`PrecompiledFunction.seal` for those of `functions` that are kept ones (`compile_kept`)."""
+    for function in functions:
+        if isinstance(function, PrecompiledFunction):
+            function.seal()
+
+
 class PrecompiledFunction:
     """`fn` (positional arguments only) through per-class ahead-of-time compiled variants kept in
     `folder`. `jit`: `fn` through `torch.compile` with the same settings, which serves instead if an

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from engines.checkpoints import store_as_parts
 from engines.config import Qwen2Config
-from engines.precompiled import PrecompiledFunction, supported, variant_folder
+from engines.precompiled import compile_kept, seal_kept
 
 # The memory-efficient attention kernel reads mask rows whose stride is a multiple of this (elements).
 MASK_ALIGNMENT = 16
@@ -189,20 +189,15 @@ class LayerKernels:
         """
 
         def compile_(fn: Callable[..., Any]) -> Callable[..., Any]:
-            jit = torch.compile(fn, dynamic=True, fullgraph=True)
-            if precompiled is None or not supported():
-                return jit
-            folder = variant_folder(precompiled, f"llm-{fn.__name__}", (sys.modules[__name__],), (), device)
-            return jit if folder is None else PrecompiledFunction(fn, folder, jit, inference=False)
+            return compile_kept(fn, precompiled, f"llm-{fn.__name__}", (sys.modules[__name__],), device,
+                                inference=False)
 
         return LayerKernels(rope_=compile_(apply_rope_), silu_mul=compile_(silu_mul),
                             rms_norm=compile_(rms_norm))
 
     def seal(self) -> None:
         """Compile no more variants of the kept functions (`compiled(precompiled=...)`)."""
-        for kernel in (self.rope_, self.silu_mul, self.rms_norm):
-            if isinstance(kernel, PrecompiledFunction):
-                kernel.seal()
+        seal_kept(self.rope_, self.silu_mul, self.rms_norm)
 
 
 EAGER_KERNELS = LayerKernels(rope_=apply_rope_, silu_mul=silu_mul, rms_norm=rms_norm)

@@ -14,13 +14,16 @@ Everything here is tensor code without host synchronisation.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from engines.llm.base import SamplingParams
+from engines.precompiled import compile_kept, seal_kept
 from engines.transfer import upload
 
 _MASK32 = 0xFFFFFFFF
@@ -126,12 +129,16 @@ class SamplingSlots:
     """
 
     def __init__(self, slots: int, vocab: int, history: int, stop_tokens: Sequence[int], eos: int,
-                 device: torch.device, compiled: bool = False) -> None:
+                 device: torch.device, compiled: bool = False, precompiled: Path | None = None) -> None:
         """`compiled`: draw the uniforms with one Inductor kernel instead of ~30 tiny ones (integer
-        arithmetic: the same values; on CUDA, where each launch costs more than the arithmetic)."""
+        arithmetic: the same values; on CUDA, where each launch costs more than the arithmetic), kept in
+        `precompiled` for later processes when given (engines/precompiled.py; `seal` once warmed up)."""
         self.history_len = history
-        self._draw_uniforms = torch.compile(draw_uniforms, dynamic=True, fullgraph=True) if compiled \
-            else draw_uniforms
+        self._draw_uniforms = (
+            compile_kept(draw_uniforms, precompiled, "llm-draw_uniforms", (sys.modules[__name__],), device,
+                         inference=False)
+            if compiled else draw_uniforms
+        )
         self.eos = eos
         self.is_stop = torch.zeros(vocab, dtype=torch.bool, device=device)
         self.is_stop[list(stop_tokens)] = True
@@ -154,6 +161,10 @@ class SamplingSlots:
             history=zeros(slots, history, dtype=torch.int64) + _EMPTY,
             seen=zeros(slots, vocab, dtype=torch.bool),
         )
+
+    def seal(self) -> None:
+        """Compile no more variants of the kept uniforms' function (see the constructor)."""
+        seal_kept(self._draw_uniforms)
 
     def configure(self, slots: Tensor, settings: Sequence[tuple[SamplingParams, int, int]]) -> None:
         """Reset `slots` (int64 [n] on the device) for new requests: `settings[i]` is the (params,

@@ -252,7 +252,7 @@ class TorchLLMEngine(LLMEngine):
         loaded = time.perf_counter()
         if self.config.cuda_graphs and self.config.torch_device.type == "cuda":
             runner.capture_graphs()
-            model.backbone.ops.seal()  # the graphs met every shape class: compile nothing while serving
+            runner.seal_compilation()  # the graphs met every shape class: compile nothing while serving
         logger.info("torch LLM weights and cache ready in %.1f s, CUDA graphs captured in %.1f s",
                     loaded - started, time.perf_counter() - loaded)
         return runner

@@ -235,7 +235,8 @@ class ModelRunner:
         self.cache = KVCache.allocate(llm.qwen, slots + 1, cache_len, device, dtype)
         self.sampling = SamplingSlots(slots + 1, llm.speech_vocab, config.ras_history, llm.stop_tokens,
                                       llm.eos_token, device,
-                                      compiled=device.type == "cuda" and config.fused_elementwise)
+                                      compiled=device.type == "cuda" and config.fused_elementwise,
+                                      precompiled=config.precompiled)
         # Decode: per-slot input token and position, output token.
         # Sampled tokens, one buffer read back whole each step: prefill rows' first tokens, then each
         # slot's decoded token.
@@ -253,6 +254,12 @@ class ModelRunner:
         self.prefill_graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
 
     @torch.no_grad()
+    def seal_compilation(self) -> None:
+        """Compile no more variants of the kept functions (the layers' and the sampler's): once the
+        graphs are captured, every shape class has been met."""
+        self.model.backbone.ops.seal()
+        self.sampling.seal()
+
     def capture_graphs(self) -> None:
         """Capture every decode and prefill shape; every slot must be idle."""
         pool = None

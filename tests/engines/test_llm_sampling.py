@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from engines.config import SPEECH_EOS, SPEECH_FILL, SPEECH_UNUSED_STOP, SPEECH_VOCAB
 from engines.llm.base import SamplingParams
 from engines.llm.sampling import SamplingRows, SamplingSlots, draw_uniforms, ras_threshold, sample
+from engines.precompiled import PrecompiledFunction, supported
 
 STOPS = (SPEECH_EOS, SPEECH_UNUSED_STOP, SPEECH_FILL)
 HISTORY = 16
@@ -237,6 +240,33 @@ def test_gathered_slots_sample_and_record_like_consecutive_ones() -> None:
         assert torch.equal(getattr(state, name), getattr(expected_state, name))
     assert gathered.rows(slice(0, 1)).step.item() == 0
 
+
+
+@pytest.mark.skipif(not supported(), reason="this torch has no ahead-of-time compile")
+def test_kept_uniforms_sample_what_eager_ones_do_and_a_second_sampler_compiles_none(tmp_path: Path) -> None:
+    """The sampler's compiled uniforms kept ahead of time (`precompiled`, as the LLM engine's compile
+    cache): the tokens of the eager sampler; a second sampler over the folder loads the variants and
+    compiles none; sealed, a sampler compiles no more."""
+    cpu = torch.device("cpu")
+    generator = torch.Generator().manual_seed(7)
+    params = [SamplingParams(), SamplingParams(top_k=5, top_p=1.0, use_ras=False)]
+    samplers = [SamplingSlots(4, SPEECH_VOCAB, HISTORY, STOPS, SPEECH_EOS, cpu, compiled=compiled,
+                              precompiled=tmp_path if compiled else None)
+                for compiled in (False, True, True)]
+    for slots in samplers:
+        slots.configure(torch.tensor([0, 1]), [(p, 3, 100 + i) for i, p in enumerate(params)])
+    for _ in range(4):
+        logits = peaked_logits(2, generator)
+        tokens = [slots.sample(logits, slice(0, 2)) for slots in samplers]
+        assert torch.equal(tokens[1], tokens[0]) and torch.equal(tokens[2], tokens[0])
+        for slots in samplers:
+            slots.record(tokens[0], slice(0, 2), torch.ones(2, dtype=torch.bool))
+    compiling, loading = (slots._draw_uniforms for slots in samplers[1:])
+    assert isinstance(compiling, PrecompiledFunction) and isinstance(loading, PrecompiledFunction)
+    assert compiling.compiled >= 1 and loading.compiled == 0 and loading.variants == compiling.compiled
+    samplers[2].seal()
+    loading(torch.tensor([1]), torch.tensor([2]))  # one row: a class of its own, run uncompiled once sealed
+    assert loading.compiled == 0
 
 
 @pytest.mark.gpu

@@ -165,8 +165,11 @@ class PrecompiledFunction:
                            self.folder.name, type(exc).__name__, exc)
             self._failed = True
             return None
-        self._variants.append(variant)
         self.compiled += 1
+        found = self._load(args)
+        if found is not None:  # another process saved this class while we compiled it: one file of it
+            return found
+        self._variants.append(variant)
         path = self.folder / f"{uuid.uuid4().hex}{SUFFIX}"
         self._seen.add(path.name)
         try:

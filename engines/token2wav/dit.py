@@ -453,6 +453,12 @@ class DiT(nn.Module):
             if folder is not None:
                 self._ragged_block = PrecompiledFunction(DiTBlock.forward, folder, jit)
 
+    @property
+    def kept_block(self) -> PrecompiledFunction | None:
+        """The batched block kept ahead of time (`compile_blocks(precompiled=...)`), if it is."""
+        block = self._ragged_block
+        return block if isinstance(block, PrecompiledFunction) else None
+
     def seal_compilation(self) -> None:
         """Compile no more block variants (see `compile_blocks`): a class met later runs uncompiled."""
         if isinstance(self._ragged_block, PrecompiledFunction):

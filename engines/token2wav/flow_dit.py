@@ -42,6 +42,7 @@ from engines.token2wav.batching import (
     round_up,
     span_mask,
 )
+from engines.token2wav.block_compile import BlockCompileJob, compile_in_workers
 from engines.token2wav.cfm import ConditionalCFM, RaggedEstimator
 from engines.token2wav.conformer import ConformerCache, blocks_attention_mask
 from engines.token2wav.dit import DiT
@@ -326,6 +327,46 @@ class DiTFlow(ConformerFlow):
                   for p in sorted(prompts)]
         fits = self.solve_memory.fits if self.solve_memory is not None else None
         solver.capture(shape for shape in shapes if shape.batch == 1 or fits is None or fits(shape))
+
+    def planned_solve_shapes(self, batches: Iterable[int], hops: Sequence[int],
+                             prompt_frames: int) -> list[list[SolveShape]]:
+        """The solves (bucketed shapes, as `chunks` plans them) of streams of one voice run in step at
+        each of `batches` streams, largest first, through chunks of `hops` tokens and then a last chunk
+        of the lookahead alone: what `TorchToken2Wav.warmup`'s chunk pass solves, from the cache rule
+        alone (no device work). One list per chunk of that sequence, in order, each shape once."""
+        cfg = self.cfg
+        ratio, lookahead = cfg.token_mel_ratio, cfg.encoder.pre_lookahead
+        fits = None if self.solve_memory is None else self.solve_memory.fits
+        per_chunk: list[list[SolveShape]] = [[] for _ in range(len(hops) + 1)]
+        for batch in sorted(set(batches), reverse=True):
+            keys = EstimatorKeys.start(cfg.att_cache_rule, cfg.att_cache_recent_frames, prompt_frames)
+            for shapes, tokens in zip(per_chunk, (*hops, lookahead), strict=True):
+                frames = ratio * tokens
+                after = keys.after_chunk(frames)
+                row = RowSpec(frames, 0, prompt_frames, own_frames=len(keys.own), kept_frames=len(after.own))
+                for planned in plan_batches([row] * batch, self.buckets, fits):
+                    exact = SolveShape(len(planned), frames, row.own_frames, prompt_frames, row.kept_frames)
+                    shape = self.buckets.shape(exact) or exact
+                    if shape not in shapes:
+                        shapes.append(shape)
+                keys = after
+        return per_chunk
+
+    def compile_blocks_ahead(self, shape_lists: Sequence[Sequence[SolveShape]]) -> None:
+        """Compile the DiT block's shape classes that these solves meet in worker processes, one per list
+        (block_compile.py), when the block is kept ahead of time and its folder holds no variant yet (a
+        cold start): the warm-up then loads them instead of compiling one class after the other."""
+        estimator = self.decoder.estimator
+        block = estimator.kept_block if isinstance(estimator, DiT) else None
+        if block is None or block.variants:
+            return
+        matmul = torch.backends.cuda.matmul.fp32_precision
+        conv = torch.backends.cudnn.conv.fp32_precision  # type: ignore[attr-defined]
+        compile_in_workers([
+            BlockCompileJob(self.cfg, self.dtype, str(self.device), block.folder.parent, block.folder,
+                            tuple(shapes), self.decoder.noise.shape[2], torch.get_num_threads(), matmul, conv)
+            for shapes in shape_lists if shapes
+        ])
 
     def seal_graphs(self) -> None:
         """From now on capture no graph and compile no block: shapes without one run eagerly (see

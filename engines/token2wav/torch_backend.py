@@ -206,11 +206,18 @@ class TorchToken2Wav(Token2Wav):
         captured. That compiles and captures the shapes the schedule produces (for voices with prompts
         up to this one's bucket) and runs every kernel once.
         Largest batches first, so that the graphs' shared buffers are allocated at their final size.
+        On a cold start (a kept DiT block with no variant saved yet) the block's shape classes these
+        chunks meet are first compiled side by side in worker processes (block_compile.py).
         Afterwards no graph is captured: a shape the warm-up did not meet (a longer prompt, several
         voices in one batch) runs eagerly, logged, rather than stalling every stream for a capture."""
         hops = (*self.graph_hops, STEADY_HOP)
         tokens = torch.zeros(sum(hops) + PRE_LOOKAHEAD, dtype=torch.int64)
         batches = sorted(batches, reverse=True)
+        flow = self.flow
+        if isinstance(flow, DiTFlow) and flow.graphs is not None and isinstance(speaker, TorchSpeaker) \
+                and isinstance(speaker.flow, DiTSpeaker):
+            # A cold start: the DiT block's classes compiled side by side first (block_compile.py).
+            flow.compile_blocks_ahead(flow.planned_solve_shapes(batches, hops, speaker.flow.prompt_frames))
         for batch in batches:
             streams = [self.open_stream(speaker) for _ in range(batch)]
             start = 0

@@ -1,0 +1,115 @@
+"""The DiT block's shape classes compiled side by side in worker processes, before the warm-up meets them.
+
+On a cold start the token2wav warm-up compiles the block once per shape class as it first meets each
+(`DiT.compile_blocks`): six classes of ~12 s each on an H100 host, one after the other, ~76 s of a
+163 s start (docs/benchmarks.md, sixteenth session). Compiling is host work (Dynamo's trace, Inductor's
+lowering, Triton's builds), single-threaded per class and held by the GIL, so threads cannot share it;
+processes can. `compile_in_workers` starts one process per list of solve shapes: each builds the flow's
+CFM with the same sizes and dtype (random weights: compiled code does not depend on their values), runs
+one Euler step of each of its shapes through the block kept ahead of time (`engines/precompiled.py`), and
+so saves a variant per class it meets into the folder the warm-up's block reads. The warm-up then loads
+the variants instead of compiling them.
+
+Each list is one chunk of the warm-up's schedule at every batch size, largest first, as the warm-up
+runs them: a class is compiled at the shapes the warm-up would have compiled it at (Inductor picks its
+kernels' configurations by the first shapes), and a worker that meets a class another has saved
+meanwhile loads it instead. A worker that fails is logged; the warm-up compiles what is missing, as
+without workers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import os
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch._inductor.config as inductor_config
+
+from engines.config import FlowConfig
+from engines.precompiled import PrecompiledFunction
+from engines.token2wav.batching import SolveShape
+from engines.token2wav.cfm import ConditionalCFM
+from engines.token2wav.dit import DiT
+from engines.token2wav.graphs import SolverLayout
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BlockCompileJob:
+    """What one worker compiles, and the parent's process state the compiled variants' guards check or
+    the compiler reads (`threads`, the float32 precisions)."""
+
+    cfg: FlowConfig
+    dtype: torch.dtype
+    device: str
+    root: Path  # the `precompiled` folder given to `DiT.compile_blocks`
+    folder: Path  # the block's variant folder there, as the parent computed it
+    shapes: tuple[SolveShape, ...]
+    noise_frames: int  # the CFM's noise buffer
+    threads: int
+    matmul_precision: str
+    conv_precision: str
+    compile_threads: int = 1  # Inductor's kernel-compiling subprocesses: the host's cores shared out
+
+
+def compile_block_classes(job: BlockCompileJob) -> int:
+    """A worker's part: run one Euler step of each of `job.shapes` through the kept block (so compiling
+    and saving every class they meet that no variant in the folder serves yet). Returns how many
+    variants it compiled."""
+    torch.set_num_threads(job.threads)
+    inductor_config.compile_threads = job.compile_threads
+    torch.backends.cuda.matmul.fp32_precision = job.matmul_precision
+    torch.backends.cudnn.conv.fp32_precision = job.conv_precision  # type: ignore[attr-defined]
+    device = torch.device(job.device)
+    cfm = ConditionalCFM(DiT(job.cfg.dit), job.cfg.n_timesteps, job.cfg.cfg_rate, job.noise_frames)
+    cfm = cfm.to(device, job.dtype).eval().requires_grad_(False)
+    estimator = cfm.estimator
+    assert isinstance(estimator, DiT)
+    estimator.compile_blocks(precompiled=job.root)
+    block = estimator._ragged_block
+    if not isinstance(block, PrecompiledFunction) or block.folder != job.folder:
+        raise RuntimeError(f"the worker's block keeps its variants elsewhere than {job.folder}")
+    # One step's caches: the warm-up's block sees the same shapes (one step of the solve's buffers).
+    layout = dataclasses.replace(SolverLayout.of(job.cfg, job.dtype, device), steps=1)
+
+    def zeros(name: str, size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(size, dtype=dtype, device=device)
+
+    with torch.inference_mode():
+        conditioning = cfm.step_conditioning()
+        for shape in job.shapes:
+            inputs, outputs = layout.inputs(shape, zeros), layout.outputs(shape, zeros)
+            inputs.lengths.fill_(1)  # valid rows: one real frame each, as a graph's warm-up run
+            inputs.mask.fill_(True)
+            cfm.solve_ragged(inputs, outputs, conditioning, steps=1)
+    return block.compiled
+
+
+def compile_in_workers(jobs: Sequence[BlockCompileJob]) -> int:
+    """Run `jobs` in worker processes at once (spawned: CUDA does not survive a fork) and wait for them.
+    Returns the variants they compiled; a failed worker is logged and counts none."""
+    if not jobs:
+        return 0
+    started = time.perf_counter()
+    compiled = 0
+    share = max(1, (os.cpu_count() or 1) // len(jobs))
+    jobs = [dataclasses.replace(job, compile_threads=share) for job in jobs]
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=len(jobs), mp_context=context) as pool:
+        futures = [pool.submit(compile_block_classes, job) for job in jobs]
+        for future in futures:
+            try:
+                compiled += future.result()
+            except Exception as exc:  # the warm-up compiles what is missing
+                logger.warning("a DiT block compile worker failed (%s: %s)", type(exc).__name__, exc)
+    logger.info("DiT block: %d shape-class variants compiled by %d workers in %.1f s", compiled, len(jobs),
+                time.perf_counter() - started)
+    return compiled

@@ -1,0 +1,116 @@
+"""The warm-up's solve shapes planned ahead, and the DiT block's classes compiled in worker processes
+(engines/token2wav/block_compile.py), on the CPU with the tiny models."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from test_token2wav_batching import TRIMMING, PersistentSolver, make_voice
+from weights import randomize
+
+from engines.config import PRE_LOOKAHEAD
+from engines.precompiled import supported
+from engines.token2wav.batching import Buckets, SolveShape
+from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker
+
+# Small buckets for the tiny models: frames of hops 5 / 8 / 12 and of the last chunk (the lookahead).
+BUCKETS = Buckets(batch=(1, 2, 4), frames=(6, 10, 16, 24), prompt_frames=(32, 64), own_frames=(8, 16, 32),
+                  history_tokens=(16, 32, 64))
+HOPS = (5, 8, 12)
+
+
+def seeded_flow() -> DiTFlow:
+    flow = DiTFlow(TRIMMING).eval().requires_grad_(False)  # recent frames 10: the cache is trimmed
+    randomize(flow, seed=0)
+    return flow
+
+
+def chunk_pass(flow: DiTFlow, speaker: DiTSpeaker, batches: tuple[int, ...]) -> list[list[SolveShape]]:
+    """What `TorchToken2Wav.warmup`'s chunk pass solves: per chunk of the schedule, the shapes in order."""
+    solver = PersistentSolver(flow)
+    flow.use_bucketed_solver(solver, BUCKETS)
+    tokens = torch.zeros(sum(HOPS) + PRE_LOOKAHEAD, dtype=torch.int64)
+    per_chunk: list[list[SolveShape]] = [[] for _ in range(len(HOPS) + 1)]
+    for batch in batches:
+        streams = [flow.open_stream(speaker) for _ in range(batch)]
+        start = 0
+        for index, hop in enumerate((*HOPS, None)):
+            piece, last = ((tokens[start : start + hop + PRE_LOOKAHEAD], False) if hop is not None
+                           else (tokens[start:], True))
+            solver.runs.clear()
+            flow.chunks(streams, [piece] * batch, [last] * batch)
+            for shape in solver.runs:
+                if shape not in per_chunk[index]:
+                    per_chunk[index].append(shape)
+            start += hop or 0
+    return per_chunk
+
+
+@pytest.mark.parametrize("capped", [False, True])
+def test_planned_solve_shapes_are_those_the_chunk_pass_solves(capped: bool) -> None:
+    """Planned from the cache rule alone, the same shapes, per chunk and in order, as streams run through
+    the schedule in step; with a solve memory cap that splits the largest batch of long caches too."""
+    flow = seeded_flow()
+    speaker = flow.prepare_speaker(make_voice(1, 12))
+    if capped:
+        flow.limit_solve_memory(1)  # every batch of more than one row exceeds it: one row per solve
+    batches = (4, 2, 1)
+    solved = chunk_pass(flow, speaker, batches)
+    planned = flow.planned_solve_shapes(batches, HOPS, speaker.prompt_frames)
+    assert planned == solved
+    assert any(shape.own_frames == 0 for shape in planned[0])  # first chunks, then cached ones
+    assert all(shape.own_frames > 0 for shape in planned[1])
+    if capped:
+        assert all(shape.batch == 1 for shapes in planned for shape in shapes)
+
+
+@pytest.mark.skipif(not supported(), reason="this torch has no ahead-of-time compile")
+def test_workers_compile_the_classes_the_warm_up_then_loads(tmp_path: Path) -> None:
+    """Two worker processes compile the block's classes of the planned solves into the kept folder; the
+    flow's own block then serves every one of them from a loaded variant (compiling none), with the
+    eager flow's first chunks."""
+    from engines.token2wav.block_compile import BlockCompileJob, compile_in_workers
+
+    eager, kept = seeded_flow(), seeded_flow()
+    kept.decoder.estimator.compile_blocks(precompiled=tmp_path)
+    block = kept.decoder.estimator.kept_block
+    assert block is not None and block.variants == 0
+    speaker = kept.prepare_speaker(make_voice(1, 12))
+    kept.use_bucketed_solver(None, BUCKETS)
+    planned = kept.planned_solve_shapes((2,), HOPS[:2], speaker.prompt_frames)[:2]  # first, second chunks
+    matmul = torch.backends.cuda.matmul.fp32_precision
+    conv = torch.backends.cudnn.conv.fp32_precision  # type: ignore[attr-defined]
+    jobs = [BlockCompileJob(kept.cfg, kept.dtype, "cpu", tmp_path, block.folder, tuple(shapes),
+                            kept.decoder.noise.shape[2], torch.get_num_threads(), matmul, conv)
+            for shapes in planned]
+    assert compile_in_workers(jobs) >= 2
+    outputs = []
+    for flow in (eager, kept):
+        flow.use_bucketed_solver(PersistentSolver(flow), BUCKETS)  # the planned (bucketed) shapes
+        voice = flow.prepare_speaker(make_voice(1, 12))
+        streams = [flow.open_stream(voice) for _ in range(2)]
+        tokens = torch.randint(0, TRIMMING.vocab_size, (HOPS[0] + PRE_LOOKAHEAD,),
+                               generator=torch.Generator().manual_seed(4))
+        with torch.inference_mode():
+            first = flow.chunks(streams, [tokens, tokens], [False, False])
+            second = flow.chunks(streams, [tokens[: HOPS[1] + PRE_LOOKAHEAD]] * 2, [False, False])
+        outputs.append([*first, *second])
+    assert block.compiled == 0 and block.variants >= 2
+    for got, want in zip(outputs[1], outputs[0], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_job_carries_what_the_guards_check() -> None:
+    """The worker's process state the variants' guards compare (thread count) and its float32
+    precisions come from the parent, through a picklable job."""
+    import pickle
+
+    from engines.token2wav.block_compile import BlockCompileJob
+
+    job = BlockCompileJob(TRIMMING, torch.float16, "cuda:0", Path("/models/cache"), Path("/models/cache/dit"),
+                          (SolveShape(4, 30, 0, 256, 30),), 30000, 16, "tf32", "tf32")
+    assert pickle.loads(pickle.dumps(job)) == job
+    assert dataclasses.replace(job, threads=8) != job

@@ -44,8 +44,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class BlockCompileJob:
-    """What one worker compiles, and the parent's process state the compiled variants' guards check or
-    the compiler reads (`threads`, the float32 precisions)."""
+    """What one worker compiles, and the parent's state the compiled variants' guards check or the
+    compiler reads (the thread count, the parameters' `requires_grad`, the float32 precisions)."""
 
     cfg: FlowConfig
     dtype: torch.dtype
@@ -57,6 +57,7 @@ class BlockCompileJob:
     threads: int
     matmul_precision: str
     conv_precision: str
+    requires_grad: bool  # the parent's parameters' flag (guards check it; a loaded flow keeps True)
     compile_threads: int = 1  # Inductor's kernel-compiling subprocesses: the host's cores shared out
 
 
@@ -70,7 +71,7 @@ def compile_block_classes(job: BlockCompileJob) -> int:
     torch.backends.cudnn.conv.fp32_precision = job.conv_precision  # type: ignore[attr-defined]
     device = torch.device(job.device)
     cfm = ConditionalCFM(DiT(job.cfg.dit), job.cfg.n_timesteps, job.cfg.cfg_rate, job.noise_frames)
-    cfm = cfm.to(device, job.dtype).eval().requires_grad_(False)
+    cfm = cfm.to(device, job.dtype).eval().requires_grad_(job.requires_grad)
     estimator = cfm.estimator
     assert isinstance(estimator, DiT)
     estimator.compile_blocks(precompiled=job.root)

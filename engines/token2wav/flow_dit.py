@@ -360,11 +360,13 @@ class DiTFlow(ConformerFlow):
         block = estimator.kept_block if isinstance(estimator, DiT) else None
         if block is None or block.variants:
             return
+        requires_grad = next(estimator.parameters()).requires_grad
         matmul = torch.backends.cuda.matmul.fp32_precision
         conv = torch.backends.cudnn.conv.fp32_precision  # type: ignore[attr-defined]
         compile_in_workers([
             BlockCompileJob(self.cfg, self.dtype, str(self.device), block.folder.parent, block.folder,
-                            tuple(shapes), self.decoder.noise.shape[2], torch.get_num_threads(), matmul, conv)
+                            tuple(shapes), self.decoder.noise.shape[2], torch.get_num_threads(), matmul, conv,
+                            requires_grad)
             for shapes in shape_lists if shapes
         ])
 

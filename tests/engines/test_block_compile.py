@@ -68,13 +68,16 @@ def test_planned_solve_shapes_are_those_the_chunk_pass_solves(capped: bool) -> N
 
 
 @pytest.mark.skipif(not supported(), reason="this torch has no ahead-of-time compile")
-def test_workers_compile_the_classes_the_warm_up_then_loads(tmp_path: Path) -> None:
+@pytest.mark.parametrize("requires_grad", [True, False])
+def test_workers_compile_the_classes_the_warm_up_then_loads(tmp_path: Path, requires_grad: bool) -> None:
     """Two worker processes compile the block's classes of the planned solves into the kept folder; the
     flow's own block then serves every one of them from a loaded variant (compiling none), with the
     eager flow's first chunks."""
     from engines.token2wav.block_compile import BlockCompileJob, compile_in_workers
 
     eager, kept = seeded_flow(), seeded_flow()
+    for flow in (eager, kept):
+        flow.requires_grad_(requires_grad)  # as loaded (True) or as the tests build flows (False)
     kept.decoder.estimator.compile_blocks(precompiled=tmp_path)
     block = kept.decoder.estimator.kept_block
     assert block is not None and block.variants == 0
@@ -84,7 +87,7 @@ def test_workers_compile_the_classes_the_warm_up_then_loads(tmp_path: Path) -> N
     matmul = torch.backends.cuda.matmul.fp32_precision
     conv = torch.backends.cudnn.conv.fp32_precision  # type: ignore[attr-defined]
     jobs = [BlockCompileJob(kept.cfg, kept.dtype, "cpu", tmp_path, block.folder, tuple(shapes),
-                            kept.decoder.noise.shape[2], torch.get_num_threads(), matmul, conv)
+                            kept.decoder.noise.shape[2], torch.get_num_threads(), matmul, conv, requires_grad)
             for shapes in planned]
     assert compile_in_workers(jobs) >= 2
     outputs = []
@@ -104,13 +107,43 @@ def test_workers_compile_the_classes_the_warm_up_then_loads(tmp_path: Path) -> N
 
 
 def test_a_job_carries_what_the_guards_check() -> None:
-    """The worker's process state the variants' guards compare (thread count) and its float32
-    precisions come from the parent, through a picklable job."""
+    """The state the variants' guards compare (thread count, the parameters' `requires_grad`) and the
+    float32 precisions come from the parent, through a picklable job."""
     import pickle
 
     from engines.token2wav.block_compile import BlockCompileJob
 
     job = BlockCompileJob(TRIMMING, torch.float16, "cuda:0", Path("/models/cache"), Path("/models/cache/dit"),
-                          (SolveShape(4, 30, 0, 256, 30),), 30000, 16, "tf32", "tf32")
+                          (SolveShape(4, 30, 0, 256, 30),), 30000, 16, "tf32", "tf32", True)
     assert pickle.loads(pickle.dumps(job)) == job
     assert dataclasses.replace(job, threads=8) != job
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(not supported(), reason="this torch has no ahead-of-time compile")
+def test_on_cuda_the_workers_compile_every_class_of_the_chunk_pass(tmp_path: Path) -> None:
+    """As the service runs it: a flow loaded from its checkpoint in half precision (parameters as loaded)
+    with CUDA graphs over a kept block; the workers compile the planned chunk pass's classes, and the
+    chunk pass itself (first calls in the graphs' warm-up runs) then compiles none."""
+    from engines.token2wav.flow_dit import load_dit_flow
+
+    checkpoint = tmp_path / "flow.pt"
+    torch.save(seeded_flow().state_dict(), checkpoint)
+    flow = load_dit_flow(checkpoint, TRIMMING, "cuda", torch.float16)
+    flow.enable_cuda_graphs(BUCKETS, precompiled=tmp_path / "kept")
+    block = flow.decoder.estimator.kept_block
+    assert block is not None and block.variants == 0
+    speaker = flow.prepare_speaker(make_voice(1, 12))
+    batches = (4, 2, 1)
+    flow.compile_blocks_ahead(flow.planned_solve_shapes(batches, HOPS, speaker.prompt_frames))
+    assert block.variants == 0  # saved by the workers; the flow's block loads them when it meets them
+    tokens = torch.zeros(sum(HOPS) + PRE_LOOKAHEAD, dtype=torch.int64)
+    for batch in batches:
+        streams = [flow.open_stream(speaker) for _ in range(batch)]
+        start = 0
+        for hop in HOPS:
+            flow.chunks(streams, [tokens[start : start + hop + PRE_LOOKAHEAD]] * batch, [False] * batch)
+            start += hop
+        flow.chunks(streams, [tokens[start:]] * batch, [True] * batch)
+    assert block.compiled == 0 and block.variants > 0

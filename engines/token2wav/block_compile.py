@@ -25,7 +25,6 @@ import multiprocessing
 import os
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,13 +32,16 @@ import torch
 import torch._inductor.config as inductor_config
 
 from engines.config import FlowConfig
-from engines.precompiled import PrecompiledFunction
+from engines.precompiled import SUFFIX, PrecompiledFunction
 from engines.token2wav.batching import SolveShape
 from engines.token2wav.cfm import ConditionalCFM
 from engines.token2wav.dit import DiT
 from engines.token2wav.graphs import SolverLayout
 
 logger = logging.getLogger(__name__)
+
+# A worker still compiling after this long is stopped: ~12 s per class on an H100 host, a few per worker.
+WORKERS_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -61,10 +63,9 @@ class BlockCompileJob:
     compile_threads: int = 1  # Inductor's kernel-compiling subprocesses: the host's cores shared out
 
 
-def compile_block_classes(job: BlockCompileJob) -> int:
+def compile_block_classes(job: BlockCompileJob) -> None:
     """A worker's part: run one Euler step of each of `job.shapes` through the kept block (so compiling
-    and saving every class they meet that no variant in the folder serves yet). Returns how many
-    variants it compiled."""
+    and saving every class they meet that no variant in the folder serves yet)."""
     torch.set_num_threads(job.threads)
     inductor_config.compile_threads = job.compile_threads
     torch.backends.cuda.matmul.fp32_precision = job.matmul_precision
@@ -91,26 +92,38 @@ def compile_block_classes(job: BlockCompileJob) -> int:
             inputs.lengths.fill_(1)  # valid rows: one real frame each, as a graph's warm-up run
             inputs.mask.fill_(True)
             cfm.solve_ragged(inputs, outputs, conditioning, steps=1)
-    return block.compiled
 
 
-def compile_in_workers(jobs: Sequence[BlockCompileJob]) -> int:
-    """Run `jobs` in worker processes at once (spawned: CUDA does not survive a fork) and wait for them.
-    Returns the variants they compiled; a failed worker is logged and counts none."""
+def compile_in_workers(jobs: Sequence[BlockCompileJob], timeout_s: float = WORKERS_TIMEOUT_S) -> int:
+    """Run `jobs` in worker processes at once (spawned: CUDA does not survive a fork) and wait for them,
+    at most `timeout_s`: a worker still running then is stopped. A failed or stopped worker is logged;
+    the warm-up compiles what it did not. Returns how many workers finished."""
     if not jobs:
         return 0
     started = time.perf_counter()
-    compiled = 0
     share = max(1, (os.cpu_count() or 1) // len(jobs))
-    jobs = [dataclasses.replace(job, compile_threads=share) for job in jobs]
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=len(jobs), mp_context=context) as pool:
-        futures = [pool.submit(compile_block_classes, job) for job in jobs]
-        for future in futures:
-            try:
-                compiled += future.result()
-            except Exception as exc:  # the warm-up compiles what is missing
-                logger.warning("a DiT block compile worker failed (%s: %s)", type(exc).__name__, exc)
-    logger.info("DiT block: %d shape-class variants compiled by %d workers in %.1f s", compiled, len(jobs),
-                time.perf_counter() - started)
-    return compiled
+    # Not daemonic: Inductor starts processes of its own to compile kernels.
+    workers = [context.Process(target=compile_block_classes, name=f"dit-block-compile-{index}",
+                               args=(dataclasses.replace(job, compile_threads=share),))
+               for index, job in enumerate(jobs)]
+    for worker in workers:
+        worker.start()
+    deadline = started + timeout_s
+    finished = 0
+    for worker in workers:
+        worker.join(max(0.0, deadline - time.perf_counter()))
+        if worker.is_alive():
+            logger.warning("%s still compiling after %.0f s: stopped (the warm-up compiles what it did not)",
+                           worker.name, timeout_s)
+            worker.terminate()
+            worker.join()
+        elif worker.exitcode != 0:
+            logger.warning("%s failed (exit code %s); the warm-up compiles what it did not", worker.name,
+                           worker.exitcode)
+        else:
+            finished += 1
+    folder = jobs[0].folder
+    logger.info("DiT block: %d of %d compile workers done in %.1f s; %d variants in %s", finished, len(jobs),
+                time.perf_counter() - started, len(list(folder.glob(f"*{SUFFIX}"))), folder.name)
+    return finished

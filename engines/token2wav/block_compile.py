@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing
+import multiprocessing.util
 import os
 import time
 from collections.abc import Sequence
@@ -94,36 +95,56 @@ def compile_block_classes(job: BlockCompileJob) -> None:
             cfm.solve_ragged(inputs, outputs, conditioning, steps=1)
 
 
-def compile_in_workers(jobs: Sequence[BlockCompileJob], timeout_s: float = WORKERS_TIMEOUT_S) -> int:
-    """Run `jobs` in worker processes at once (spawned: CUDA does not survive a fork) and wait for them,
-    at most `timeout_s`: a worker still running then is stopped. A failed or stopped worker is logged;
-    the warm-up compiles what it did not. Returns how many workers finished."""
-    if not jobs:
-        return 0
-    started = time.perf_counter()
-    share = max(1, (os.cpu_count() or 1) // len(jobs))
-    context = multiprocessing.get_context("spawn")
-    # Not daemonic: Inductor starts processes of its own to compile kernels.
-    workers = [context.Process(target=compile_block_classes, name=f"dit-block-compile-{index}",
-                               args=(dataclasses.replace(job, compile_threads=share),))
-               for index, job in enumerate(jobs)]
+class BlockCompileWorkers:
+    """Worker processes running `jobs` (spawned: CUDA does not survive a fork), started at once; `wait`
+    ends them. Compiling is their whole life: a process that exits first stops any still running."""
+
+    def __init__(self, jobs: Sequence[BlockCompileJob], timeout_s: float = WORKERS_TIMEOUT_S) -> None:
+        if not jobs:
+            raise ValueError("no compile jobs")
+        self.folder = jobs[0].folder
+        self.timeout_s = timeout_s
+        self._started = time.perf_counter()
+        share = max(1, (os.cpu_count() or 1) // len(jobs))
+        context = multiprocessing.get_context("spawn")
+        # Not daemonic: Inductor starts processes of its own to compile kernels.
+        self._workers = [context.Process(target=compile_block_classes, name=f"dit-block-compile-{index}",
+                                         args=(dataclasses.replace(job, compile_threads=share),))
+                         for index, job in enumerate(jobs)]
+        for worker in self._workers:
+            worker.start()
+        # At interpreter exit, before multiprocessing joins its children (a start that failed meanwhile).
+        multiprocessing.util.Finalize(self, _stop, args=(self._workers,), exitpriority=10)
+
+    def wait(self) -> int:
+        """Wait for the workers until `timeout_s` after their start; stop any still running then. A failed
+        or stopped worker is logged (the warm-up compiles what it did not). Returns how many finished."""
+        deadline = self._started + self.timeout_s
+        finished = 0
+        for worker in self._workers:
+            worker.join(max(0.0, deadline - time.perf_counter()))
+            if worker.is_alive():
+                logger.warning("%s still compiling %.0f s after its start: stopped (the warm-up compiles "
+                               "what it did not)", worker.name, self.timeout_s)
+                worker.terminate()
+                worker.join()
+            elif worker.exitcode != 0:
+                logger.warning("%s failed (exit code %s); the warm-up compiles what it did not", worker.name,
+                               worker.exitcode)
+            else:
+                finished += 1
+        logger.info("DiT block: %d of %d compile workers done %.1f s after their start; %d variants in %s",
+                    finished, len(self._workers), time.perf_counter() - self._started,
+                    len(list(self.folder.glob(f"*{SUFFIX}"))), self.folder.name)
+        return finished
+
+
+def _stop(workers: Sequence[multiprocessing.process.BaseProcess]) -> None:
     for worker in workers:
-        worker.start()
-    deadline = started + timeout_s
-    finished = 0
-    for worker in workers:
-        worker.join(max(0.0, deadline - time.perf_counter()))
         if worker.is_alive():
-            logger.warning("%s still compiling after %.0f s: stopped (the warm-up compiles what it did not)",
-                           worker.name, timeout_s)
             worker.terminate()
-            worker.join()
-        elif worker.exitcode != 0:
-            logger.warning("%s failed (exit code %s); the warm-up compiles what it did not", worker.name,
-                           worker.exitcode)
-        else:
-            finished += 1
-    folder = jobs[0].folder
-    logger.info("DiT block: %d of %d compile workers done in %.1f s; %d variants in %s", finished, len(jobs),
-                time.perf_counter() - started, len(list(folder.glob(f"*{SUFFIX}"))), folder.name)
-    return finished
+
+
+def compile_in_workers(jobs: Sequence[BlockCompileJob], timeout_s: float = WORKERS_TIMEOUT_S) -> int:
+    """`BlockCompileWorkers(jobs, timeout_s).wait()`: 0 without jobs."""
+    return BlockCompileWorkers(jobs, timeout_s).wait() if jobs else 0

@@ -42,7 +42,7 @@ from engines.token2wav.batching import (
     round_up,
     span_mask,
 )
-from engines.token2wav.block_compile import BlockCompileJob, compile_in_workers
+from engines.token2wav.block_compile import BlockCompileJob, BlockCompileWorkers
 from engines.token2wav.cfm import ConditionalCFM, RaggedEstimator
 from engines.token2wav.conformer import ConformerCache, blocks_attention_mask
 from engines.token2wav.dit import DiT
@@ -352,23 +352,25 @@ class DiTFlow(ConformerFlow):
                 keys = after
         return per_chunk
 
-    def compile_blocks_ahead(self, shape_lists: Sequence[Sequence[SolveShape]]) -> None:
-        """Compile the DiT block's shape classes that these solves meet in worker processes, one per list
-        (block_compile.py), when the block is kept ahead of time and its folder holds no variant yet (a
-        cold start): the warm-up then loads them instead of compiling one class after the other."""
+    def start_compiling_blocks(
+        self, shape_lists: Sequence[Sequence[SolveShape]]
+    ) -> BlockCompileWorkers | None:
+        """Start compiling the DiT block's shape classes that these solves meet in worker processes, one per
+        list (block_compile.py), when the block is kept ahead of time and its folder holds no variant yet
+        (a cold start); `wait()` on the result before the warm-up, which then loads them instead of
+        compiling one class after the other. None when there is nothing to start."""
         estimator = self.decoder.estimator
         block = estimator.kept_block if isinstance(estimator, DiT) else None
         if block is None or block.variants:
-            return
+            return None
         requires_grad = next(estimator.parameters()).requires_grad
         matmul = torch.backends.cuda.matmul.fp32_precision
         conv = torch.backends.cudnn.conv.fp32_precision  # type: ignore[attr-defined]
-        compile_in_workers([
-            BlockCompileJob(self.cfg, self.dtype, str(self.device), block.folder.parent, block.folder,
-                            tuple(shapes), self.decoder.noise.shape[2], torch.get_num_threads(), matmul, conv,
-                            requires_grad)
-            for shapes in shape_lists if shapes
-        ])
+        jobs = [BlockCompileJob(self.cfg, self.dtype, str(self.device), block.folder.parent, block.folder,
+                                tuple(shapes), self.decoder.noise.shape[2], torch.get_num_threads(), matmul,
+                                conv, requires_grad)
+                for shapes in shape_lists if shapes]
+        return BlockCompileWorkers(jobs) if jobs else None
 
     def seal_graphs(self) -> None:
         """From now on capture no graph and compile no block: shapes without one run eagerly (see

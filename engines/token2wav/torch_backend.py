@@ -23,6 +23,7 @@ import torch
 
 from engines.config import PRE_LOOKAHEAD, TOKEN_MEL_RATIO, HiFTConfig, ModelPaths, configs_for_models_dir
 from engines.token2wav.base import ChunkJob, LaunchedChunks, SpeakerState, Token2Wav, Token2WavStream
+from engines.token2wav.block_compile import BlockCompileWorkers
 from engines.token2wav.dit_cache import CacheRule
 from engines.token2wav.flow_base import FlowModel, FlowSpeaker, FlowStream
 from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker, load_dit_flow
@@ -100,6 +101,7 @@ class TorchToken2Wav(Token2Wav):
         self.vocoder_seed = vocoder_seed
         self.graph_hops = tuple(graph_hops)
         self.vocoder_graphs: GraphedVocoder | None = None
+        self._block_workers: BlockCompileWorkers | None = None  # from `prepare_warmup`, until `warmup`
         if cuda_graphs and self.device.type == "cuda":
             if isinstance(flow, DiTFlow) and flow.batches_streams:
                 flow.enable_cuda_graphs(dataclasses.replace(flow.buckets, batch=FLOW_GRAPH_BATCHES),
@@ -207,17 +209,17 @@ class TorchToken2Wav(Token2Wav):
         up to this one's bucket) and runs every kernel once.
         Largest batches first, so that the graphs' shared buffers are allocated at their final size.
         On a cold start (a kept DiT block with no variant saved yet) the block's shape classes these
-        chunks meet are first compiled side by side in worker processes (block_compile.py).
+        chunks meet are first compiled side by side in worker processes (block_compile.py; started
+        earlier by `prepare_warmup`, or here).
         Afterwards no graph is captured: a shape the warm-up did not meet (a longer prompt, several
         voices in one batch) runs eagerly, logged, rather than stalling every stream for a capture."""
         hops = (*self.graph_hops, STEADY_HOP)
         tokens = torch.zeros(sum(hops) + PRE_LOOKAHEAD, dtype=torch.int64)
         batches = sorted(batches, reverse=True)
-        flow = self.flow
-        if isinstance(flow, DiTFlow) and flow.graphs is not None and isinstance(speaker, TorchSpeaker) \
-                and isinstance(speaker.flow, DiTSpeaker):
-            # A cold start: the DiT block's classes compiled side by side first (block_compile.py).
-            flow.compile_blocks_ahead(flow.planned_solve_shapes(batches, hops, speaker.flow.prompt_frames))
+        workers = self._block_workers or self._start_block_workers(speaker, batches)
+        self._block_workers = None
+        if workers is not None:
+            workers.wait()
         for batch in batches:
             streams = [self.open_stream(speaker) for _ in range(batch)]
             start = 0
@@ -241,6 +243,22 @@ class TorchToken2Wav(Token2Wav):
             # Largest first across both lists, as within each (see GraphedVocoder.final_shapes).
             vocoder.capture(sorted(shapes, key=lambda shape: shape.batch * shape.frames, reverse=True))
             vocoder.seal()
+
+    def prepare_warmup(self, speaker: SpeakerState, batches: Iterable[int] = WARMUP_BATCHES) -> None:
+        """On a cold start, start compiling the DiT block's shape classes that `warmup(speaker, batches)`
+        will meet, in worker processes (block_compile.py), and return: `warmup` waits for them."""
+        if self._block_workers is None:
+            self._block_workers = self._start_block_workers(speaker, batches)
+
+    def _start_block_workers(
+        self, speaker: SpeakerState, batches: Iterable[int]
+    ) -> BlockCompileWorkers | None:
+        flow = self.flow
+        if not (isinstance(flow, DiTFlow) and flow.graphs is not None and isinstance(speaker, TorchSpeaker)
+                and isinstance(speaker.flow, DiTSpeaker)):
+            return None
+        hops, prompt_frames = (*self.graph_hops, STEADY_HOP), speaker.flow.prompt_frames
+        return flow.start_compiling_blocks(flow.planned_solve_shapes(batches, hops, prompt_frames))
 
     @torch.inference_mode()
     def offline(self, speaker: SpeakerState, tokens: torch.Tensor) -> torch.Tensor:

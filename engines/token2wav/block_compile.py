@@ -33,7 +33,7 @@ import torch
 import torch._inductor.config as inductor_config
 
 from engines.config import FlowConfig
-from engines.precompiled import SUFFIX, PrecompiledFunction
+from engines.precompiled import SUFFIX
 from engines.token2wav.batching import SolveShape
 from engines.token2wav.cfm import ConditionalCFM
 from engines.token2wav.dit import DiT
@@ -72,13 +72,12 @@ def compile_block_classes(job: BlockCompileJob) -> None:
     torch.backends.cuda.matmul.fp32_precision = job.matmul_precision
     torch.backends.cudnn.conv.fp32_precision = job.conv_precision  # type: ignore[attr-defined]
     device = torch.device(job.device)
-    cfm = ConditionalCFM(DiT(job.cfg.dit), job.cfg.n_timesteps, job.cfg.cfg_rate, job.noise_frames)
-    cfm = cfm.to(device, job.dtype).eval().requires_grad_(job.requires_grad)
-    estimator = cfm.estimator
-    assert isinstance(estimator, DiT)
-    estimator.compile_blocks(precompiled=job.root)
-    block = estimator._ragged_block
-    if not isinstance(block, PrecompiledFunction) or block.folder != job.folder:
+    dit = DiT(job.cfg.dit)
+    cfm = ConditionalCFM(dit, job.cfg.n_timesteps, job.cfg.cfg_rate, job.noise_frames)
+    cfm.to(device, job.dtype).eval().requires_grad_(job.requires_grad)
+    dit.compile_blocks(precompiled=job.root)
+    block = dit.kept_block
+    if block is None or block.folder != job.folder:
         raise RuntimeError(f"the worker's block keeps its variants elsewhere than {job.folder}")
     # One step's caches: the warm-up's block sees the same shapes (one step of the solve's buffers).
     layout = dataclasses.replace(SolverLayout.of(job.cfg, job.dtype, device), steps=1)
@@ -97,7 +96,7 @@ def compile_block_classes(job: BlockCompileJob) -> None:
 
 class BlockCompileWorkers:
     """Worker processes running `jobs` (spawned: CUDA does not survive a fork), started at once; `wait`
-    ends them. Compiling is their whole life: a process that exits first stops any still running."""
+    ends them. A parent that exits before waiting (a start that failed meanwhile) stops them."""
 
     def __init__(self, jobs: Sequence[BlockCompileJob], timeout_s: float = WORKERS_TIMEOUT_S) -> None:
         if not jobs:

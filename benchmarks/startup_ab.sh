@@ -9,6 +9,10 @@
 # Code the two trees compile differently (a changed DiT block) is compiled by the base's restart itself,
 # which then is partly a cold start: say so when reporting. Reports land in $OUT (or bench-results/):
 # head-cold.json, base-restart.json, head-restart.json and each start's server log.
+#
+# COLD=1 compares cold starts instead: the base cold, this tree cold, then this tree restarted on what
+# its cold start left (base-cold.json, head-cold.json, head-restart.json); each cold start clears the
+# models' compile cache first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BASE=${BASE:?BASE names the other tree (see above)}
@@ -25,6 +29,12 @@ start() {  # TREE NAME [startup.py flags...]
         --json "$DEST/$name.json" -- "${SERVE[@]}" 2>&1 | grep "^start" | sed "s/^/$name: /")
 }
 
-start . head-cold
-start "$BASE" base-restart --keep-cache
-start . head-restart --keep-cache
+if [ "${COLD:-0}" = 1 ]; then
+    start "$BASE" base-cold
+    start . head-cold
+    start . head-restart --keep-cache
+else
+    start . head-cold
+    start "$BASE" base-restart --keep-cache
+    start . head-restart --keep-cache
+fi

@@ -129,6 +129,11 @@ class PrecompiledFunction:
     def variants(self) -> int:
         return len(self._variants)
 
+    @property
+    def failed(self) -> bool:
+        """An ahead-of-time compile failed: `jit` serves every call, and nothing more is kept."""
+        return self._failed
+
     def seal(self) -> None:
         """Compile nothing more: inputs no variant serves run `fn` itself."""
         self._sealed = True

@@ -253,13 +253,13 @@ class ModelRunner:
         self.decode_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.prefill_graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
 
-    @torch.no_grad()
     def seal_compilation(self) -> None:
         """Compile no more variants of the kept functions (the layers' and the sampler's): once the
         graphs are captured, every shape class has been met."""
         self.model.backbone.ops.seal()
         self.sampling.seal()
 
+    @torch.no_grad()
     def capture_graphs(self) -> None:
         """Capture every decode and prefill shape; every slot must be idle."""
         pool = None

@@ -92,6 +92,8 @@ def compile_block_classes(job: BlockCompileJob) -> None:
             inputs.lengths.fill_(1)  # valid rows: one real frame each, as a graph's warm-up run
             inputs.mask.fill_(True)
             cfm.solve_ragged(inputs, outputs, conditioning, steps=1)
+            if block.failed:  # nothing is kept from here on: say so rather than compile for nothing
+                raise RuntimeError("the ahead-of-time compile failed (logged above)")
 
 
 class BlockCompileWorkers:
@@ -104,16 +106,21 @@ class BlockCompileWorkers:
         self.folder = jobs[0].folder
         self.timeout_s = timeout_s
         self._started = time.perf_counter()
-        share = max(1, (os.cpu_count() or 1) // len(jobs))
+        share = max(1, len(os.sched_getaffinity(0)) // len(jobs))
         context = multiprocessing.get_context("spawn")
         # Not daemonic: Inductor starts processes of its own to compile kernels.
         self._workers = [context.Process(target=compile_block_classes, name=f"dit-block-compile-{index}",
                                          args=(dataclasses.replace(job, compile_threads=share),))
                          for index, job in enumerate(jobs)]
-        for worker in self._workers:
-            worker.start()
-        # At interpreter exit, before multiprocessing joins its children (a start that failed meanwhile).
+        # Stopped at interpreter exit, before multiprocessing joins its children (a start that failed
+        # meanwhile), and if one of them cannot start.
         multiprocessing.util.Finalize(self, _stop, args=(self._workers,), exitpriority=10)
+        try:
+            for worker in self._workers:
+                worker.start()
+        except BaseException:
+            _stop(self._workers)
+            raise
 
     def wait(self) -> int:
         """Wait for the workers until `timeout_s` after their start; stop any still running then. A failed
@@ -125,8 +132,7 @@ class BlockCompileWorkers:
             if worker.is_alive():
                 logger.warning("%s still compiling %.0f s after its start: stopped (the warm-up compiles "
                                "what it did not)", worker.name, self.timeout_s)
-                worker.terminate()
-                worker.join()
+                _stop([worker])
             elif worker.exitcode != 0:
                 logger.warning("%s failed (exit code %s); the warm-up compiles what it did not", worker.name,
                                worker.exitcode)
@@ -138,10 +144,17 @@ class BlockCompileWorkers:
         return finished
 
 
-def _stop(workers: Sequence[multiprocessing.process.BaseProcess]) -> None:
-    for worker in workers:
+def _stop(workers: Sequence[multiprocessing.process.BaseProcess], grace_s: float = 10.0) -> None:
+    """Terminate the started workers still running; kill those still there after `grace_s`."""
+    running = [worker for worker in workers if worker.pid is not None and worker.is_alive()]
+    for worker in running:
+        worker.terminate()
+    deadline = time.perf_counter() + grace_s
+    for worker in running:
+        worker.join(max(0.0, deadline - time.perf_counter()))
         if worker.is_alive():
-            worker.terminate()
+            worker.kill()
+            worker.join()
 
 
 def compile_in_workers(jobs: Sequence[BlockCompileJob], timeout_s: float = WORKERS_TIMEOUT_S) -> int:

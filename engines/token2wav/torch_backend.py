@@ -14,6 +14,7 @@ for, by the caller, when it wants the audio. `warmup` captures the usual shapes 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,8 @@ from engines.token2wav.hift import HiFTGenerator, load_hift
 from engines.token2wav.hift_stream import HiFTStream, launch_vocode_streams
 from engines.token2wav.stream_memory import stream_state_bytes
 from engines.voice import VoicePrompt
+
+logger = logging.getLogger(__name__)
 
 FlowVariant = Literal["dit", "unet"]
 GRAPH_HOPS = (15, 25, 50, 100)  # the exponential schedule's hops before the 200-token ones
@@ -101,7 +104,6 @@ class TorchToken2Wav(Token2Wav):
         self.vocoder_seed = vocoder_seed
         self.graph_hops = tuple(graph_hops)
         self.vocoder_graphs: GraphedVocoder | None = None
-        self._block_workers: BlockCompileWorkers | None = None  # from `prepare_warmup`, until `warmup`
         if cuda_graphs and self.device.type == "cuda":
             if isinstance(flow, DiTFlow) and flow.batches_streams:
                 flow.enable_cuda_graphs(dataclasses.replace(flow.buckets, batch=FLOW_GRAPH_BATCHES),
@@ -209,15 +211,13 @@ class TorchToken2Wav(Token2Wav):
         up to this one's bucket) and runs every kernel once.
         Largest batches first, so that the graphs' shared buffers are allocated at their final size.
         On a cold start (a kept DiT block with no variant saved yet) the block's shape classes these
-        chunks meet are first compiled side by side in worker processes (block_compile.py; started
-        earlier by `prepare_warmup`, or here).
+        chunks meet are first compiled side by side in worker processes (block_compile.py).
         Afterwards no graph is captured: a shape the warm-up did not meet (a longer prompt, several
         voices in one batch) runs eagerly, logged, rather than stalling every stream for a capture."""
         hops = (*self.graph_hops, STEADY_HOP)
         tokens = torch.zeros(sum(hops) + PRE_LOOKAHEAD, dtype=torch.int64)
         batches = sorted(batches, reverse=True)
-        workers = self._block_workers or self._start_block_workers(speaker, batches)
-        self._block_workers = None
+        workers = self._start_block_workers(speaker, batches)
         if workers is not None:
             workers.wait()
         for batch in batches:
@@ -244,21 +244,22 @@ class TorchToken2Wav(Token2Wav):
             vocoder.capture(sorted(shapes, key=lambda shape: shape.batch * shape.frames, reverse=True))
             vocoder.seal()
 
-    def prepare_warmup(self, speaker: SpeakerState, batches: Iterable[int] = WARMUP_BATCHES) -> None:
-        """On a cold start, start compiling the DiT block's shape classes that `warmup(speaker, batches)`
-        will meet, in worker processes (block_compile.py), and return: `warmup` waits for them."""
-        if self._block_workers is None:
-            self._block_workers = self._start_block_workers(speaker, batches)
-
     def _start_block_workers(
         self, speaker: SpeakerState, batches: Iterable[int]
     ) -> BlockCompileWorkers | None:
+        """A cold start's compile workers for the warm-up's chunk pass (None: none to start, or they could
+        not start, logged: an optimisation, the warm-up compiles alone then)."""
         flow = self.flow
         if not (isinstance(flow, DiTFlow) and flow.graphs is not None and isinstance(speaker, TorchSpeaker)
                 and isinstance(speaker.flow, DiTSpeaker)):
             return None
         hops, prompt_frames = (*self.graph_hops, STEADY_HOP), speaker.flow.prompt_frames
-        return flow.start_compiling_blocks(flow.planned_solve_shapes(batches, hops, prompt_frames))
+        try:
+            return flow.start_compiling_blocks(flow.planned_solve_shapes(batches, hops, prompt_frames))
+        except Exception as exc:  # no processes on this host, say: compile in the warm-up as before
+            logger.warning("DiT block compile workers not started (%s: %s); the warm-up compiles alone",
+                           type(exc).__name__, exc)
+            return None
 
     @torch.inference_mode()
     def offline(self, speaker: SpeakerState, tokens: torch.Tensor) -> torch.Tensor:

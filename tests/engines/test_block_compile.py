@@ -156,7 +156,8 @@ def test_on_cuda_the_workers_compile_every_class_of_the_chunk_pass(tmp_path: Pat
     assert block is not None and block.variants == 0
     speaker = flow.prepare_speaker(make_voice(1, 12))
     batches = (4, 2, 1)
-    flow.compile_blocks_ahead(flow.planned_solve_shapes(batches, HOPS, speaker.prompt_frames))
+    workers = flow.start_compiling_blocks(flow.planned_solve_shapes(batches, HOPS, speaker.prompt_frames))
+    assert workers is not None and workers.wait() == len(HOPS) + 1
     assert block.variants == 0  # saved by the workers; the flow's block loads them when it meets them
     tokens = torch.zeros(sum(HOPS) + PRE_LOOKAHEAD, dtype=torch.int64)
     for batch in batches:

@@ -294,15 +294,19 @@ async def test_cuda_graphs_replay_the_eager_computation() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-async def test_kept_elementwise_functions_sample_what_the_compiled_ones_do(tmp_path: Path) -> None:
+async def test_kept_elementwise_functions_sample_what_the_compiled_ones_do(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """The fused rope / SwiGLU / RMSNorm kept ahead of time (`precompiled`, the service's compile cache):
     an engine that compiles them into the folder and one that then loads them sample the tokens of an
-    engine compiling them in-process; the second compiles nothing."""
+    engine compiling them in-process; the second compiles nothing. Prompts past the prefill graphs'
+    keys prefill eagerly (under no_grad): the variants the graphs' capture compiled serve them too (a
+    capture run with grad on compiled variants those calls' guards refused)."""
     from engines.precompiled import PrecompiledFunction
 
     results, compiled = [], []
     for precompiled in (None, tmp_path, tmp_path):
-        config = dataclasses.replace(CONFIG, device="cuda", precompiled=precompiled)
+        config = dataclasses.replace(CONFIG, device="cuda", precompiled=precompiled, prefill_graph_kv=16)
         async with running(config) as engine:
             streams = [engine.submit(request(f"k{i}", speech_len=7 * i, fixed_length=20 + i, seed=i))
                        for i in range(6)]
@@ -315,6 +319,8 @@ async def test_kept_elementwise_functions_sample_what_the_compiled_ones_do(tmp_p
                 compiled.append(sum(kernel.compiled for kernel in kernels))  # type: ignore[attr-defined]
     assert compiled[0] > 0 and compiled[1] == 0
     assert results[1] == results[0] and results[2] == results[0]
+    missed = [record for record in caplog.records if "not compiled before the warm-up" in record.getMessage()]
+    assert not missed
 
 
 def test_read_backs_alternate_buffers_so_the_one_in_flight_keeps_its_tokens() -> None:

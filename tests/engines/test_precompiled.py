@@ -185,7 +185,6 @@ from engines.token2wav.torch_backend import TorchToken2Wav
 backend = TorchToken2Wav.from_models_dir(sys.argv[1], "dit", "cuda", precompiled=Path(sys.argv[1]) / "kept")
 backend.vocoder_seed = 0  # HiFT's noise: the same in both processes
 speaker = backend.prepare_speaker(make_voice(1, 12))
-backend.prepare_warmup(speaker, (4, 2))  # as the service: the compile workers start, then the warm-up
 backend.warmup(speaker, batches=(4, 2))
 block = backend.flow.decoder.estimator._ragged_block
 tokens = torch.randint(0, 100, (15 + PRE_LOOKAHEAD,), generator=torch.Generator().manual_seed(0))

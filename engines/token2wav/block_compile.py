@@ -24,6 +24,7 @@ import logging
 import multiprocessing
 import multiprocessing.util
 import os
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -64,9 +65,12 @@ class BlockCompileJob:
     compile_threads: int = 1  # Inductor's kernel-compiling subprocesses: the host's cores shared out
 
 
-def compile_block_classes(job: BlockCompileJob) -> None:
+def compile_block_classes(job: BlockCompileJob, parent: int | None = None) -> None:
     """A worker's part: run one Euler step of each of `job.shapes` through the kept block (so compiling
-    and saving every class they meet that no variant in the folder serves yet)."""
+    and saving every class they meet that no variant in the folder serves yet). `parent`: the pid of the
+    process that started it, which this one does not outlive."""
+    if parent is not None:
+        _exit_with_parent(parent)
     torch.set_num_threads(job.threads)
     inductor_config.compile_threads = job.compile_threads
     torch.backends.cuda.matmul.fp32_precision = job.matmul_precision
@@ -96,6 +100,18 @@ def compile_block_classes(job: BlockCompileJob) -> None:
                 raise RuntimeError("the ahead-of-time compile failed (logged above)")
 
 
+def _exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
+    """End this worker once its parent `parent` is gone (killed before it could stop its workers): a
+    thread watches for the process being handed to another parent (maybe while it was importing)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 class BlockCompileWorkers:
     """Worker processes running `jobs` (spawned: CUDA does not survive a fork), started at once; `wait`
     ends them. A parent that exits before waiting (a start that failed meanwhile) stops them."""
@@ -110,7 +126,7 @@ class BlockCompileWorkers:
         context = multiprocessing.get_context("spawn")
         # Not daemonic: Inductor starts processes of its own to compile kernels.
         self._workers = [context.Process(target=compile_block_classes, name=f"dit-block-compile-{index}",
-                                         args=(dataclasses.replace(job, compile_threads=share),))
+                                         args=(dataclasses.replace(job, compile_threads=share), os.getpid()))
                          for index, job in enumerate(jobs)]
         # Stopped at interpreter exit, before multiprocessing joins its children (a start that failed
         # meanwhile), and if one of them cannot start.

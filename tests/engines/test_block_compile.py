@@ -126,6 +126,59 @@ def test_a_failed_or_stuck_worker_is_logged_and_the_start_goes_on(
     assert sum("stopped" in message for message in messages) == 2
 
 
+# A parent that starts one worker on a long job (every frames bucket at four batch sizes, compiled on the
+# CPU), prints the worker's pid, then waits to be killed.
+PARENT = """
+import sys, time, torch
+from pathlib import Path
+import test_block_compile as t
+from engines.token2wav.batching import SolveShape
+from engines.token2wav.block_compile import BlockCompileJob, BlockCompileWorkers
+flow = t.seeded_flow()
+flow.decoder.estimator.compile_blocks(precompiled=Path(sys.argv[1]))
+block = flow.decoder.estimator.kept_block
+shapes = tuple(SolveShape(b, f, own, 32, min(own + f, 32)) for b in (4, 3, 2, 1) for f in (6, 10, 16, 24)
+               for own in (0, 8, 16))
+job = BlockCompileJob(flow.cfg, flow.dtype, "cpu", Path(sys.argv[1]), block.folder, shapes,
+                      flow.decoder.noise.shape[2], 1, "none", "tf32", False)
+workers = BlockCompileWorkers([job])
+print(workers._workers[0].pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_worker_ends_when_its_parent_is_killed(tmp_path: Path) -> None:
+    """A parent killed outright (SIGKILL: no exit handler runs) leaves no compile worker behind: the
+    worker notices it was handed to another parent and exits."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = Path(__file__).resolve().parents[2]
+    path = os.pathsep.join(str(p) for p in (root, root / "tests" / "engines", root / "tests"))
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path)], cwd=root, stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "PYTHONPATH": path})
+    try:
+        assert parent.stdout is not None
+        worker = int(parent.stdout.readline())
+        os.kill(worker, 0)  # running
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return
+        if state == "Z":  # exited, not yet reaped by its new parent
+            return
+        time.sleep(0.2)
+    pytest.fail(f"compile worker {worker} still running 30 s after its parent was killed")
+
+
 def test_a_job_carries_what_the_guards_check() -> None:
     """The state the variants' guards compare (thread count, the parameters' `requires_grad`) and the
     float32 precisions come from the parent, through a picklable job."""

@@ -4,7 +4,7 @@ On a cold start the token2wav warm-up compiles the block once per shape class as
 (`DiT.compile_blocks`): six classes of ~12 s each on an H100 host, one after the other, ~76 s of a
 163 s start (docs/benchmarks.md, sixteenth session). Compiling is host work (Dynamo's trace, Inductor's
 lowering, Triton's builds), single-threaded per class and held by the GIL, so threads cannot share it;
-processes can. `compile_in_workers` starts one process per list of solve shapes: each builds the flow's
+processes can. `BlockCompileWorkers` starts one process per list of solve shapes: each builds the flow's
 CFM with the same sizes and dtype (random weights: compiled code does not depend on their values), runs
 one Euler step of each of its shapes through the block kept ahead of time (`engines/precompiled.py`), and
 so saves a variant per class it meets into the folder the warm-up's block reads. The warm-up then loads
@@ -54,8 +54,7 @@ class BlockCompileJob:
     cfg: FlowConfig
     dtype: torch.dtype
     device: str
-    root: Path  # the `precompiled` folder given to `DiT.compile_blocks`
-    folder: Path  # the block's variant folder there, as the parent computed it
+    folder: Path  # the block's variant folder, as the parent computed it (in the `precompiled` root)
     shapes: tuple[SolveShape, ...]
     noise_frames: int  # the CFM's noise buffer
     threads: int
@@ -79,7 +78,7 @@ def compile_block_classes(job: BlockCompileJob, parent: int | None = None) -> No
     dit = DiT(job.cfg.dit)
     cfm = ConditionalCFM(dit, job.cfg.n_timesteps, job.cfg.cfg_rate, job.noise_frames)
     cfm.to(device, job.dtype).eval().requires_grad_(job.requires_grad)
-    dit.compile_blocks(precompiled=job.root)
+    dit.compile_blocks(precompiled=job.folder.parent)
     block = dit.kept_block
     if block is None or block.folder != job.folder:
         raise RuntimeError(f"the worker's block keeps its variants elsewhere than {job.folder}")
@@ -172,7 +171,3 @@ def _stop(workers: Sequence[multiprocessing.process.BaseProcess], grace_s: float
             worker.kill()
             worker.join()
 
-
-def compile_in_workers(jobs: Sequence[BlockCompileJob], timeout_s: float = WORKERS_TIMEOUT_S) -> int:
-    """`BlockCompileWorkers(jobs, timeout_s).wait()`: 0 without jobs."""
-    return BlockCompileWorkers(jobs, timeout_s).wait() if jobs else 0

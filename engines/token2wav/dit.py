@@ -35,7 +35,7 @@ from torch import nn
 
 from engines.checkpoints import store_as_parts
 from engines.config import DiTConfig
-from engines.precompiled import PrecompiledFunction, supported, variant_folder
+from engines.precompiled import PrecompiledFunction, seal_kept, supported, variant_folder
 from engines.token2wav import attention as attention_module
 from engines.token2wav.attention import aligned_bias, attention_with_lse, merge_attention
 from engines.token2wav.batching import frame_index
@@ -461,8 +461,7 @@ class DiT(nn.Module):
 
     def seal_compilation(self) -> None:
         """Compile no more block variants (see `compile_blocks`): a class met later runs uncompiled."""
-        if isinstance(self._ragged_block, PrecompiledFunction):
-            self._ragged_block.seal()
+        seal_kept(self._ragged_block)
 
     def conditioning(self, t: float) -> StepConditioning:
         """The modulation vectors of time t for every block and the final layer (for `forward_ragged`)."""

@@ -352,13 +352,13 @@ class DiTFlow(ConformerFlow):
                 keys = after
         return per_chunk
 
-    def start_compiling_blocks(
-        self, shape_lists: Sequence[Sequence[SolveShape]]
-    ) -> BlockCompileWorkers | None:
-        """Start compiling the DiT block's shape classes that these solves meet in worker processes, one per
-        list (block_compile.py), when the block is kept ahead of time and its folder holds no variant yet
-        (a cold start); `wait()` on the result before the warm-up, which then loads them instead of
-        compiling one class after the other. None when there is nothing to start."""
+    def start_compiling_blocks(self, batches: Iterable[int], hops: Sequence[int],
+                               prompt_frames: int) -> BlockCompileWorkers | None:
+        """When the block is kept ahead of time and its folder holds no variant yet (a cold start), start
+        compiling the shape classes of `planned_solve_shapes(batches, hops, prompt_frames)` in worker
+        processes, one per chunk of the schedule (block_compile.py); `wait()` on the result before the
+        warm-up, which then loads them instead of compiling one class after the other. None when there
+        is nothing to start."""
         estimator = self.decoder.estimator
         block = estimator.kept_block if isinstance(estimator, DiT) else None
         if block is None or block.variants:
@@ -366,10 +366,10 @@ class DiTFlow(ConformerFlow):
         requires_grad = next(estimator.parameters()).requires_grad
         matmul = torch.backends.cuda.matmul.fp32_precision
         conv = torch.backends.cudnn.conv.fp32_precision  # type: ignore[attr-defined]
-        jobs = [BlockCompileJob(self.cfg, self.dtype, str(self.device), block.folder.parent, block.folder,
-                                tuple(shapes), self.decoder.noise.shape[2], torch.get_num_threads(), matmul,
-                                conv, requires_grad)
-                for shapes in shape_lists if shapes]
+        jobs = [BlockCompileJob(self.cfg, self.dtype, str(self.device), block.folder, tuple(shapes),
+                                self.decoder.noise.shape[2], torch.get_num_threads(), matmul, conv,
+                                requires_grad)
+                for shapes in self.planned_solve_shapes(batches, hops, prompt_frames) if shapes]
         return BlockCompileWorkers(jobs) if jobs else None
 
     def seal_graphs(self) -> None:

@@ -255,7 +255,7 @@ class TorchToken2Wav(Token2Wav):
             return None
         hops, prompt_frames = (*self.graph_hops, STEADY_HOP), speaker.flow.prompt_frames
         try:
-            return flow.start_compiling_blocks(flow.planned_solve_shapes(batches, hops, prompt_frames))
+            return flow.start_compiling_blocks(batches, hops, prompt_frames)
         except Exception as exc:  # no processes on this host, say: compile in the warm-up as before
             logger.warning("DiT block compile workers not started (%s: %s); the warm-up compiles alone",
                            type(exc).__name__, exc)

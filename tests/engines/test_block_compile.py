@@ -73,7 +73,7 @@ def test_workers_compile_the_classes_the_warm_up_then_loads(tmp_path: Path, requ
     """Two worker processes compile the block's classes of the planned solves into the kept folder; the
     flow's own block then serves every one of them from a loaded variant (compiling none), with the
     eager flow's first chunks."""
-    from engines.token2wav.block_compile import BlockCompileJob, compile_in_workers
+    from engines.token2wav.block_compile import BlockCompileJob, BlockCompileWorkers
 
     eager, kept = seeded_flow(), seeded_flow()
     for flow in (eager, kept):
@@ -86,10 +86,10 @@ def test_workers_compile_the_classes_the_warm_up_then_loads(tmp_path: Path, requ
     planned = kept.planned_solve_shapes((2,), HOPS[:2], speaker.prompt_frames)[:2]  # first, second chunks
     matmul = torch.backends.cuda.matmul.fp32_precision
     conv = torch.backends.cudnn.conv.fp32_precision  # type: ignore[attr-defined]
-    jobs = [BlockCompileJob(kept.cfg, kept.dtype, "cpu", tmp_path, block.folder, tuple(shapes),
+    jobs = [BlockCompileJob(kept.cfg, kept.dtype, "cpu", block.folder, tuple(shapes),
                             kept.decoder.noise.shape[2], torch.get_num_threads(), matmul, conv, requires_grad)
             for shapes in planned]
-    assert compile_in_workers(jobs) == len(jobs)
+    assert BlockCompileWorkers(jobs).wait() == len(jobs)
     outputs = []
     for flow in (eager, kept):
         flow.use_bucketed_solver(PersistentSolver(flow), BUCKETS)  # the planned (bucketed) shapes
@@ -112,15 +112,15 @@ def test_a_failed_or_stuck_worker_is_logged_and_the_start_goes_on(
     """A worker that fails (here: its block keeps variants elsewhere than the job says) fails alone; one
     still running at the timeout is stopped; either way the call returns, and the warm-up then compiles
     what is missing."""
-    from engines.token2wav.block_compile import BlockCompileJob, compile_in_workers
+    from engines.token2wav.block_compile import BlockCompileJob, BlockCompileWorkers
 
     flow = seeded_flow()
     shapes = (SolveShape(2, 10, 0, 32, 10),)
-    job = BlockCompileJob(flow.cfg, flow.dtype, "cpu", tmp_path, tmp_path / "elsewhere", shapes,
+    job = BlockCompileJob(flow.cfg, flow.dtype, "cpu", tmp_path / "elsewhere", shapes,
                           flow.decoder.noise.shape[2], 1, "none", "tf32", False)
     with caplog.at_level("WARNING", logger="engines.token2wav.block_compile"):
-        assert compile_in_workers([job]) == 0
-        assert compile_in_workers([job, job], timeout_s=0.0) == 0
+        assert BlockCompileWorkers([job]).wait() == 0
+        assert BlockCompileWorkers([job, job], timeout_s=0.0).wait() == 0
     messages = [record.getMessage() for record in caplog.records]
     assert any("failed (exit code 1)" in message for message in messages)
     assert sum("stopped" in message for message in messages) == 2
@@ -139,7 +139,7 @@ flow.decoder.estimator.compile_blocks(precompiled=Path(sys.argv[1]))
 block = flow.decoder.estimator.kept_block
 shapes = tuple(SolveShape(b, f, own, 32, min(own + f, 32)) for b in (4, 3, 2, 1) for f in (6, 10, 16, 24)
                for own in (0, 8, 16))
-job = BlockCompileJob(flow.cfg, flow.dtype, "cpu", Path(sys.argv[1]), block.folder, shapes,
+job = BlockCompileJob(flow.cfg, flow.dtype, "cpu", block.folder, shapes,
                       flow.decoder.noise.shape[2], 1, "none", "tf32", False)
 workers = BlockCompileWorkers([job])
 print(workers._workers[0].pid, flush=True)
@@ -186,7 +186,7 @@ def test_a_job_carries_what_the_guards_check() -> None:
 
     from engines.token2wav.block_compile import BlockCompileJob
 
-    job = BlockCompileJob(TRIMMING, torch.float16, "cuda:0", Path("/models/cache"), Path("/models/cache/dit"),
+    job = BlockCompileJob(TRIMMING, torch.float16, "cuda:0", Path("/models/cache/dit"),
                           (SolveShape(4, 30, 0, 256, 30),), 30000, 16, "tf32", "tf32", True)
     assert pickle.loads(pickle.dumps(job)) == job
     assert dataclasses.replace(job, threads=8) != job
@@ -209,7 +209,7 @@ def test_on_cuda_the_workers_compile_every_class_of_the_chunk_pass(tmp_path: Pat
     assert block is not None and block.variants == 0
     speaker = flow.prepare_speaker(make_voice(1, 12))
     batches = (4, 2, 1)
-    workers = flow.start_compiling_blocks(flow.planned_solve_shapes(batches, HOPS, speaker.prompt_frames))
+    workers = flow.start_compiling_blocks(batches, HOPS, speaker.prompt_frames)
     assert workers is not None and workers.wait() == len(HOPS) + 1
     assert block.variants == 0  # saved by the workers; the flow's block loads them when it meets them
     tokens = torch.zeros(sum(HOPS) + PRE_LOOKAHEAD, dtype=torch.int64)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from weights import randomize
 from engines.config import PRE_LOOKAHEAD
 from engines.precompiled import supported
 from engines.token2wav.batching import Buckets, SolveShape
+from engines.token2wav.block_compile import BlockCompileJob
 from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker
 
 # Small buckets for the tiny models: frames of hops 5 / 8 / 12 and of the last chunk (the lookahead).
@@ -179,17 +179,43 @@ def test_a_worker_ends_when_its_parent_is_killed(tmp_path: Path) -> None:
     pytest.fail(f"compile worker {worker} still running 30 s after its parent was killed")
 
 
-def test_a_job_carries_what_the_guards_check() -> None:
-    """The state the variants' guards compare (thread count, the parameters' `requires_grad`) and the
-    float32 precisions come from the parent, through a picklable job."""
+@pytest.mark.skipif(not supported(), reason="this torch has no ahead-of-time compile")
+def test_jobs_carry_the_parents_state_and_a_restart_starts_none(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the workers' guards must match comes from the flow that starts them (its thread count, its
+    parameters' `requires_grad`, the float32 precisions, its block's folder), one picklable job per chunk
+    of the plan; once the folder holds a variant (a restart) nothing is started."""
     import pickle
 
-    from engines.token2wav.block_compile import BlockCompileJob
+    import engines.token2wav.flow_dit as flow_dit
 
-    job = BlockCompileJob(TRIMMING, torch.float16, "cuda:0", Path("/models/cache/dit"),
-                          (SolveShape(4, 30, 0, 256, 30),), 30000, 16, "tf32", "tf32", True)
-    assert pickle.loads(pickle.dumps(job)) == job
-    assert dataclasses.replace(job, threads=8) != job
+    started: list[list[BlockCompileJob]] = []
+
+    class Recorded:  # stands for the processes: only the jobs are looked at here
+        def __init__(self, jobs: list[BlockCompileJob]) -> None:
+            started.append(jobs)
+
+    monkeypatch.setattr(flow_dit, "BlockCompileWorkers", Recorded)
+    flow = seeded_flow().requires_grad_(True)  # as a loaded flow
+    flow.use_bucketed_solver(None, BUCKETS)
+    flow.decoder.estimator.compile_blocks(precompiled=tmp_path)
+    block = flow.decoder.estimator.kept_block
+    assert block is not None
+    speaker = flow.prepare_speaker(make_voice(1, 12))
+    assert flow.start_compiling_blocks((2, 1), HOPS, speaker.prompt_frames) is not None
+    (jobs,) = started
+    planned = flow.planned_solve_shapes((2, 1), HOPS, speaker.prompt_frames)
+    assert [job.shapes for job in jobs] == [tuple(shapes) for shapes in planned]
+    for job in jobs:
+        assert (job.threads, job.requires_grad, job.folder, job.dtype) == (
+            torch.get_num_threads(), True, block.folder, flow.dtype)
+        assert job.matmul_precision == torch.backends.cuda.matmul.fp32_precision
+        assert pickle.loads(pickle.dumps(job)) == job
+    stream = flow.open_stream(speaker)  # one chunk compiles (and keeps) a class: no longer a cold start
+    with torch.inference_mode():
+        flow.chunks([stream], [torch.zeros(HOPS[0] + PRE_LOOKAHEAD, dtype=torch.int64)], [False])
+    assert block.variants >= 1
+    assert flow.start_compiling_blocks((2, 1), HOPS, speaker.prompt_frames) is None and started == [jobs]
 
 
 @pytest.mark.gpu

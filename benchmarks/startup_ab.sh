@@ -12,7 +12,7 @@
 #
 # COLD=1 compares cold starts instead: the base cold, this tree cold, then this tree restarted on what
 # its cold start left (base-cold.json, head-cold.json, head-restart.json); each cold start clears the
-# models' compile cache first.
+# models' compile cache first. RESTART=0 leaves the restart out (to fit one device call).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BASE=${BASE:?BASE names the other tree (see above)}
@@ -32,7 +32,7 @@ start() {  # TREE NAME [startup.py flags...]
 if [ "${COLD:-0}" = 1 ]; then
     start "$BASE" base-cold
     start . head-cold
-    start . head-restart --keep-cache
+    if [ "${RESTART:-1}" = 1 ]; then start . head-restart --keep-cache; fi
 else
     start . head-cold
     start "$BASE" base-restart --keep-cache

@@ -191,19 +191,34 @@ class Runtime:
             # On a shared GPU the two build one after the other: at once they needed both warm-ups'
             # peaks plus two allocator caches (one per stream) and ran an 80 GB H100 out of memory
             # (docs/benchmarks.md, 2026-11-24 start-up).
+            # Unless an LLM sizes its cache by the free memory, the voices come first (a few small
+            # calls) and what the token2wav warm-up has other processes do (a cold start's compiling)
+            # runs while the LLM builds.
+            early = bool(gpus) and not any(llm.sizes_cache_by_free_memory for llm in engines.llms)
+            warm_up = early and await self._prepare_voices(prepare_warm_up=True)
             await asyncio.gather(*(llm.start() for llm in engines.llms))
             for device in engines.plan.shared_gpus:
                 with torch.cuda.device(device):
                     torch.cuda.empty_cache()  # the LLM warm-up's cached blocks, for token2wav's stream
-            warmed_up = await self._prepare_voices(warm_up=bool(gpus))
+            if not early:
+                warm_up = await self._prepare_voices(prepare_warm_up=bool(gpus))
+            if warm_up:
+                await self._warm_up(self._prepared["default"])
+            warmed_up = warm_up
         else:
             # Separate devices (or none): the LLM engines build (weights, compiled kernels, CUDA graphs)
             # while the token2wav workers prepare the voices and warm up; one side's file reads and
             # device work overlap the other's Python, and engines/cuda_graphs.py keeps the two sides'
             # captures apart.
+            async def voices_then_warm_up() -> bool:
+                warm_up = await self._prepare_voices(prepare_warm_up=bool(gpus))
+                if warm_up:
+                    await self._warm_up(self._prepared["default"])
+                return warm_up
+
             _, warmed_up = await asyncio.gather(
                 asyncio.gather(*(llm.start() for llm in engines.llms)),
-                self._prepare_voices(warm_up=bool(gpus)),
+                voices_then_warm_up(),
             )
         if warmed_up:
             # From now on the process compiles nothing: a shape the warm-up did not meet (a voice with a
@@ -245,23 +260,33 @@ class Runtime:
         bound = engines.token2wavs[index].stream_bytes_bound(voice.speaker, self._max_tokens)
         return 0 if bound is None else bound
 
-    async def _prepare_voices(self, warm_up: bool) -> bool:
-        """Load the voices, prepare each on every token2wav worker and, with `warm_up` (CUDA), warm the
-        workers up with the default voice. Returns whether they were warmed up."""
+    async def _prepare_voices(self, prepare_warm_up: bool) -> bool:
+        """Load the voices and prepare each on every token2wav worker; with `prepare_warm_up` (CUDA), let
+        the CUDA workers start what their warm-up with the default voice has other processes do
+        meanwhile (`Token2Wav.prepare_warmup`). Returns whether that warm-up is due."""
         await asyncio.to_thread(self.voices.load)
         for info in self.voices.list():
             await self._prepare(info.voice_id, self.voices.get(info.voice_id))
-        if not warm_up or "default" not in self._prepared:
+        if not prepare_warm_up or "default" not in self._prepared:
             return False
-        await self._warm_up(self._prepared["default"])
+        await asyncio.gather(*(
+            worker.prepare_warmup(prepared.speaker, batches)
+            for worker, prepared, batches in zip(self._workers, self._prepared["default"],
+                                                 self._warmup_plans(), strict=True)
+            if worker.device.type == "cuda"
+        ))
         return True
+
+    def _warmup_plans(self) -> list[list[int]]:
+        """Per token2wav worker, the batch sizes its warm-up runs (`warmup_batches`)."""
+        return [warmup_batches(self.config.token2wav_batch, capacity) for capacity in self._capacity]
 
     async def _warm_up(self, voice: list[PreparedVoice]) -> None:
         """Run the schedule's chunk shapes at every batch size a CUDA token2wav worker can meet
         (`warmup_batches`), on every one at once (each has its own thread and GPU), so that the first
         requests do not pay for CUDA-graph capture or compilation."""
         started = time.perf_counter()
-        plans = [warmup_batches(self.config.token2wav_batch, capacity) for capacity in self._capacity]
+        plans = self._warmup_plans()
         await asyncio.gather(*(
             worker.warmup(prepared.speaker, batches)
             for worker, prepared, batches in zip(self._workers, voice, plans, strict=True)

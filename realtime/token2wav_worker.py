@@ -335,6 +335,9 @@ class Token2WavWorker:
     async def prepare_speaker(self, prompt: VoicePrompt) -> SpeakerState:
         return await self.call(lambda: self._backend.prepare_speaker(prompt))
 
+    async def prepare_warmup(self, speaker: SpeakerState, batches: Sequence[int]) -> None:
+        await self.call(lambda: self._backend.prepare_warmup(speaker, batches))
+
     async def warmup(self, speaker: SpeakerState, batches: Sequence[int]) -> None:
         await self.call(lambda: self._backend.warmup(speaker, batches))
 

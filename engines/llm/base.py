@@ -262,6 +262,9 @@ class LLMEngine(abc.ABC):
 
     name: str
     modes: frozenset[PromptMode] = ALL_MODES  # the prompt modes it serves
+    # Whether `start` sizes the engine's cache by the device memory free at that moment: then nothing
+    # else on that device may take memory while it starts (TensorRT-LLM's KV cache is a fraction of it).
+    sizes_cache_by_free_memory: bool = False
 
     def check_mode(self, request: LLMRequest) -> None:
         """LLMError `mode_not_supported` unless this engine serves `request.mode`."""

@@ -228,6 +228,7 @@ class TrtLlmEngine(LLMEngine):
     """
 
     name = "tensorrt_llm"
+    sizes_cache_by_free_memory = True  # KvCacheConfig(free_gpu_memory_fraction=...)
 
     def __init__(self, config: TrtLlmConfig, bindings: ModuleType | None = None) -> None:
         self.config = config

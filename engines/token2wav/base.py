@@ -108,6 +108,11 @@ class Token2Wav(abc.ABC):
         Backends that queue device work override it; here the chunks run to the end first."""
         return FinishedChunks(self.run_chunks(jobs))
 
+    def prepare_warmup(self, speaker: SpeakerState, batches: Sequence[int]) -> None:  # noqa: B027
+        """Start, and return at once, what `warmup(speaker, batches)` needs that other processes can do
+        meanwhile (a cold start's compiling); `warmup` then waits for it. They may take device memory
+        until then. Backends without such work do nothing."""
+
     def warmup(self, speaker: SpeakerState, batches: Sequence[int]) -> None:  # noqa: B027
         """Before traffic: run the common chunk shapes at these batch sizes (captures graphs, loads
         kernels) so the first requests do not pay for it. Backends without such costs do nothing."""

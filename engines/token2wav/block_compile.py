@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing
+import multiprocessing.queues
 import multiprocessing.util
 import os
 import threading
@@ -64,10 +65,26 @@ class BlockCompileJob:
     compile_threads: int = 1  # Inductor's kernel-compiling subprocesses: the host's cores shared out
 
 
-def compile_block_classes(job: BlockCompileJob, parent: int | None = None) -> None:
+@dataclass(frozen=True)
+class WorkerReport:
+    """What a worker did, for the parent's log: seconds from its start to its first shape (a spawned
+    Python, imports, the model built), then the seconds its shapes took and how many classes it
+    compiled for them (the rest it loaded from another worker's variants, or they were one class)."""
+
+    name: str
+    ready_s: float
+    shapes: int
+    shapes_s: float
+    compiled: int
+
+
+def compile_block_classes(job: BlockCompileJob, parent: int | None = None,
+                          reports: multiprocessing.queues.SimpleQueue[WorkerReport] | None = None,
+                          spawned: float | None = None) -> None:
     """A worker's part: run one Euler step of each of `job.shapes` through the kept block (so compiling
     and saving every class they meet that no variant in the folder serves yet). `parent`: the pid of the
-    process that started it, which this one does not outlive."""
+    process that started it, which this one does not outlive; `reports`: where its `WorkerReport` goes,
+    `spawned` the wall-clock time it was started at."""
     if parent is not None:
         _exit_with_parent(parent)
     torch.set_num_threads(job.threads)
@@ -88,6 +105,7 @@ def compile_block_classes(job: BlockCompileJob, parent: int | None = None) -> No
     def zeros(name: str, size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(size, dtype=dtype, device=device)
 
+    ready = time.time()
     with torch.inference_mode():
         conditioning = cfm.step_conditioning()
         for shape in job.shapes:
@@ -97,6 +115,10 @@ def compile_block_classes(job: BlockCompileJob, parent: int | None = None) -> No
             cfm.solve_ragged(inputs, outputs, conditioning, steps=1)
             if block.failed:  # nothing is kept from here on: say so rather than compile for nothing
                 raise RuntimeError("the ahead-of-time compile failed (logged above)")
+    if reports is not None:
+        name = multiprocessing.current_process().name
+        started = ready if spawned is None else spawned
+        reports.put(WorkerReport(name, ready - started, len(job.shapes), time.time() - ready, block.compiled))
 
 
 def _exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
@@ -123,9 +145,12 @@ class BlockCompileWorkers:
         self._started = time.perf_counter()
         share = max(1, len(os.sched_getaffinity(0)) // len(jobs))
         context = multiprocessing.get_context("spawn")
+        self._reports: multiprocessing.queues.SimpleQueue[WorkerReport] = context.SimpleQueue()
+        spawned = time.time()
         # Not daemonic: Inductor starts processes of its own to compile kernels.
         self._workers = [context.Process(target=compile_block_classes, name=f"dit-block-compile-{index}",
-                                         args=(dataclasses.replace(job, compile_threads=share), os.getpid()))
+                                         args=(dataclasses.replace(job, compile_threads=share), os.getpid(),
+                                               self._reports, spawned))
                          for index, job in enumerate(jobs)]
         # Stopped at interpreter exit, before multiprocessing joins its children (a start that failed
         # meanwhile), and if one of them cannot start.
@@ -156,6 +181,10 @@ class BlockCompileWorkers:
         logger.info("DiT block: %d of %d compile workers done %.1f s after their start; %d variants in %s",
                     finished, len(self._workers), time.perf_counter() - self._started,
                     len(list(self.folder.glob(f"*{SUFFIX}"))), self.folder.name)
+        while not self._reports.empty():  # every finished worker's, put before it exited
+            report = self._reports.get()
+            logger.info("%s: ready %.1f s after its start, then %d shapes in %.1f s (%d classes compiled "
+                        "here)", report.name, report.ready_s, report.shapes, report.shapes_s, report.compiled)
         return finished
 
 

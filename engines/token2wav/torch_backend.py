@@ -104,6 +104,7 @@ class TorchToken2Wav(Token2Wav):
         self.vocoder_seed = vocoder_seed
         self.graph_hops = tuple(graph_hops)
         self.vocoder_graphs: GraphedVocoder | None = None
+        self._block_workers: BlockCompileWorkers | None = None  # from `prepare_warmup`, until `warmup`
         if cuda_graphs and self.device.type == "cuda":
             if isinstance(flow, DiTFlow) and flow.batches_streams:
                 flow.enable_cuda_graphs(dataclasses.replace(flow.buckets, batch=FLOW_GRAPH_BATCHES),
@@ -211,13 +212,15 @@ class TorchToken2Wav(Token2Wav):
         up to this one's bucket) and runs every kernel once.
         Largest batches first, so that the graphs' shared buffers are allocated at their final size.
         On a cold start (a kept DiT block with no variant saved yet) the block's shape classes these
-        chunks meet are first compiled side by side in worker processes (block_compile.py).
+        chunks meet are first compiled side by side in worker processes (block_compile.py; started
+        earlier by `prepare_warmup`, or here).
         Afterwards no graph is captured: a shape the warm-up did not meet (a longer prompt, several
         voices in one batch) runs eagerly, logged, rather than stalling every stream for a capture."""
         hops = (*self.graph_hops, STEADY_HOP)
         tokens = torch.zeros(sum(hops) + PRE_LOOKAHEAD, dtype=torch.int64)
         batches = sorted(batches, reverse=True)
-        workers = self._start_block_workers(speaker, batches)
+        workers = self._block_workers or self._start_block_workers(speaker, batches)
+        self._block_workers = None
         if workers is not None:
             workers.wait()
         for batch in batches:
@@ -243,6 +246,12 @@ class TorchToken2Wav(Token2Wav):
             # Largest first across both lists, as within each (see GraphedVocoder.final_shapes).
             vocoder.capture(sorted(shapes, key=lambda shape: shape.batch * shape.frames, reverse=True))
             vocoder.seal()
+
+    def prepare_warmup(self, speaker: SpeakerState, batches: Iterable[int] = WARMUP_BATCHES) -> None:
+        """On a cold start, start the worker processes that compile the DiT block's shape classes
+        `warmup(speaker, the same batches)` will meet (block_compile.py), and return."""
+        if self._block_workers is None:
+            self._block_workers = self._start_block_workers(speaker, sorted(batches, reverse=True))
 
     def _start_block_workers(
         self, speaker: SpeakerState, batches: Iterable[int]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from test_token2wav_batching import TRIMMING, PersistentSolver, make_voice
 from weights import randomize
 
 from engines.config import PRE_LOOKAHEAD
-from engines.precompiled import supported
+from engines.precompiled import SUFFIX, supported
 from engines.token2wav.batching import Buckets, SolveShape
 from engines.token2wav.block_compile import BlockCompileJob
 from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker
@@ -69,10 +70,12 @@ def test_planned_solve_shapes_are_those_the_chunk_pass_solves(capped: bool) -> N
 
 @pytest.mark.skipif(not supported(), reason="this torch has no ahead-of-time compile")
 @pytest.mark.parametrize("requires_grad", [True, False])
-def test_workers_compile_the_classes_the_warm_up_then_loads(tmp_path: Path, requires_grad: bool) -> None:
-    """Two worker processes compile the block's classes of the planned solves into the kept folder; the
-    flow's own block then serves every one of them from a loaded variant (compiling none), with the
-    eager flow's first chunks."""
+def test_workers_compile_the_classes_the_warm_up_then_loads(
+    tmp_path: Path, requires_grad: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two worker processes compile the block's classes of the planned solves into the kept folder and
+    report what they did; the flow's own block then serves every one of them from a loaded variant
+    (compiling none), with the eager flow's first chunks."""
     from engines.token2wav.block_compile import BlockCompileJob, BlockCompileWorkers
 
     eager, kept = seeded_flow(), seeded_flow()
@@ -89,7 +92,16 @@ def test_workers_compile_the_classes_the_warm_up_then_loads(tmp_path: Path, requ
     jobs = [BlockCompileJob(kept.cfg, kept.dtype, "cpu", block.folder, tuple(shapes),
                             kept.decoder.noise.shape[2], torch.get_num_threads(), matmul, conv, requires_grad)
             for shapes in planned]
-    assert BlockCompileWorkers(jobs).wait() == len(jobs)
+    with caplog.at_level("INFO", logger="engines.token2wav.block_compile"):
+        assert BlockCompileWorkers(jobs).wait() == len(jobs)
+    reports = [re.fullmatch(r"(dit-block-compile-\d): ready [\d.]+ s after its start, then (\d+) shapes in "
+                            r"[\d.]+ s \((\d+) classes compiled here\)", record.getMessage())
+               for record in caplog.records]
+    done = sorted((match[1], int(match[2]), int(match[3])) for match in reports if match)
+    assert [(name, shapes) for name, shapes, _ in done] == [
+        (f"dit-block-compile-{index}", len(shapes)) for index, shapes in enumerate(planned)]
+    saved = len(list(block.folder.glob(f"*{SUFFIX}")))
+    assert sum(compiled for *_, compiled in done) == saved  # each class saved once, by its compiler
     outputs = []
     for flow in (eager, kept):
         flow.use_bucketed_solver(PersistentSolver(flow), BUCKETS)  # the planned (bucketed) shapes

@@ -4,11 +4,12 @@ On a cold start the token2wav warm-up compiles the block once per shape class as
 (`DiT.compile_blocks`): six classes of ~12 s each on an H100 host, one after the other, ~76 s of a
 163 s start (docs/benchmarks.md, sixteenth session). Compiling is host work (Dynamo's trace, Inductor's
 lowering, Triton's builds), single-threaded per class and held by the GIL, so threads cannot share it;
-processes can. `BlockCompileWorkers` starts one process per list of solve shapes: each builds the flow's
-CFM with the same sizes and dtype (random weights: compiled code does not depend on their values), runs
-one Euler step of each of its shapes through the block kept ahead of time (`engines/precompiled.py`), and
-so saves a variant per class it meets into the folder the warm-up's block reads. The warm-up then loads
-the variants instead of compiling them.
+processes can. `BlockCompileWorkers` spawns the processes idle, early in a cold start (while the models
+load, see `cold_start`), and hands each a list of solve shapes once the voice is known: each builds the
+flow's CFM with the same sizes and dtype (random weights: compiled code does not depend on their values),
+runs one Euler step of each of its shapes through the block kept ahead of time (`engines/precompiled.py`),
+and so saves a variant per class it meets into the folder the warm-up's block reads. The warm-up then
+loads the variants instead of compiling them.
 
 Each list is one chunk of the warm-up's schedule at every batch size, largest first, as the warm-up
 runs them: a class is compiled at the shapes the warm-up would have compiled it at (Inductor picks its
@@ -29,16 +30,17 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
 import torch._inductor.config as inductor_config
 
 from engines.config import FlowConfig
-from engines.precompiled import SUFFIX
+from engines.precompiled import SUFFIX, supported
 from engines.token2wav.batching import SolveShape
 from engines.token2wav.cfm import ConditionalCFM
-from engines.token2wav.dit import DiT
+from engines.token2wav.dit import DiT, block_folder
 from engines.token2wav.graphs import SolverLayout
 
 logger = logging.getLogger(__name__)
@@ -67,26 +69,24 @@ class BlockCompileJob:
 
 @dataclass(frozen=True)
 class WorkerReport:
-    """What a worker did, for the parent's log: seconds from its start to its first shape (a spawned
-    Python, imports, the model built), then the seconds its shapes took and how many classes it
-    compiled for them (the rest it loaded from another worker's variants, or they were one class)."""
+    """What a worker did, for the parent's log: seconds from its spawn to idle (a spawned Python and its
+    imports), from its job to its first shape (the model built on the device), then the seconds its
+    shapes took and how many classes it compiled for them (the rest it loaded from another worker's
+    variants, or they were one class)."""
 
     name: str
+    idle_s: float
     ready_s: float
     shapes: int
     shapes_s: float
     compiled: int
 
 
-def compile_block_classes(job: BlockCompileJob, parent: int | None = None,
-                          reports: multiprocessing.queues.SimpleQueue[WorkerReport] | None = None,
-                          spawned: float | None = None) -> None:
+def compile_block_classes(job: BlockCompileJob) -> tuple[float, float, int]:
     """A worker's part: run one Euler step of each of `job.shapes` through the kept block (so compiling
-    and saving every class they meet that no variant in the folder serves yet). `parent`: the pid of the
-    process that started it, which this one does not outlive; `reports`: where its `WorkerReport` goes,
-    `spawned` the wall-clock time it was started at."""
-    if parent is not None:
-        _exit_with_parent(parent)
+    and saving every class they meet that no variant in the folder serves yet). Returns the seconds to
+    the first shape, the seconds of the shapes, and how many classes it compiled."""
+    called = time.perf_counter()
     torch.set_num_threads(job.threads)
     inductor_config.compile_threads = job.compile_threads
     torch.backends.cuda.matmul.fp32_precision = job.matmul_precision
@@ -105,7 +105,7 @@ def compile_block_classes(job: BlockCompileJob, parent: int | None = None,
     def zeros(name: str, size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(size, dtype=dtype, device=device)
 
-    ready = time.time()
+    ready = time.perf_counter()
     with torch.inference_mode():
         conditioning = cfm.step_conditioning()
         for shape in job.shapes:
@@ -115,10 +115,46 @@ def compile_block_classes(job: BlockCompileJob, parent: int | None = None,
             cfm.solve_ragged(inputs, outputs, conditioning, steps=1)
             if block.failed:  # nothing is kept from here on: say so rather than compile for nothing
                 raise RuntimeError("the ahead-of-time compile failed (logged above)")
-    if reports is not None:
-        name = multiprocessing.current_process().name
-        started = ready if spawned is None else spawned
-        reports.put(WorkerReport(name, ready - started, len(job.shapes), time.time() - ready, block.compiled))
+    return ready - called, time.perf_counter() - ready, block.compiled
+
+
+def _serve(parent: int, jobs: Connection, reports: multiprocessing.queues.SimpleQueue[WorkerReport],
+           spawned: float, timeout_s: float) -> None:
+    """A worker process: import what compiling needs, wait up to `timeout_s` for a job (None: nothing
+    to do), run it and report. It does not outlive `parent`, the process that spawned it at `spawned`."""
+    _exit_with_parent(parent)
+    import torch._dynamo  # noqa: F401  (the compile's own imports, done while idle)
+    import torch._inductor.compile_fx  # noqa: F401
+
+    idle = time.time()
+    try:
+        job: BlockCompileJob | None = jobs.recv() if jobs.poll(timeout_s) else None
+    except EOFError:  # the parent closed its end: no job
+        job = None
+    if job is None:
+        return
+    ready_s, shapes_s, compiled = compile_block_classes(job)
+    reports.put(WorkerReport(multiprocessing.current_process().name, idle - spawned, ready_s, len(job.shapes),
+                             shapes_s, compiled))
+
+
+def idle_workers_for_cold_start(root: Path | None, cfg: FlowConfig, dtype: torch.dtype, device: torch.device,
+                                count: int) -> BlockCompileWorkers | None:
+    """`count` idle workers when a DiT flow of `cfg` in `dtype` on CUDA `device` keeps its block under
+    `root` and the block's folder holds no variant yet (a cold start); None otherwise (a restart, no
+    ahead-of-time compile in this torch) or when the processes could not start (logged: the warm-up then
+    compiles alone)."""
+    if root is None or device.type != "cuda" or not supported():
+        return None
+    folder = block_folder(root, cfg.dit, dtype, device)
+    if folder is None or any(folder.glob(f"*{SUFFIX}")):
+        return None
+    try:
+        return BlockCompileWorkers(count)
+    except Exception as exc:  # no processes on this host, say
+        logger.warning("DiT block compile workers not started (%s: %s); the warm-up compiles alone",
+                       type(exc).__name__, exc)
+        return None
 
 
 def _exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
@@ -134,24 +170,29 @@ def _exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
 
 
 class BlockCompileWorkers:
-    """Worker processes running `jobs` (spawned: CUDA does not survive a fork), started at once; `wait`
-    ends them. A parent that exits before waiting (a start that failed meanwhile) stops them."""
+    """`count` worker processes, spawned at once (CUDA does not survive a fork) and idle: each imports
+    what compiling needs and waits for its job, which is when it first touches the device. So a start
+    can spawn them before it loads its models (a worker's imports took ~20 s beside five others on an
+    H100 host, docs/benchmarks.md seventeenth session) and hand them their jobs (`run`) once it knows the
+    shapes. `wait` ends them. A parent that exits first stops them; a worker given no job within
+    `timeout_s` exits, as does one whose parent is gone."""
 
-    def __init__(self, jobs: Sequence[BlockCompileJob], timeout_s: float = WORKERS_TIMEOUT_S) -> None:
-        if not jobs:
-            raise ValueError("no compile jobs")
-        self.folder = jobs[0].folder
+    def __init__(self, count: int, timeout_s: float = WORKERS_TIMEOUT_S) -> None:
+        if count < 1:
+            raise ValueError(f"{count} compile workers")
         self.timeout_s = timeout_s
-        self._started = time.perf_counter()
-        share = max(1, len(os.sched_getaffinity(0)) // len(jobs))
+        self.folder: Path | None = None  # the jobs' folder, once they run
+        self._ran = time.perf_counter()  # when the jobs were handed out (`run`)
+        self._busy: list[bool] = [False] * count  # which workers were given a job
         context = multiprocessing.get_context("spawn")
         self._reports: multiprocessing.queues.SimpleQueue[WorkerReport] = context.SimpleQueue()
+        pipes = [context.Pipe(duplex=False) for _ in range(count)]
+        self._jobs = [sender for _, sender in pipes]
         spawned = time.time()
         # Not daemonic: Inductor starts processes of its own to compile kernels.
-        self._workers = [context.Process(target=compile_block_classes, name=f"dit-block-compile-{index}",
-                                         args=(dataclasses.replace(job, compile_threads=share), os.getpid(),
-                                               self._reports, spawned))
-                         for index, job in enumerate(jobs)]
+        self._workers = [context.Process(target=_serve, name=f"dit-block-compile-{index}",
+                                         args=(os.getpid(), receiver, self._reports, spawned, timeout_s))
+                         for index, (receiver, _) in enumerate(pipes)]
         # Stopped at interpreter exit, before multiprocessing joins its children (a start that failed
         # meanwhile), and if one of them cannot start.
         multiprocessing.util.Finalize(self, _stop, args=(self._workers,), exitpriority=10)
@@ -161,30 +202,77 @@ class BlockCompileWorkers:
         except BaseException:
             _stop(self._workers)
             raise
+        finally:
+            for receiver, _ in pipes:
+                receiver.close()  # the workers' ends: a worker gone then shows as a broken pipe
+
+    @property
+    def count(self) -> int:
+        return len(self._workers)
+
+    @property
+    def running(self) -> list[int]:
+        """The process ids of the workers still running."""
+        return [worker.pid for worker in self._workers if worker.pid is not None and worker.is_alive()]
+
+    @classmethod
+    def started(cls, jobs: Sequence[BlockCompileJob],
+                timeout_s: float = WORKERS_TIMEOUT_S) -> BlockCompileWorkers:
+        """One worker per job, spawned and handed its job."""
+        workers = cls(len(jobs), timeout_s)
+        workers.run(jobs)
+        return workers
+
+    def run(self, jobs: Sequence[BlockCompileJob]) -> None:
+        """Hand out `jobs`, one per worker (at most as many as there are); the others end. Once only."""
+        if not jobs or len(jobs) > len(self._workers):
+            raise ValueError(f"{len(jobs)} jobs for {len(self._workers)} compile workers")
+        if self.folder is not None:
+            raise RuntimeError("the compile workers have their jobs already")
+        self.folder = jobs[0].folder
+        self._ran = time.perf_counter()
+        share = max(1, len(os.sched_getaffinity(0)) // len(jobs))
+        for index, sender in enumerate(self._jobs):
+            job = dataclasses.replace(jobs[index], compile_threads=share) if index < len(jobs) else None
+            self._busy[index] = job is not None
+            try:
+                sender.send(job)
+            except OSError as exc:  # the worker is gone (it failed to start): `wait` logs its exit code
+                logger.warning("%s did not take its job (%s)", self._workers[index].name, exc)
+            sender.close()
+
+    def stop(self) -> None:
+        """End the workers without jobs for them (nothing to compile after all)."""
+        for sender in self._jobs:
+            sender.close()  # an idle worker then finds no job and ends
+        _stop(self._workers)
 
     def wait(self) -> int:
-        """Wait for the workers until `timeout_s` after their start; stop any still running then. A failed
-        or stopped worker is logged (the warm-up compiles what it did not). Returns how many finished."""
-        deadline = self._started + self.timeout_s
+        """Wait for the workers given a job until `timeout_s` after `run`; stop any still running then. A
+        failed or stopped worker is logged (the warm-up compiles what it did not). Returns how many of
+        them finished."""
+        deadline = self._ran + self.timeout_s
         finished = 0
-        for worker in self._workers:
+        for worker, busy in zip(self._workers, self._busy, strict=True):
             worker.join(max(0.0, deadline - time.perf_counter()))
             if worker.is_alive():
-                logger.warning("%s still compiling %.0f s after its start: stopped (the warm-up compiles "
+                logger.warning("%s still compiling %.0f s after its job came: stopped (the warm-up compiles "
                                "what it did not)", worker.name, self.timeout_s)
                 _stop([worker])
             elif worker.exitcode != 0:
                 logger.warning("%s failed (exit code %s); the warm-up compiles what it did not", worker.name,
                                worker.exitcode)
-            else:
+            elif busy:
                 finished += 1
-        logger.info("DiT block: %d of %d compile workers done %.1f s after their start; %d variants in %s",
-                    finished, len(self._workers), time.perf_counter() - self._started,
-                    len(list(self.folder.glob(f"*{SUFFIX}"))), self.folder.name)
+        variants = 0 if self.folder is None else len(list(self.folder.glob(f"*{SUFFIX}")))
+        logger.info("DiT block: %d of %d compile workers done %.1f s after their jobs came; %d variants "
+                    "in %s", finished, sum(self._busy), time.perf_counter() - self._ran, variants,
+                    "its folder" if self.folder is None else self.folder.name)
         while not self._reports.empty():  # every finished worker's, put before it exited
             report = self._reports.get()
-            logger.info("%s: ready %.1f s after its start, then %d shapes in %.1f s (%d classes compiled "
-                        "here)", report.name, report.ready_s, report.shapes, report.shapes_s, report.compiled)
+            logger.info("%s: idle %.1f s after its spawn, ready %.1f s after its job, then %d shapes in "
+                        "%.1f s (%d classes compiled here)", report.name, report.idle_s, report.ready_s,
+                        report.shapes, report.shapes_s, report.compiled)
         return finished
 
 

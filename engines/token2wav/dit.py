@@ -351,6 +351,14 @@ class StepConditioning:
     final: tuple[torch.Tensor, torch.Tensor]
 
 
+def block_folder(root: Path, cfg: DiTConfig, dtype: torch.dtype, device: torch.device) -> Path | None:
+    """Where `DiT.compile_blocks(precompiled=root)` keeps the batched block's variants for a DiT of `cfg`
+    in `dtype` on `device` (None: not kept, logged): one folder per what the saved graphs bake in, the
+    code they compiled, the sizes, the dtype and the GPU."""
+    modules = (sys.modules[__name__], attention_module)
+    return variant_folder(root, "dit-block", modules, (str(cfg), str(dtype)), device)
+
+
 class DiT(nn.Module):
     """Velocity estimator v(x, t | mu, spks, cond); tensors are (B, 80, T) channel-first at the edges."""
 
@@ -446,10 +454,8 @@ class DiT(nn.Module):
         jit = fx_config.patch(use_duck_shape=False)(limited)  # type: ignore[attr-defined]
         self._ragged_block = jit
         if precompiled is not None and backend == "inductor" and supported():
-            # What the saved graphs bake in: the code they compiled, the sizes, the dtype and the GPU.
             weight = self.in_proj.weight
-            folder = variant_folder(precompiled, "dit-block", (sys.modules[__name__], attention_module),
-                                    (str(self.cfg), str(weight.dtype)), weight.device)
+            folder = block_folder(precompiled, self.cfg, weight.dtype, weight.device)
             if folder is not None:
                 self._ragged_block = PrecompiledFunction(DiTBlock.forward, folder, jit)
 

@@ -352,25 +352,35 @@ class DiTFlow(ConformerFlow):
                 keys = after
         return per_chunk
 
-    def start_compiling_blocks(self, batches: Iterable[int], hops: Sequence[int],
-                               prompt_frames: int) -> BlockCompileWorkers | None:
+    def start_compiling_blocks(self, batches: Iterable[int], hops: Sequence[int], prompt_frames: int,
+                               workers: BlockCompileWorkers | None = None) -> BlockCompileWorkers | None:
         """When the block is kept ahead of time and its folder holds no variant yet (a cold start), start
         compiling the shape classes of `planned_solve_shapes(batches, hops, prompt_frames)` in worker
-        processes, one per chunk of the schedule (block_compile.py); `wait()` on the result before the
-        warm-up, which then loads them instead of compiling one class after the other. None when there
-        is nothing to start."""
+        processes, one per chunk of the schedule (block_compile.py): `workers` if given (idle ones
+        spawned earlier; stopped when there is nothing for them), else new ones. `wait()` on the result
+        before the warm-up, which then loads the variants instead of compiling one class after the
+        other. None when there is nothing to start."""
         estimator = self.decoder.estimator
         block = estimator.kept_block if isinstance(estimator, DiT) else None
-        if block is None or block.variants:
+        jobs: list[BlockCompileJob] = []
+        if block is not None and not block.variants:
+            requires_grad = next(estimator.parameters()).requires_grad
+            matmul = torch.backends.cuda.matmul.fp32_precision
+            conv = torch.backends.cudnn.conv.fp32_precision  # type: ignore[attr-defined]
+            jobs = [BlockCompileJob(self.cfg, self.dtype, str(self.device), block.folder, tuple(shapes),
+                                    self.decoder.noise.shape[2], torch.get_num_threads(), matmul, conv,
+                                    requires_grad)
+                    for shapes in self.planned_solve_shapes(batches, hops, prompt_frames) if shapes]
+        if not jobs:
+            if workers is not None:
+                workers.stop()
             return None
-        requires_grad = next(estimator.parameters()).requires_grad
-        matmul = torch.backends.cuda.matmul.fp32_precision
-        conv = torch.backends.cudnn.conv.fp32_precision  # type: ignore[attr-defined]
-        jobs = [BlockCompileJob(self.cfg, self.dtype, str(self.device), block.folder, tuple(shapes),
-                                self.decoder.noise.shape[2], torch.get_num_threads(), matmul, conv,
-                                requires_grad)
-                for shapes in self.planned_solve_shapes(batches, hops, prompt_frames) if shapes]
-        return BlockCompileWorkers(jobs) if jobs else None
+        if workers is not None and len(jobs) <= workers.count:
+            workers.run(jobs)
+            return workers
+        if workers is not None:
+            workers.stop()
+        return BlockCompileWorkers.started(jobs)
 
     def seal_graphs(self) -> None:
         """From now on capture no graph and compile no block: shapes without one run eagerly (see

@@ -24,7 +24,7 @@ import torch
 
 from engines.config import PRE_LOOKAHEAD, TOKEN_MEL_RATIO, HiFTConfig, ModelPaths, configs_for_models_dir
 from engines.token2wav.base import ChunkJob, LaunchedChunks, SpeakerState, Token2Wav, Token2WavStream
-from engines.token2wav.block_compile import BlockCompileWorkers
+from engines.token2wav.block_compile import BlockCompileWorkers, idle_workers_for_cold_start
 from engines.token2wav.dit_cache import CacheRule
 from engines.token2wav.flow_base import FlowModel, FlowSpeaker, FlowStream
 from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker, load_dit_flow
@@ -91,19 +91,21 @@ class TorchToken2Wav(Token2Wav):
     (padded to length buckets, masked) from CUDA graphs; graphs are captured on the first use of a
     shape, or ahead by `warmup`. final_chunk_graphs off: final chunks run eagerly at their own lengths.
     precompiled: where the compiled DiT block is kept for later processes (engines/precompiled.py; None:
-    compiled anew in each, through torch.compile).
+    compiled anew in each, through torch.compile). block_workers: idle compile workers spawned for a cold
+    start (`from_models_dir`), handed their shapes by `prepare_warmup` or `warmup`.
     """
 
     def __init__(self, flow: FlowModel, hift: HiFTGenerator, name: str = "torch",
                  vocoder_seed: int | None = None, cuda_graphs: bool = True,
                  graph_hops: Sequence[int] = GRAPH_HOPS, final_chunk_graphs: bool = True,
-                 precompiled: Path | None = None) -> None:
+                 precompiled: Path | None = None, block_workers: BlockCompileWorkers | None = None) -> None:
         self.flow = flow.eval()
         self.hift = hift.eval()
         self.name = name
         self.vocoder_seed = vocoder_seed
         self.graph_hops = tuple(graph_hops)
         self.vocoder_graphs: GraphedVocoder | None = None
+        self._idle_workers = block_workers  # spawned, no shapes yet
         self._block_workers: BlockCompileWorkers | None = None  # from `prepare_warmup`, until `warmup`
         if cuda_graphs and self.device.type == "cuda":
             if isinstance(flow, DiTFlow) and flow.batches_streams:
@@ -138,8 +140,12 @@ class TorchToken2Wav(Token2Wav):
         paths = ModelPaths(Path(models_dir))
         configs = configs_for_models_dir(paths.root)
         flow: FlowModel
+        workers = None
         if variant == "dit":
             flow_cfg = dataclasses.replace(configs.dit_flow, att_cache_rule=dit_cache_rule)
+            if cuda_graphs:  # a cold start's compile workers import while the models load
+                workers = idle_workers_for_cold_start(precompiled, flow_cfg, dtype, torch.device(device),
+                                                      len(GRAPH_HOPS) + 2)
             flow = load_dit_flow(paths.dit_flow, flow_cfg, device, dtype)
             flow.limit_solve_memory(solve_memory_bytes)
             hift_path = paths.hift
@@ -153,7 +159,7 @@ class TorchToken2Wav(Token2Wav):
             raise ValueError(f"unknown flow variant {variant!r}; expected 'dit' or 'unet'")
         return TorchToken2Wav(flow, load_hift(hift_path, configs.hift, device), name=f"torch-{variant}",
                               cuda_graphs=cuda_graphs, final_chunk_graphs=final_chunk_graphs,
-                              precompiled=precompiled)
+                              precompiled=precompiled, block_workers=workers)
 
     @property
     def device(self) -> torch.device:
@@ -256,15 +262,18 @@ class TorchToken2Wav(Token2Wav):
     def _start_block_workers(
         self, speaker: SpeakerState, batches: Iterable[int]
     ) -> BlockCompileWorkers | None:
-        """A cold start's compile workers for the warm-up's chunk pass (None: none to start, or they could
-        not start, logged: an optimisation, the warm-up compiles alone then)."""
-        flow = self.flow
+        """A cold start's compile workers for the warm-up's chunk pass, the idle ones if spawned (None: none
+        to start, or they could not start, logged: an optimisation, the warm-up compiles alone then)."""
+        flow, idle = self.flow, self._idle_workers
+        self._idle_workers = None
         if not (isinstance(flow, DiTFlow) and flow.graphs is not None and isinstance(speaker, TorchSpeaker)
                 and isinstance(speaker.flow, DiTSpeaker)):
+            if idle is not None:
+                idle.stop()
             return None
         hops, prompt_frames = (*self.graph_hops, STEADY_HOP), speaker.flow.prompt_frames
         try:
-            return flow.start_compiling_blocks(batches, hops, prompt_frames)
+            return flow.start_compiling_blocks(batches, hops, prompt_frames, idle)
         except Exception as exc:  # no processes on this host, say: compile in the warm-up as before
             logger.warning("DiT block compile workers not started (%s: %s); the warm-up compiles alone",
                            type(exc).__name__, exc)

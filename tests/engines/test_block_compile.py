@@ -73,9 +73,9 @@ def test_planned_solve_shapes_are_those_the_chunk_pass_solves(capped: bool) -> N
 def test_workers_compile_the_classes_the_warm_up_then_loads(
     tmp_path: Path, requires_grad: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Two worker processes compile the block's classes of the planned solves into the kept folder and
-    report what they did; the flow's own block then serves every one of them from a loaded variant
-    (compiling none), with the eager flow's first chunks."""
+    """Two of three worker processes spawned idle are given the block's classes of the planned solves,
+    compile them into the kept folder and report what they did; the flow's own block then serves every
+    one of them from a loaded variant (compiling none), with the eager flow's first chunks."""
     from engines.token2wav.block_compile import BlockCompileJob, BlockCompileWorkers
 
     eager, kept = seeded_flow(), seeded_flow()
@@ -92,11 +92,13 @@ def test_workers_compile_the_classes_the_warm_up_then_loads(
     jobs = [BlockCompileJob(kept.cfg, kept.dtype, "cpu", block.folder, tuple(shapes),
                             kept.decoder.noise.shape[2], torch.get_num_threads(), matmul, conv, requires_grad)
             for shapes in planned]
+    workers = BlockCompileWorkers(len(jobs) + 1)  # spawned idle, as a cold start does before it loads
     with caplog.at_level("INFO", logger="engines.token2wav.block_compile"):
-        assert BlockCompileWorkers(jobs).wait() == len(jobs)
-    reports = [re.fullmatch(r"(dit-block-compile-\d): ready [\d.]+ s after its start, then (\d+) shapes in "
-                            r"[\d.]+ s \((\d+) classes compiled here\)", record.getMessage())
-               for record in caplog.records]
+        workers.run(jobs)  # the spare worker gets none and ends
+        assert workers.wait() == len(jobs)
+    report = (r"(dit-block-compile-\d): idle [\d.]+ s after its spawn, ready [\d.]+ s after its job, then "
+              r"(\d+) shapes in [\d.]+ s \((\d+) classes compiled here\)")
+    reports = [re.fullmatch(report, record.getMessage()) for record in caplog.records]
     done = sorted((match[1], int(match[2]), int(match[3])) for match in reports if match)
     assert [(name, shapes) for name, shapes, _ in done] == [
         (f"dit-block-compile-{index}", len(shapes)) for index, shapes in enumerate(planned)]
@@ -131,8 +133,8 @@ def test_a_failed_or_stuck_worker_is_logged_and_the_start_goes_on(
     job = BlockCompileJob(flow.cfg, flow.dtype, "cpu", tmp_path / "elsewhere", shapes,
                           flow.decoder.noise.shape[2], 1, "none", "tf32", False)
     with caplog.at_level("WARNING", logger="engines.token2wav.block_compile"):
-        assert BlockCompileWorkers([job]).wait() == 0
-        assert BlockCompileWorkers([job, job], timeout_s=0.0).wait() == 0
+        assert BlockCompileWorkers.started([job]).wait() == 0
+        assert BlockCompileWorkers.started([job, job], timeout_s=0.0).wait() == 0
     messages = [record.getMessage() for record in caplog.records]
     assert any("failed (exit code 1)" in message for message in messages)
     assert sum("stopped" in message for message in messages) == 2
@@ -153,8 +155,8 @@ shapes = tuple(SolveShape(b, f, own, 32, min(own + f, 32)) for b in (4, 3, 2, 1)
                for own in (0, 8, 16))
 job = BlockCompileJob(flow.cfg, flow.dtype, "cpu", block.folder, shapes,
                       flow.decoder.noise.shape[2], 1, "none", "tf32", False)
-workers = BlockCompileWorkers([job])
-print(workers._workers[0].pid, flush=True)
+workers = BlockCompileWorkers.started([job])
+print(workers.running[0], flush=True)
 time.sleep(600)
 """
 
@@ -204,8 +206,10 @@ def test_jobs_carry_the_parents_state_and_a_restart_starts_none(tmp_path: Path,
     started: list[list[BlockCompileJob]] = []
 
     class Recorded:  # stands for the processes: only the jobs are looked at here
-        def __init__(self, jobs: list[BlockCompileJob]) -> None:
+        @classmethod
+        def started(cls, jobs: list[BlockCompileJob]) -> Recorded:
             started.append(jobs)
+            return cls()
 
     monkeypatch.setattr(flow_dit, "BlockCompileWorkers", Recorded)
     flow = seeded_flow().requires_grad_(True)  # as a loaded flow
@@ -234,21 +238,26 @@ def test_jobs_carry_the_parents_state_and_a_restart_starts_none(tmp_path: Path,
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.skipif(not supported(), reason="this torch has no ahead-of-time compile")
 def test_on_cuda_the_workers_compile_every_class_of_the_chunk_pass(tmp_path: Path) -> None:
-    """As the service runs it: a flow loaded from its checkpoint in half precision (parameters as loaded)
-    with CUDA graphs over a kept block; the workers compile the planned chunk pass's classes, and the
-    chunk pass itself (first calls in the graphs' warm-up runs) then compiles none."""
+    """As the service runs it: idle workers spawned for a cold start before the flow loads from its
+    checkpoint in half precision (parameters as loaded) with CUDA graphs over a kept block; the workers
+    compile the planned chunk pass's classes, and the chunk pass itself (first calls in the graphs'
+    warm-up runs) then compiles none; the next start spawns no workers."""
+    from engines.token2wav.block_compile import idle_workers_for_cold_start
     from engines.token2wav.flow_dit import load_dit_flow
 
-    checkpoint = tmp_path / "flow.pt"
+    checkpoint, kept = tmp_path / "flow.pt", tmp_path / "kept"
     torch.save(seeded_flow().state_dict(), checkpoint)
+    cuda = torch.device("cuda")
+    idle = idle_workers_for_cold_start(kept, TRIMMING, torch.float16, cuda, len(HOPS) + 1)
+    assert idle is not None
     flow = load_dit_flow(checkpoint, TRIMMING, "cuda", torch.float16)
-    flow.enable_cuda_graphs(BUCKETS, precompiled=tmp_path / "kept")
+    flow.enable_cuda_graphs(BUCKETS, precompiled=kept)
     block = flow.decoder.estimator.kept_block
     assert block is not None and block.variants == 0
     speaker = flow.prepare_speaker(make_voice(1, 12))
     batches = (4, 2, 1)
-    workers = flow.start_compiling_blocks(batches, HOPS, speaker.prompt_frames)
-    assert workers is not None and workers.wait() == len(HOPS) + 1
+    workers = flow.start_compiling_blocks(batches, HOPS, speaker.prompt_frames, idle)
+    assert workers is idle and workers.wait() == len(HOPS) + 1
     assert block.variants == 0  # saved by the workers; the flow's block loads them when it meets them
     tokens = torch.zeros(sum(HOPS) + PRE_LOOKAHEAD, dtype=torch.int64)
     for batch in batches:
@@ -259,3 +268,21 @@ def test_on_cuda_the_workers_compile_every_class_of_the_chunk_pass(tmp_path: Pat
             start += hop
         flow.chunks(streams, [tokens[start:]] * batch, [True] * batch)
     assert block.compiled == 0 and block.variants > 0
+    assert idle_workers_for_cold_start(kept, TRIMMING, torch.float16, cuda, len(HOPS) + 1) is None
+
+
+def test_idle_workers_end_when_stopped_or_given_no_job_in_time() -> None:
+    """Workers spawned for a cold start that then has nothing for them end: stopped, or on their own once
+    no job came within their timeout; `wait` counts none of them as having compiled."""
+    import time
+
+    from engines.token2wav.block_compile import BlockCompileWorkers
+
+    stopped = BlockCompileWorkers(2)
+    stopped.stop()
+    assert stopped.running == []
+    unused = BlockCompileWorkers(1, timeout_s=0.5)
+    deadline = time.monotonic() + 120
+    while unused.running and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert unused.running == [] and unused.wait() == 0

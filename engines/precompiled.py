@@ -118,6 +118,7 @@ class PrecompiledFunction:
         self.specialize_float = specialize_float
         self.duck_shape = duck_shape
         self.compiled = 0  # variants compiled by this process
+        self.superseded = 0  # of those, classes another process saved meanwhile (its variant serves)
         self._sealed = False
         self._missed = False
         self._variants: list[Any] = []
@@ -173,6 +174,7 @@ class PrecompiledFunction:
         self.compiled += 1
         found = self._load(args)
         if found is not None:  # another process saved this class while we compiled it: one file of it
+            self.superseded += 1
             return found
         self._variants.append(variant)
         path = self.folder / f"{uuid.uuid4().hex}{SUFFIX}"

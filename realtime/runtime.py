@@ -194,17 +194,17 @@ class Runtime:
             # Unless an LLM sizes its cache by the free memory, the voices come first (a few small
             # calls) and what the token2wav warm-up has other processes do (a cold start's compiling)
             # runs while the LLM builds.
-            early = bool(gpus) and not any(llm.sizes_cache_by_free_memory for llm in engines.llms)
-            warm_up = early and await self._prepare_voices(prepare_warm_up=True)
+            early = not any(llm.sizes_cache_by_free_memory for llm in engines.llms)
+            if early:
+                warmed_up = await self._prepare_voices(prepare_warm_up=True)
             await asyncio.gather(*(llm.start() for llm in engines.llms))
             for device in engines.plan.shared_gpus:
                 with torch.cuda.device(device):
                     torch.cuda.empty_cache()  # the LLM warm-up's cached blocks, for token2wav's stream
             if not early:
-                warm_up = await self._prepare_voices(prepare_warm_up=bool(gpus))
-            if warm_up:
+                warmed_up = await self._prepare_voices(prepare_warm_up=True)
+            if warmed_up:
                 await self._warm_up(self._prepared["default"])
-            warmed_up = warm_up
         else:
             # Separate devices (or none): the LLM engines build (weights, compiled kernels, CUDA graphs)
             # while the token2wav workers prepare the voices and warm up; one side's file reads and

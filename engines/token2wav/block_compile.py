@@ -5,11 +5,11 @@ On a cold start the token2wav warm-up compiles the block once per shape class as
 163 s start (docs/benchmarks.md, sixteenth session). Compiling is host work (Dynamo's trace, Inductor's
 lowering, Triton's builds), single-threaded per class and held by the GIL, so threads cannot share it;
 processes can. `BlockCompileWorkers` spawns the processes idle, early in a cold start (while the models
-load, see `cold_start`), and hands each a list of solve shapes once the voice is known: each builds the
-flow's CFM with the same sizes and dtype (random weights: compiled code does not depend on their values),
-runs one Euler step of each of its shapes through the block kept ahead of time (`engines/precompiled.py`),
-and so saves a variant per class it meets into the folder the warm-up's block reads. The warm-up then
-loads the variants instead of compiling them.
+load: `idle_workers_for_cold_start`), and hands each a list of solve shapes once the voice is known:
+each builds the flow's CFM with the same sizes and dtype (random weights: compiled code does not depend
+on their values), runs one Euler step of each of its shapes through the block kept ahead of time
+(`engines/precompiled.py`), and so saves a variant per class it meets into the folder the warm-up's block
+reads. The warm-up then loads the variants instead of compiling them.
 
 Each list is one chunk of the warm-up's schedule at every batch size, largest first, as the warm-up
 runs them: a class is compiled at the shapes the warm-up would have compiled it at (Inductor picks its
@@ -20,6 +20,7 @@ without workers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
@@ -45,8 +46,12 @@ from engines.token2wav.graphs import SolverLayout
 
 logger = logging.getLogger(__name__)
 
-# A worker still compiling after this long is stopped: ~12 s per class on an H100 host, a few per worker.
+# A worker still compiling this long after its job came is stopped: ~12–17 s per class on an H100 host,
+# a few classes per worker.
 WORKERS_TIMEOUT_S = 600.0
+# An idle worker given no job for this long ends (a start that never warmed up); `stop`, its parent's exit
+# or death end it sooner. Above the slowest start measured (~235 s cold), so that a job is not lost.
+IDLE_TIMEOUT_S = 1800.0
 
 
 @dataclass(frozen=True)
@@ -70,28 +75,32 @@ class BlockCompileJob:
 @dataclass(frozen=True)
 class WorkerReport:
     """What a worker did, for the parent's log: seconds from its spawn to idle (a spawned Python and its
-    imports), from its job to its first shape (the model built on the device), then the seconds its
-    shapes took and how many classes it compiled for them (the rest it loaded from another worker's
-    variants, or they were one class)."""
+    imports), from its job to its first shape (the model built on the device), the seconds its shapes
+    took, and the shapes at which it compiled a class (the others' classes it loaded from another
+    worker's variants or had compiled already); `superseded` of those another worker saved first."""
 
     name: str
     idle_s: float
     ready_s: float
     shapes: int
     shapes_s: float
-    compiled: int
+    compiled_at: tuple[SolveShape, ...]
+    superseded: int
 
 
-def compile_block_classes(job: BlockCompileJob) -> tuple[float, float, int]:
+def compile_block_classes(job: BlockCompileJob) -> tuple[float, float, tuple[SolveShape, ...], int]:
     """A worker's part: run one Euler step of each of `job.shapes` through the kept block (so compiling
     and saving every class they meet that no variant in the folder serves yet). Returns the seconds to
-    the first shape, the seconds of the shapes, and how many classes it compiled."""
+    the first shape, the seconds of the shapes, the shapes at which a class was compiled, and how many
+    of those another process had saved meanwhile."""
     called = time.perf_counter()
+    device = torch.device(job.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # Triton and the autotuner use the current device
     torch.set_num_threads(job.threads)
     inductor_config.compile_threads = job.compile_threads
     torch.backends.cuda.matmul.fp32_precision = job.matmul_precision
     torch.backends.cudnn.conv.fp32_precision = job.conv_precision  # type: ignore[attr-defined]
-    device = torch.device(job.device)
     dit = DiT(job.cfg.dit)
     cfm = ConditionalCFM(dit, job.cfg.n_timesteps, job.cfg.cfg_rate, job.noise_frames)
     cfm.to(device, job.dtype).eval().requires_grad_(job.requires_grad)
@@ -106,36 +115,40 @@ def compile_block_classes(job: BlockCompileJob) -> tuple[float, float, int]:
         return torch.zeros(size, dtype=dtype, device=device)
 
     ready = time.perf_counter()
+    compiled_at = []
     with torch.inference_mode():
         conditioning = cfm.step_conditioning()
         for shape in job.shapes:
             inputs, outputs = layout.inputs(shape, zeros), layout.outputs(shape, zeros)
             inputs.lengths.fill_(1)  # valid rows: one real frame each, as a graph's warm-up run
             inputs.mask.fill_(True)
+            compiled = block.compiled
             cfm.solve_ragged(inputs, outputs, conditioning, steps=1)
             if block.failed:  # nothing is kept from here on: say so rather than compile for nothing
                 raise RuntimeError("the ahead-of-time compile failed (logged above)")
-    return ready - called, time.perf_counter() - ready, block.compiled
+            if block.compiled > compiled:
+                compiled_at.append(shape)
+    return ready - called, time.perf_counter() - ready, tuple(compiled_at), block.superseded
 
 
 def _serve(parent: int, jobs: Connection, reports: multiprocessing.queues.SimpleQueue[WorkerReport],
-           spawned: float, timeout_s: float) -> None:
-    """A worker process: import what compiling needs, wait up to `timeout_s` for a job (None: nothing
-    to do), run it and report. It does not outlive `parent`, the process that spawned it at `spawned`."""
+           spawned: float, idle_timeout_s: float) -> None:
+    """A worker process: import what compiling needs, wait up to `idle_timeout_s` for a job (None or a
+    closed pipe: nothing to do), run it and report. It does not outlive `parent`, the process that
+    spawned it at `spawned`."""
     _exit_with_parent(parent)
-    import torch._dynamo  # noqa: F401  (the compile's own imports, done while idle)
-    import torch._inductor.compile_fx  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401  (the compile's own imports, done while idle)
 
     idle = time.time()
     try:
-        job: BlockCompileJob | None = jobs.recv() if jobs.poll(timeout_s) else None
-    except EOFError:  # the parent closed its end: no job
+        job: BlockCompileJob | None = jobs.recv() if jobs.poll(idle_timeout_s) else None
+    except EOFError:
         job = None
     if job is None:
         return
-    ready_s, shapes_s, compiled = compile_block_classes(job)
+    ready_s, shapes_s, compiled_at, superseded = compile_block_classes(job)
     reports.put(WorkerReport(multiprocessing.current_process().name, idle - spawned, ready_s, len(job.shapes),
-                             shapes_s, compiled))
+                             shapes_s, compiled_at, superseded))
 
 
 def idle_workers_for_cold_start(root: Path | None, cfg: FlowConfig, dtype: torch.dtype, device: torch.device,
@@ -172,12 +185,13 @@ def _exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
 class BlockCompileWorkers:
     """`count` worker processes, spawned at once (CUDA does not survive a fork) and idle: each imports
     what compiling needs and waits for its job, which is when it first touches the device. So a start
-    can spawn them before it loads its models (a worker's imports took ~20 s beside five others on an
-    H100 host, docs/benchmarks.md seventeenth session) and hand them their jobs (`run`) once it knows the
-    shapes. `wait` ends them. A parent that exits first stops them; a worker given no job within
-    `timeout_s` exits, as does one whose parent is gone."""
+    can spawn them before it loads its models (a worker took 24–26 s to get going beside five others on
+    an H100 host, docs/benchmarks.md seventeenth session) and hand them their jobs (`run`) once it knows
+    the shapes. `wait` ends them. A parent that exits first stops them; a worker given no job within
+    `idle_timeout_s` ends, as does one whose parent is gone."""
 
-    def __init__(self, count: int, timeout_s: float = WORKERS_TIMEOUT_S) -> None:
+    def __init__(self, count: int, timeout_s: float = WORKERS_TIMEOUT_S,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
         if count < 1:
             raise ValueError(f"{count} compile workers")
         self.timeout_s = timeout_s
@@ -191,7 +205,7 @@ class BlockCompileWorkers:
         spawned = time.time()
         # Not daemonic: Inductor starts processes of its own to compile kernels.
         self._workers = [context.Process(target=_serve, name=f"dit-block-compile-{index}",
-                                         args=(os.getpid(), receiver, self._reports, spawned, timeout_s))
+                                         args=(os.getpid(), receiver, self._reports, spawned, idle_timeout_s))
                          for index, (receiver, _) in enumerate(pipes)]
         # Stopped at interpreter exit, before multiprocessing joins its children (a start that failed
         # meanwhile), and if one of them cannot start.
@@ -215,6 +229,11 @@ class BlockCompileWorkers:
         """The process ids of the workers still running."""
         return [worker.pid for worker in self._workers if worker.pid is not None and worker.is_alive()]
 
+    @property
+    def exit_codes(self) -> list[int | None]:
+        """Each worker's exit code (None: still running)."""
+        return [worker.exitcode for worker in self._workers]
+
     @classmethod
     def started(cls, jobs: Sequence[BlockCompileJob],
                 timeout_s: float = WORKERS_TIMEOUT_S) -> BlockCompileWorkers:
@@ -224,7 +243,8 @@ class BlockCompileWorkers:
         return workers
 
     def run(self, jobs: Sequence[BlockCompileJob]) -> None:
-        """Hand out `jobs`, one per worker (at most as many as there are); the others end. Once only."""
+        """Hand out `jobs`, one per worker (at most as many as there are); the others end. Once only. A
+        worker that ended before it got its job (see `running`) compiles nothing: `wait` says so."""
         if not jobs or len(jobs) > len(self._workers):
             raise ValueError(f"{len(jobs)} jobs for {len(self._workers)} compile workers")
         if self.folder is not None:
@@ -235,25 +255,30 @@ class BlockCompileWorkers:
         for index, sender in enumerate(self._jobs):
             job = dataclasses.replace(jobs[index], compile_threads=share) if index < len(jobs) else None
             self._busy[index] = job is not None
-            try:
+            with contextlib.suppress(OSError):  # the worker is gone: `wait` counts it out
                 sender.send(job)
-            except OSError as exc:  # the worker is gone (it failed to start): `wait` logs its exit code
-                logger.warning("%s did not take its job (%s)", self._workers[index].name, exc)
             sender.close()
 
-    def stop(self) -> None:
-        """End the workers without jobs for them (nothing to compile after all)."""
+    def stop(self, grace_s: float = 2.0) -> None:
+        """End the workers without jobs for them (nothing to compile after all): an idle one ends by itself
+        on the closed pipe; those still there after `grace_s` (importing, say) are stopped."""
         for sender in self._jobs:
-            sender.close()  # an idle worker then finds no job and ends
+            sender.close()
+        deadline = time.perf_counter() + grace_s
+        for worker in self._workers:
+            if worker.pid is not None:
+                worker.join(max(0.0, deadline - time.perf_counter()))
         _stop(self._workers)
 
     def wait(self) -> int:
         """Wait for the workers given a job until `timeout_s` after `run`; stop any still running then. A
-        failed or stopped worker is logged (the warm-up compiles what it did not). Returns how many of
-        them finished."""
+        worker that failed, was stopped or ended without its job is logged (the warm-up compiles what it
+        did not). Returns how many compiled their job to the end; 0 (the workers stopped) before `run`."""
+        if self.folder is None:
+            self.stop()
+            return 0
         deadline = self._ran + self.timeout_s
-        finished = 0
-        for worker, busy in zip(self._workers, self._busy, strict=True):
+        for worker in self._workers:
             worker.join(max(0.0, deadline - time.perf_counter()))
             if worker.is_alive():
                 logger.warning("%s still compiling %.0f s after its job came: stopped (the warm-up compiles "
@@ -262,18 +287,28 @@ class BlockCompileWorkers:
             elif worker.exitcode != 0:
                 logger.warning("%s failed (exit code %s); the warm-up compiles what it did not", worker.name,
                                worker.exitcode)
-            elif busy:
-                finished += 1
-        variants = 0 if self.folder is None else len(list(self.folder.glob(f"*{SUFFIX}")))
-        logger.info("DiT block: %d of %d compile workers done %.1f s after their jobs came; %d variants "
-                    "in %s", finished, sum(self._busy), time.perf_counter() - self._ran, variants,
-                    "its folder" if self.folder is None else self.folder.name)
-        while not self._reports.empty():  # every finished worker's, put before it exited
+        reports = {}
+        while not self._reports.empty():  # every worker's that ran its job to the end, put before it exited
             report = self._reports.get()
+            reports[report.name] = report
+        for worker, busy in zip(self._workers, self._busy, strict=True):
+            if busy and worker.exitcode == 0 and worker.name not in reports:
+                logger.warning("%s ended before its job came; the warm-up compiles what it did not",
+                               worker.name)
+        logger.info("DiT block: %d of %d compile workers done %.1f s after their jobs came; %d variants "
+                    "in %s", len(reports), sum(self._busy), time.perf_counter() - self._ran,
+                    len(list(self.folder.glob(f"*{SUFFIX}"))), self.folder.name)
+        for report in reports.values():
             logger.info("%s: idle %.1f s after its spawn, ready %.1f s after its job, then %d shapes in "
-                        "%.1f s (%d classes compiled here)", report.name, report.idle_s, report.ready_s,
-                        report.shapes, report.shapes_s, report.compiled)
-        return finished
+                        "%.1f s; classes compiled at %s (%d of them saved by another worker first)",
+                        report.name, report.idle_s, report.ready_s, report.shapes, report.shapes_s,
+                        _shapes(report.compiled_at), report.superseded)
+        return len(reports)
+
+
+def _shapes(shapes: Sequence[SolveShape]) -> str:
+    """`(rows, frames, own cache frames)` of each shape, or "none"."""
+    return ", ".join(f"({shape.batch}, {shape.frames}, own {shape.own_frames})" for shape in shapes) or "none"
 
 
 def _stop(workers: Sequence[multiprocessing.process.BaseProcess], grace_s: float = 10.0) -> None:

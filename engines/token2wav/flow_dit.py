@@ -357,9 +357,9 @@ class DiTFlow(ConformerFlow):
         """When the block is kept ahead of time and its folder holds no variant yet (a cold start), start
         compiling the shape classes of `planned_solve_shapes(batches, hops, prompt_frames)` in worker
         processes, one per chunk of the schedule (block_compile.py): `workers` if given (idle ones
-        spawned earlier; stopped when there is nothing for them), else new ones. `wait()` on the result
-        before the warm-up, which then loads the variants instead of compiling one class after the
-        other. None when there is nothing to start."""
+        spawned earlier; stopped when there is nothing for them or one has ended), else new ones.
+        `wait()` on the result before the warm-up, which then loads the variants instead of compiling
+        one class after the other. None when there is nothing to start."""
         estimator = self.decoder.estimator
         block = estimator.kept_block if isinstance(estimator, DiT) else None
         jobs: list[BlockCompileJob] = []
@@ -375,7 +375,7 @@ class DiTFlow(ConformerFlow):
             if workers is not None:
                 workers.stop()
             return None
-        if workers is not None and len(jobs) <= workers.count:
+        if workers is not None and len(jobs) <= workers.count == len(workers.running):
             workers.run(jobs)
             return workers
         if workers is not None:

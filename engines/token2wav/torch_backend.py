@@ -56,6 +56,18 @@ def vocoder_graph_chunks(cfg: HiFTConfig, hops: Sequence[int]) -> list[tuple[int
     return [(f, 0) for f in frames] + [(f + cfg.mel_cache_frames, cfg.source_cache_samples) for f in frames]
 
 
+def schedule_hops(graph_hops: Sequence[int]) -> tuple[int, ...]:
+    """The hops the warm-up runs streams through: the schedule's graphed ones, then one steady hop (a
+    final chunk of the lookahead follows)."""
+    return (*graph_hops, STEADY_HOP)
+
+
+def schedule_chunks(graph_hops: Sequence[int]) -> int:
+    """How many chunks the warm-up's streams run (`schedule_hops` and the final one): its compile
+    workers' count, one per chunk (DiTFlow.planned_solve_shapes)."""
+    return len(schedule_hops(graph_hops)) + 1
+
+
 @dataclass(frozen=True, eq=False)
 class TorchSpeaker(SpeakerState):
     """The flow's per-voice state (HiFT needs none)."""
@@ -145,21 +157,26 @@ class TorchToken2Wav(Token2Wav):
             flow_cfg = dataclasses.replace(configs.dit_flow, att_cache_rule=dit_cache_rule)
             if cuda_graphs:  # a cold start's compile workers import while the models load
                 workers = idle_workers_for_cold_start(precompiled, flow_cfg, dtype, torch.device(device),
-                                                      len(GRAPH_HOPS) + 2)
-            flow = load_dit_flow(paths.dit_flow, flow_cfg, device, dtype)
-            flow.limit_solve_memory(solve_memory_bytes)
-            hift_path = paths.hift
+                                                      schedule_chunks(GRAPH_HOPS))
+            try:
+                flow = load_dit_flow(paths.dit_flow, flow_cfg, device, dtype)
+                flow.limit_solve_memory(solve_memory_bytes)
+                hift = load_hift(paths.hift, configs.hift, device)
+            except BaseException:
+                if workers is not None:
+                    workers.stop()
+                raise
         elif variant == "unet":
             # Imported here: the UNet flow is optional for DiT deployments.
             from engines.token2wav.flow_unet import load_unet_flow
 
             flow = load_unet_flow(paths.unet_flow, configs.unet_flow, device, dtype)
-            hift_path = paths.cosyvoice2_hift
+            hift = load_hift(paths.cosyvoice2_hift, configs.hift, device)
         else:
             raise ValueError(f"unknown flow variant {variant!r}; expected 'dit' or 'unet'")
-        return TorchToken2Wav(flow, load_hift(hift_path, configs.hift, device), name=f"torch-{variant}",
-                              cuda_graphs=cuda_graphs, final_chunk_graphs=final_chunk_graphs,
-                              precompiled=precompiled, block_workers=workers)
+        return TorchToken2Wav(flow, hift, name=f"torch-{variant}", cuda_graphs=cuda_graphs,
+                              final_chunk_graphs=final_chunk_graphs, precompiled=precompiled,
+                              block_workers=workers)
 
     @property
     def device(self) -> torch.device:
@@ -222,11 +239,13 @@ class TorchToken2Wav(Token2Wav):
         earlier by `prepare_warmup`, or here).
         Afterwards no graph is captured: a shape the warm-up did not meet (a longer prompt, several
         voices in one batch) runs eagerly, logged, rather than stalling every stream for a capture."""
-        hops = (*self.graph_hops, STEADY_HOP)
+        hops = schedule_hops(self.graph_hops)
         tokens = torch.zeros(sum(hops) + PRE_LOOKAHEAD, dtype=torch.int64)
         batches = sorted(batches, reverse=True)
-        workers = self._block_workers or self._start_block_workers(speaker, batches)
+        workers = self._block_workers
         self._block_workers = None
+        if workers is None:
+            workers = self._start_block_workers(speaker, batches)
         if workers is not None:
             workers.wait()
         for batch in batches:
@@ -271,7 +290,7 @@ class TorchToken2Wav(Token2Wav):
             if idle is not None:
                 idle.stop()
             return None
-        hops, prompt_frames = (*self.graph_hops, STEADY_HOP), speaker.flow.prompt_frames
+        hops, prompt_frames = schedule_hops(self.graph_hops), speaker.flow.prompt_frames
         try:
             return flow.start_compiling_blocks(batches, hops, prompt_frames, idle)
         except Exception as exc:  # no processes on this host, say: compile in the warm-up as before

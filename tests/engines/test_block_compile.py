@@ -97,13 +97,17 @@ def test_workers_compile_the_classes_the_warm_up_then_loads(
         workers.run(jobs)  # the spare worker gets none and ends
         assert workers.wait() == len(jobs)
     report = (r"(dit-block-compile-\d): idle [\d.]+ s after its spawn, ready [\d.]+ s after its job, then "
-              r"(\d+) shapes in [\d.]+ s \((\d+) classes compiled here\)")
+              r"(\d+) shapes in [\d.]+ s; classes compiled at (.*) \((\d+) of them saved by another worker "
+              r"first\)")
     reports = [re.fullmatch(report, record.getMessage()) for record in caplog.records]
-    done = sorted((match[1], int(match[2]), int(match[3])) for match in reports if match)
-    assert [(name, shapes) for name, shapes, _ in done] == [
+    done = sorted((match[1], int(match[2]), match[3], int(match[4])) for match in reports if match)
+    assert [(name, shapes) for name, shapes, *_ in done] == [
         (f"dit-block-compile-{index}", len(shapes)) for index, shapes in enumerate(planned)]
-    saved = len(list(block.folder.glob(f"*{SUFFIX}")))
-    assert sum(compiled for *_, compiled in done) == saved  # each class saved once, by its compiler
+    # The two jobs' shapes are two classes (own cache empty, then not): each compiled at its job's first
+    # shape, by its worker alone, and saved.
+    assert [(at, superseded) for *_, at, superseded in done] == [
+        (f"({shapes[0].batch}, {shapes[0].frames}, own {shapes[0].own_frames})", 0) for shapes in planned]
+    assert len(list(block.folder.glob(f"*{SUFFIX}"))) == 2
     outputs = []
     for flow in (eager, kept):
         flow.use_bucketed_solver(PersistentSolver(flow), BUCKETS)  # the planned (bucketed) shapes
@@ -198,7 +202,8 @@ def test_jobs_carry_the_parents_state_and_a_restart_starts_none(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """What the workers' guards must match comes from the flow that starts them (its thread count, its
     parameters' `requires_grad`, the float32 precisions, its block's folder), one picklable job per chunk
-    of the plan; once the folder holds a variant (a restart) nothing is started."""
+    of the plan, run by idle workers spawned earlier if all of them still wait (else by fresh ones); once
+    the folder holds a variant (a restart) nothing is started and idle workers are stopped."""
     import pickle
 
     import engines.token2wav.flow_dit as flow_dit
@@ -227,11 +232,35 @@ def test_jobs_carry_the_parents_state_and_a_restart_starts_none(tmp_path: Path,
             torch.get_num_threads(), True, block.folder, flow.dtype)
         assert job.matmul_precision == torch.backends.cuda.matmul.fp32_precision
         assert pickle.loads(pickle.dumps(job)) == job
+    chunks = len(planned)
+    idle = IdleWorkers(chunks, running=chunks)  # spawned early, all still waiting: they take the jobs
+    assert flow.start_compiling_blocks((2, 1), HOPS, speaker.prompt_frames, idle) is idle  # type: ignore[arg-type]
+    assert idle.calls == [f"run {chunks}"] and len(started) == 1
+    ended = IdleWorkers(chunks, running=chunks - 1)  # one gave up waiting: fresh ones take the jobs
+    assert isinstance(flow.start_compiling_blocks((2, 1), HOPS, speaker.prompt_frames, ended),  # type: ignore[arg-type]
+                      Recorded)
+    assert ended.calls == ["stop"] and len(started) == 2
     stream = flow.open_stream(speaker)  # one chunk compiles (and keeps) a class: no longer a cold start
     with torch.inference_mode():
         flow.chunks([stream], [torch.zeros(HOPS[0] + PRE_LOOKAHEAD, dtype=torch.int64)], [False])
     assert block.variants >= 1
-    assert flow.start_compiling_blocks((2, 1), HOPS, speaker.prompt_frames) is None and started == [jobs]
+    spare = IdleWorkers(chunks, running=chunks)
+    assert flow.start_compiling_blocks((2, 1), HOPS, speaker.prompt_frames, spare) is None  # type: ignore[arg-type]
+    assert spare.calls == ["stop"] and len(started) == 2
+
+
+class IdleWorkers:
+    """Stands for idle compile workers spawned early: records what the flow asks of them."""
+
+    def __init__(self, count: int, running: int) -> None:
+        self.count, self.running = count, list(range(running))
+        self.calls: list[str] = []
+
+    def run(self, jobs: list[BlockCompileJob]) -> None:
+        self.calls.append(f"run {len(jobs)}")
+
+    def stop(self) -> None:
+        self.calls.append("stop")
 
 
 @pytest.mark.gpu
@@ -271,18 +300,26 @@ def test_on_cuda_the_workers_compile_every_class_of_the_chunk_pass(tmp_path: Pat
     assert idle_workers_for_cold_start(kept, TRIMMING, torch.float16, cuda, len(HOPS) + 1) is None
 
 
-def test_idle_workers_end_when_stopped_or_given_no_job_in_time() -> None:
-    """Workers spawned for a cold start that then has nothing for them end: stopped, or on their own once
-    no job came within their timeout; `wait` counts none of them as having compiled."""
+def test_idle_workers_end_when_stopped_or_given_no_job_in_time(caplog: pytest.LogCaptureFixture) -> None:
+    """Workers spawned for a cold start that then has nothing for them end by themselves: on the closed
+    pipe of `stop`, or once no job came within their idle timeout. A job handed to a worker that has
+    ended that way is not counted as compiled, and `wait` says so."""
     import time
 
     from engines.token2wav.block_compile import BlockCompileWorkers
 
     stopped = BlockCompileWorkers(2)
-    stopped.stop()
-    assert stopped.running == []
-    unused = BlockCompileWorkers(1, timeout_s=0.5)
+    stopped.stop(grace_s=120)  # time enough to finish importing and see the pipe closed
+    assert stopped.exit_codes == [0, 0]
+    late = BlockCompileWorkers(1, idle_timeout_s=0.5)
     deadline = time.monotonic() + 120
-    while unused.running and time.monotonic() < deadline:
+    while late.running and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert unused.running == [] and unused.wait() == 0
+    assert late.exit_codes == [0]
+    flow = seeded_flow()
+    job = BlockCompileJob(flow.cfg, flow.dtype, "cpu", Path("unused"), (SolveShape(2, 10, 0, 32, 10),),
+                          flow.decoder.noise.shape[2], 1, "none", "tf32", False)
+    late.run([job])
+    with caplog.at_level("WARNING", logger="engines.token2wav.block_compile"):
+        assert late.wait() == 0
+    assert any("ended before its job came" in record.getMessage() for record in caplog.records)

@@ -7,7 +7,8 @@ Builds (or reuses) synthetic checkpoints of the requested size, warms up (`Torch
 CUDA, captures the graphs of the schedule's shapes), then for each batch size N opens N streams of one
 voice and times the calls of the exponential schedule with all N streams in step: every stream's first
 chunk (15 + 3 tokens) in one call, then every stream's second chunk (25 + 3), and so on. Prints, per
-call, the wall time (median over repeats) and the real-time factor: seconds of audio the call yields per
+call, the wall time (median over repeats), the part of it the host took to queue the call's device work
+(`launch_chunks`; on a CPU the whole call), and the real-time factor: seconds of audio the call yields per
 second of wall time, which is how many streams at that chunk size one GPU could keep playing.
 
 With `--render TOKENS`, it also times offline rendering (what `realtime synth` asks of token2wav): N
@@ -41,16 +42,20 @@ from realtime.schedule import ChunkScheduler, EqualHops  # noqa: E402
 
 
 def time_schedule(t2w: TorchToken2Wav, speaker: SpeakerState, batch: int, hops: list[int],
-                  tokens: torch.Tensor) -> list[float]:
-    """ms of each call: chunk k of `batch` streams at once, for every hop k; the streams then end."""
+                  tokens: torch.Tensor) -> list[tuple[float, float]]:
+    """ms of each call, and of its launch (the host queueing the device work, as the server's
+    `tts_token2wav_launch_seconds`): chunk k of `batch` streams at once, for every hop k; the streams
+    then end."""
     streams = [t2w.open_stream(speaker) for _ in range(batch)]
     times, start = [], 0
     for hop in hops:
         piece = tokens[start : start + hop + PRE_LOOKAHEAD]
         jobs = [ChunkJob(stream, piece, last=False) for stream in streams]
         began = time.perf_counter()
-        t2w.run_chunks(jobs)  # returns CPU audio: the device has finished
-        times.append((time.perf_counter() - began) * 1000)
+        launched = t2w.launch_chunks(jobs)
+        queued = time.perf_counter()
+        launched.wait()  # CPU audio: the device has finished
+        times.append(((time.perf_counter() - began) * 1000, (queued - began) * 1000))
         start += hop
     for stream in streams:
         stream.close()
@@ -177,10 +182,11 @@ def main() -> None:
         time_schedule(t2w, speaker, batch, args.hops, tokens)  # first use of every kernel and shape
         runs = [time_schedule(t2w, speaker, batch, args.hops, tokens) for _ in range(args.repeats)]
         for hop, times in zip(args.hops, zip(*runs, strict=True), strict=True):
-            ms = statistics.median(times)
+            ms = statistics.median(total for total, _ in times)
+            launch_ms = statistics.median(launch for _, launch in times)
             audio_s = batch * hop / TOKEN_RATE_HZ
-            rows.append({"batch": batch, "hop": hop, "ms": ms, "ms_per_stream": ms / batch,
-                         "realtime_x": audio_s / (ms / 1000)})
+            rows.append({"batch": batch, "hop": hop, "ms": ms, "launch_ms": launch_ms,
+                         "ms_per_stream": ms / batch, "realtime_x": audio_s / (ms / 1000)})
 
     renders = []
     for batch in args.batches if args.render else ():
@@ -202,11 +208,12 @@ def main() -> None:
     source = f"{args.size} synthetic" if args.models is None else f"{models}"
     print(f"\ntoken2wav run_chunks: {source} DiT flow ({t2w.flow.dtype}, {mode}), HiFT fp32, "
           f"{name}, torch {torch.__version__}; warm-up {warmup_s:.1f} s; {SAMPLE_RATE} Hz")
-    print(f"{'streams':>7} {'chunk (tokens)':>15} {'ms / call':>10} {'ms / stream':>12} {'x real time':>12}")
+    print(f"{'streams':>7} {'chunk (tokens)':>15} {'ms / call':>10} {'launch ms':>10} {'ms / stream':>12} "
+          f"{'x real time':>12}")
     for row in rows:
         chunk = f"{'first ' if row['hop'] == args.hops[0] else ''}{row['hop']}+{PRE_LOOKAHEAD}"
-        print(f"{row['batch']:>7} {chunk:>15} {row['ms']:>10.1f} {row['ms_per_stream']:>12.2f} "
-              f"{row['realtime_x']:>12.1f}")
+        print(f"{row['batch']:>7} {chunk:>15} {row['ms']:>10.1f} {row['launch_ms']:>10.1f} "
+              f"{row['ms_per_stream']:>12.2f} {row['realtime_x']:>12.1f}")
     if renders:
         print(f"\noffline render of {args.render} tokens per stream")
         print(f"{'streams':>7} {'chunks':>12} {'ms in all':>10} {'x real time':>12}  ms per call")

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from pathlib import Path
+
+ASIDE_SUFFIX = ".tmp"
 
 
 def write_whole(path: Path, data: bytes) -> None:
@@ -13,7 +16,7 @@ def write_whole(path: Path, data: bytes) -> None:
     never sees half a file, and two writers of the same path never share a file). Raises OSError; the
     file aside is gone then."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=ASIDE_SUFFIX)
     aside = Path(name)
     try:
         with os.fdopen(handle, "wb") as file:
@@ -22,3 +25,21 @@ def write_whole(path: Path, data: bytes) -> None:
     except BaseException:
         aside.unlink(missing_ok=True)
         raise
+
+
+def sweep_aside(folder: Path, older_than_s: float) -> int:
+    """Remove the files `write_whole` left aside in `folder` more than `older_than_s` ago (a writer killed
+    outright, which no handler could tidy after; a younger one may be another process's write under way).
+    Returns how many were removed."""
+    if not folder.is_dir():
+        return 0
+    removed = 0
+    before = time.time() - older_than_s
+    for aside in folder.glob(f".*{ASIDE_SUFFIX}"):
+        try:
+            if aside.stat().st_mtime < before:
+                aside.unlink()
+                removed += 1
+        except FileNotFoundError:  # removed meanwhile by another process's sweep
+            continue
+    return removed

@@ -37,11 +37,14 @@ import torch
 import torch.fx.experimental._config as fx_config
 
 from engines.compilation import device_name
-from engines.files import write_whole
+from engines.files import sweep_aside, write_whole
 
 logger = logging.getLogger(__name__)
 
 SUFFIX = ".aot"
+# A variant file still being written aside after this long was left by a writer killed mid-write (a
+# compile worker stopped at its deadline, say): swept when a function opens the folder.
+ASIDE_MAX_AGE_S = 3600.0
 
 
 def variant_folder(root: Path, name: str, modules: Iterable[ModuleType], keys: Iterable[str],
@@ -124,6 +127,10 @@ class PrecompiledFunction:
         self._variants: list[Any] = []
         self._failed = False  # an AOT compile failed: `jit` serves every call from then on
         self._seen: set[str] = set()  # file names looked at (loaded or refused)
+        swept = sweep_aside(folder, ASIDE_MAX_AGE_S)
+        if swept:
+            logger.info("%s: %d unfinished variant files removed (writers killed mid-write)", folder.name,
+                        swept)
         self._load()
 
     @property

@@ -59,6 +59,7 @@ from realtime.schedule import EqualHops, ExponentialHops
 from realtime.session import PreparedVoice, Segment, ServiceError, Session, SpeechRequest, language_code
 from realtime.token2wav_worker import Token2WavWorker
 from realtime.voices import VoiceInfo, VoiceQuota, VoiceRegistry
+from realtime.warm_up import compile_beside_llm, warmup_batches
 
 logger = logging.getLogger(__name__)
 
@@ -81,17 +82,6 @@ def _llm_steps(llms: Sequence[LLMEngine]) -> tuple[int, float]:
     """The LLM engines' decode steps and the seconds they took, summed (what a worker's hold reads)."""
     stats = [llm.stats() for llm in llms]
     return sum(s.steps for s in stats), sum(s.step_seconds for s in stats)
-
-
-def warmup_batches(max_batch: int, max_rows: int) -> list[int]:
-    """The batch sizes (powers of two: the row buckets) a warm-up runs for a token2wav worker that runs
-    at most `max_batch` chunks per call and serves at most `max_rows` streams at once. A stream has at
-    most one chunk in flight, so no call has more rows than streams: warming larger buckets would only
-    take GPU memory (under the reference DiT cache rule the 64-row graphs alone exhaust an 80 GB H100
-    at 128 streams, docs/benchmarks.md)."""
-    rows = max(1, min(max_batch, max_rows))
-    top = 1 << (rows - 1).bit_length()  # the bucket that holds `rows`
-    return [1 << i for i in range(top.bit_length())]
 
 
 class Runtime:
@@ -191,10 +181,11 @@ class Runtime:
             # On a shared GPU the two build one after the other: at once they needed both warm-ups'
             # peaks plus two allocator caches (one per stream) and ran an 80 GB H100 out of memory
             # (docs/benchmarks.md, 2026-11-24 start-up).
-            # Unless an LLM sizes its cache by the free memory, the voices come first (a few small
+            # Where the policy allows (warm_up.compile_beside_llm), the voices come first (a few small
             # calls) and what the token2wav warm-up has other processes do (a cold start's compiling)
             # runs while the LLM builds.
-            early = not any(llm.sizes_cache_by_free_memory for llm in engines.llms)
+            free = [torch.cuda.mem_get_info(device)[0] for device in engines.plan.shared_gpus]
+            early = compile_beside_llm(engines.llms, free)
             if early:
                 warmed_up = await self._prepare_voices(prepare_warm_up=True)
             await asyncio.gather(*(llm.start() for llm in engines.llms))

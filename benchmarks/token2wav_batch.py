@@ -1,4 +1,4 @@
-"""Batched streaming token2wav: wall time of one `run_chunks` call over N streams' chunks.
+"""Batched streaming token2wav: wall and launch time of one call over N streams' chunks.
 
     python benchmarks/token2wav_batch.py --size full --device cuda --batches 1 4 16 64
     python benchmarks/token2wav_batch.py --size tiny --device cpu --batches 1 4 --repeats 1
@@ -206,7 +206,7 @@ def main() -> None:
     if args.cudnn_benchmark:
         mode += ", cuDNN benchmark"
     source = f"{args.size} synthetic" if args.models is None else f"{models}"
-    print(f"\ntoken2wav run_chunks: {source} DiT flow ({t2w.flow.dtype}, {mode}), HiFT fp32, "
+    print(f"\ntoken2wav launch_chunks + wait: {source} DiT flow ({t2w.flow.dtype}, {mode}), HiFT fp32, "
           f"{name}, torch {torch.__version__}; warm-up {warmup_s:.1f} s; {SAMPLE_RATE} Hz")
     print(f"{'streams':>7} {'chunk (tokens)':>15} {'ms / call':>10} {'launch ms':>10} {'ms / stream':>12} "
           f"{'x real time':>12}")

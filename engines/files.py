@@ -27,19 +27,22 @@ def write_whole(path: Path, data: bytes) -> None:
         raise
 
 
-def sweep_aside(folder: Path, older_than_s: float) -> int:
-    """Remove the files `write_whole` left aside in `folder` more than `older_than_s` ago (a writer killed
-    outright, which no handler could tidy after; a younger one may be another process's write under way).
-    Returns how many were removed."""
+def sweep_aside(folder: Path, kept_suffix: str, older_than_s: float) -> int:
+    """Remove the files `write_whole` left aside for `*{kept_suffix}` files in `folder` more than
+    `older_than_s` ago (a writer killed outright, which no handler could tidy after; a younger one may be
+    another process's write under way). Housekeeping only: a folder this process may not change (a
+    read-only volume) is left as it is. Returns how many were removed."""
     if not folder.is_dir():
         return 0
     removed = 0
     before = time.time() - older_than_s
-    for aside in folder.glob(f".*{ASIDE_SUFFIX}"):
+    for aside in folder.glob(f".*{kept_suffix}.*{ASIDE_SUFFIX}"):
         try:
             if aside.stat().st_mtime < before:
                 aside.unlink()
                 removed += 1
         except FileNotFoundError:  # removed meanwhile by another process's sweep
             continue
+        except OSError:  # read-only, or another user's file
+            break
     return removed

@@ -127,7 +127,7 @@ class PrecompiledFunction:
         self._variants: list[Any] = []
         self._failed = False  # an AOT compile failed: `jit` serves every call from then on
         self._seen: set[str] = set()  # file names looked at (loaded or refused)
-        swept = sweep_aside(folder, ASIDE_MAX_AGE_S)
+        swept = sweep_aside(folder, SUFFIX, ASIDE_MAX_AGE_S)
         if swept:
             logger.info("%s: %d unfinished variant files removed (writers killed mid-write)", folder.name,
                         swept)

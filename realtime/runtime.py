@@ -180,20 +180,20 @@ class Runtime:
         if engines.plan.shared_gpus:
             # On a shared GPU the two build one after the other: at once they needed both warm-ups'
             # peaks plus two allocator caches (one per stream) and ran an 80 GB H100 out of memory
-            # (docs/benchmarks.md, 2026-11-24 start-up).
-            # Where the policy allows (warm_up.compile_beside_llm), the voices come first (a few small
-            # calls) and what the token2wav warm-up has other processes do (a cold start's compiling)
-            # runs while the LLM builds.
-            free = [torch.cuda.mem_get_info(device)[0] for device in engines.plan.shared_gpus]
-            early = compile_beside_llm(engines.llms, free)
+            # (docs/benchmarks.md, 2026-11-24 start-up). Where the policy allows (warm_up.py), the
+            # voices come first (a few small calls) and what the token2wav warm-up has other processes
+            # do (a cold start's compiling) runs while the LLM builds.
+            early = self._compile_beside_llm(engines)
             if early:
-                warmed_up = await self._prepare_voices(prepare_warm_up=True)
+                warmed_up = await self._prepare_voices()
+                if warmed_up:
+                    await self._prepare_warmups(early)
             await asyncio.gather(*(llm.start() for llm in engines.llms))
             for device in engines.plan.shared_gpus:
                 with torch.cuda.device(device):
                     torch.cuda.empty_cache()  # the LLM warm-up's cached blocks, for token2wav's stream
             if not early:
-                warmed_up = await self._prepare_voices(prepare_warm_up=True)
+                warmed_up = await self._prepare_voices()
             if warmed_up:
                 await self._warm_up(self._prepared["default"])
         else:
@@ -202,7 +202,7 @@ class Runtime:
             # device work overlap the other's Python, and engines/cuda_graphs.py keeps the two sides'
             # captures apart.
             async def voices_then_warm_up() -> bool:
-                warm_up = await self._prepare_voices(prepare_warm_up=bool(gpus))
+                warm_up = await self._prepare_voices()
                 if warm_up:
                     await self._warm_up(self._prepared["default"])
                 return warm_up
@@ -251,22 +251,34 @@ class Runtime:
         bound = engines.token2wavs[index].stream_bytes_bound(voice.speaker, self._max_tokens)
         return 0 if bound is None else bound
 
-    async def _prepare_voices(self, prepare_warm_up: bool) -> bool:
-        """Load the voices and prepare each on every token2wav worker; with `prepare_warm_up` (CUDA), let
-        the CUDA workers start what their warm-up with the default voice has other processes do
-        meanwhile (`Token2Wav.prepare_warmup`). Returns whether that warm-up is due."""
+    async def _prepare_voices(self) -> bool:
+        """Load the voices and prepare each on every token2wav worker. Returns whether a warm-up with the
+        default voice is due (CUDA workers)."""
         await asyncio.to_thread(self.voices.load)
         for info in self.voices.list():
             await self._prepare(info.voice_id, self.voices.get(info.voice_id))
-        if not prepare_warm_up or "default" not in self._prepared:
-            return False
+        return "default" in self._prepared and any(worker.device.type == "cuda" for worker in self._workers)
+
+    def _compile_beside_llm(self, engines: LoadedEngines) -> set[torch.device]:
+        """The token2wav devices whose cold-start compiling may run while the LLM builds
+        (`warm_up.compile_beside_llm`, on each shared GPU's free memory now)."""
+        free = {}
+        for device in engines.plan.shared_gpus:
+            with torch.cuda.device(device):
+                torch.cuda.empty_cache()  # blocks the loading cached: free for the LLM all the same
+            free[device] = torch.cuda.mem_get_info(device)[0]
+        early = compile_beside_llm(engines.llms, engines.plan.token2wav_devices, free)
+        return {torch.device(device) for device in early}
+
+    async def _prepare_warmups(self, devices: set[torch.device]) -> None:
+        """Let the token2wav workers on `devices` start what their warm-up with the default voice has
+        other processes do meanwhile (`Token2Wav.prepare_warmup`)."""
         await asyncio.gather(*(
             worker.prepare_warmup(prepared.speaker, batches)
             for worker, prepared, batches in zip(self._workers, self._prepared["default"],
                                                  self._warmup_plans(), strict=True)
-            if worker.device.type == "cuda"
+            if worker.device in devices
         ))
-        return True
 
     def _warmup_plans(self) -> list[list[int]]:
         """Per token2wav worker, the batch sizes its warm-up runs (`warmup_batches`)."""

@@ -1,15 +1,19 @@
-"""Start-up policy: which batch sizes a token2wav worker warms up, and whether a cold start's compiling
-may run beside the LLM engines' build on the GPUs they share (realtime/runtime.py carries it out)."""
+"""Start-up policy: which batch sizes a token2wav worker warms up, and on which GPUs a cold start's
+compiling may run while the LLM engines build (realtime/runtime.py carries it out)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import logging
+from collections.abc import Mapping, Sequence
 
 from engines.llm.base import LLMEngine
 
-# Device memory a shared GPU must have free, once the engines are loaded, for a cold start's compile
-# workers to run while the LLM builds: six processes with a CUDA context, the DiT and one Euler step's
-# activations each take a few GiB together, which on a smaller card could leave the LLM's build short.
+logger = logging.getLogger(__name__)
+
+# Device memory a GPU shared with the LLM must have free before the LLM builds, per token2wav worker on
+# it, for that worker's cold-start compile processes to run during the build: they hold a CUDA context,
+# the DiT and one Euler step's activations each (a few GiB for the six), and the LLM's cache and graphs
+# must still fit beside them.
 COMPILE_BESIDE_LLM_MIN_FREE_BYTES = 40 << 30
 
 
@@ -24,12 +28,23 @@ def warmup_batches(max_batch: int, max_rows: int) -> list[int]:
     return [1 << i for i in range(top.bit_length())]
 
 
-def compile_beside_llm(llms: Sequence[LLMEngine], free_bytes: Iterable[int]) -> bool:
-    """Whether the token2wav warm-up's work in other processes (a cold start's compile workers,
-    `Token2Wav.prepare_warmup`) may start before the LLM engines build on the GPUs they share, whose
-    free memory is `free_bytes`: not when an LLM sizes its cache by the free memory (TensorRT-LLM's
-    executor: the workers would shrink it), nor when a GPU has less than
-    `COMPILE_BESIDE_LLM_MIN_FREE_BYTES` free."""
-    if any(llm.sizes_cache_by_free_memory for llm in llms):
-        return False
-    return all(free >= COMPILE_BESIDE_LLM_MIN_FREE_BYTES for free in free_bytes)
+def compile_beside_llm(llms: Sequence[LLMEngine], token2wav_devices: Sequence[str],
+                       free_bytes: Mapping[str, int]) -> set[str]:
+    """The token2wav devices whose warm-up work in other processes (a cold start's compile workers,
+    `Token2Wav.prepare_warmup`) may start before the LLM engines build. `free_bytes`: the free memory of
+    each GPU the LLM shares with token2wav, measured before the LLM builds. A device the LLM does not
+    use, always; a shared one only if no LLM sizes its cache by the free memory (TensorRT-LLM's
+    executor: the workers would shrink it) and it has `COMPILE_BESIDE_LLM_MIN_FREE_BYTES` free per
+    token2wav worker on it. The shared ones left out are logged (what a cold start would then wait for)."""
+    sizes_by_free = [llm.name for llm in llms if llm.sizes_cache_by_free_memory]
+    early = set()
+    for device in dict.fromkeys(token2wav_devices):
+        free = free_bytes.get(device)
+        wanted = token2wav_devices.count(device) * COMPILE_BESIDE_LLM_MIN_FREE_BYTES
+        if free is None or (not sizes_by_free and free >= wanted):
+            early.add(device)
+            continue
+        reason = (f"the {sizes_by_free[0]} LLM engine sizes its cache by the free memory" if sizes_by_free
+                  else f"{free / 2**30:.1f} GiB free before the LLM builds, {wanted / 2**30:.0f} GiB wanted")
+        logger.info("%s: a cold start's compile workers start after the LLM build (%s)", device, reason)
+    return early

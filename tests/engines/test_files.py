@@ -27,16 +27,39 @@ def test_a_failed_write_leaves_nothing_aside(tmp_path: Path) -> None:
 
 def test_files_left_aside_by_a_killed_writer_are_swept_once_old(tmp_path: Path) -> None:
     """A writer killed between writing aside and renaming leaves its file; a sweep removes such files once
-    they are older than a write could take, and leaves a younger one (a write under way) and the rest."""
+    they are older than a write could take, and leaves a younger one (a write under way), other files
+    aside and the rest."""
     import os
     import time
 
-    write_whole(tmp_path / "kept.json", b"data")
-    old, young = tmp_path / ".kept.json.abc123.tmp", tmp_path / ".kept.json.def456.tmp"
-    old.write_bytes(b"half")
-    young.write_bytes(b"half")
+    write_whole(tmp_path / "kept.aot", b"data")
+    old, young = tmp_path / ".kept.aot.abc123.tmp", tmp_path / ".kept.aot.def456.tmp"
+    other = tmp_path / ".notes.txt.ghi789.tmp"
     hour_ago = time.time() - 3600
-    os.utime(old, (hour_ago, hour_ago))
-    assert sweep_aside(tmp_path, older_than_s=600) == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == [young.name, "kept.json"]
-    assert sweep_aside(tmp_path / "missing", older_than_s=600) == 0
+    for aside in (old, young, other):
+        aside.write_bytes(b"half")
+    for aside in (old, other):
+        os.utime(aside, (hour_ago, hour_ago))
+    assert sweep_aside(tmp_path, ".aot", older_than_s=600) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([young.name, other.name, "kept.aot"])
+    assert sweep_aside(tmp_path / "missing", ".aot", older_than_s=600) == 0
+
+
+def test_a_folder_that_cannot_be_changed_is_left_as_it_is(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sweeping is housekeeping: on a read-only volume it removes nothing and raises nothing."""
+    import errno
+    import os
+    import time
+
+    aside = tmp_path / ".kept.aot.abc123.tmp"
+    aside.write_bytes(b"half")
+    hour_ago = time.time() - 3600
+    os.utime(aside, (hour_ago, hour_ago))
+
+    def read_only(self: Path, missing_ok: bool = False) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    assert sweep_aside(tmp_path, ".aot", older_than_s=600) == 0
+    assert aside.exists()

@@ -96,24 +96,31 @@ def test_after_seal_a_new_class_runs_uncompiled_and_is_logged_once(
 def test_a_file_that_does_not_load_is_skipped_and_its_class_compiled_again(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A variant file that does not load is logged and its class compiled anew; a file an old write left
-    aside (its writer killed) is removed when the folder is opened."""
+    folder = tmp_path / "norm"
+    folder.mkdir()
+    (folder / f"torn{SUFFIX}").write_bytes(b"not a compiled function")
+    with caplog.at_level(logging.WARNING, logger="engines.precompiled"):
+        function = PrecompiledFunction(scaled_norm, folder, scaled_norm)
+    assert function.variants == 0 and "did not load" in caplog.text
+    torch.testing.assert_close(function(*inputs(4, 8, 16)), scaled_norm(*inputs(4, 8, 16)))
+    assert function.compiled == 1
+
+
+def test_a_variant_file_a_killed_writer_left_aside_is_removed_when_the_folder_opens(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     import os
     import time
 
     folder = tmp_path / "norm"
     folder.mkdir()
-    (folder / f"torn{SUFFIX}").write_bytes(b"not a compiled function")
     aside = folder / f".kept{SUFFIX}.x1y2z3.tmp"
     aside.write_bytes(b"half a variant")
     day_ago = time.time() - 86400
     os.utime(aside, (day_ago, day_ago))
     with caplog.at_level(logging.INFO, logger="engines.precompiled"):
-        function = PrecompiledFunction(scaled_norm, folder, scaled_norm)
-    assert function.variants == 0 and "did not load" in caplog.text
+        PrecompiledFunction(scaled_norm, folder, scaled_norm)
     assert not aside.exists() and "1 unfinished variant files removed" in caplog.text
-    torch.testing.assert_close(function(*inputs(4, 8, 16)), scaled_norm(*inputs(4, 8, 16)))
-    assert function.compiled == 1
 
 
 def test_a_failed_ahead_of_time_compile_hands_every_call_to_the_jit_function(

@@ -27,7 +27,6 @@ from realtime.placement import (
     split_capacity,
 )
 from realtime.session import ServiceError, Session, SpeechRequest
-from realtime.warm_up import COMPILE_BESIDE_LLM_MIN_FREE_BYTES, compile_beside_llm, warmup_batches
 
 TOKENS = 70  # three chunks under the exponential schedule
 
@@ -43,28 +42,6 @@ def test_least_loaded_prefers_the_emptiest_live_worker_with_room() -> None:
     assert least_loaded([WorkerLoad(0, 2, alive=False), WorkerLoad(1, 2)]) == 1
     assert least_loaded([WorkerLoad(2, 2), WorkerLoad(0, 2, alive=False)]) is None
     assert least_loaded([]) is None
-
-
-def test_warm_up_stops_at_the_bucket_of_the_most_rows_a_worker_can_meet() -> None:
-    assert warmup_batches(64, 160) == [1, 2, 4, 8, 16, 32, 64]
-    assert warmup_batches(64, 16) == [1, 2, 4, 8, 16]  # 16 streams never make a batch of 17
-    assert warmup_batches(32, 20) == [1, 2, 4, 8, 16, 32]  # 20 rows run in the 32-row bucket
-    assert warmup_batches(1, 8) == [1]
-
-
-def test_compiling_runs_beside_the_llm_build_only_where_it_cannot_starve_it() -> None:
-    """A cold start's compile workers start before the LLM builds on a shared GPU with room to spare,
-    unless an LLM engine sizes its cache by the free memory (TensorRT-LLM's does; ours does not)."""
-    from engines.llm.torch_engine import TorchLLMEngine
-    from engines.llm.trtllm import TrtLlmEngine
-
-    torch_llm, trt_llm = TorchLLMEngine.__new__(TorchLLMEngine), TrtLlmEngine.__new__(TrtLlmEngine)
-    room, tight = COMPILE_BESIDE_LLM_MIN_FREE_BYTES, COMPILE_BESIDE_LLM_MIN_FREE_BYTES - 1
-    assert compile_beside_llm([torch_llm], [room])
-    assert compile_beside_llm([torch_llm, torch_llm], [room, room + 1])
-    assert not compile_beside_llm([torch_llm], [room, tight])  # one shared GPU short of room
-    assert not compile_beside_llm([trt_llm], [80 << 30])
-    assert not compile_beside_llm([torch_llm, trt_llm], [80 << 30])
 
 
 def test_capacity_is_shared_out_evenly() -> None:

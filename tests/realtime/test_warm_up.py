@@ -1,0 +1,61 @@
+"""realtime/warm_up.py: the batch sizes a token2wav worker warms up, and where a cold start's compiling runs
+beside the LLM's build."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from engines.llm.torch_engine import TorchLLMEngine
+from engines.llm.trtllm import TrtLlmEngine
+from realtime.warm_up import COMPILE_BESIDE_LLM_MIN_FREE_BYTES, compile_beside_llm, warmup_batches
+
+ROOM = COMPILE_BESIDE_LLM_MIN_FREE_BYTES
+
+
+def test_warm_up_stops_at_the_bucket_of_the_most_rows_a_worker_can_meet() -> None:
+    assert warmup_batches(64, 160) == [1, 2, 4, 8, 16, 32, 64]
+    assert warmup_batches(64, 16) == [1, 2, 4, 8, 16]  # 16 streams never make a batch of 17
+    assert warmup_batches(32, 20) == [1, 2, 4, 8, 16, 32]  # 20 rows run in the 32-row bucket
+    assert warmup_batches(1, 8) == [1]
+
+
+class LLM:
+    """An LLM engine as the policy sees it: its name and how it sizes its cache."""
+
+    def __init__(self, name: str, sizes_cache_by_free_memory: bool) -> None:
+        self.name, self.sizes_cache_by_free_memory = name, sizes_cache_by_free_memory
+
+
+TORCH, TRT = LLM("torch", False), LLM("tensorrt_llm", True)
+
+
+def test_the_engines_say_how_they_size_their_cache() -> None:
+    """TensorRT-LLM's executor takes a fraction of the free memory for its KV cache; ours has a fixed one."""
+    assert TrtLlmEngine.sizes_cache_by_free_memory
+    assert not TorchLLMEngine.sizes_cache_by_free_memory
+
+
+def test_compiling_runs_beside_the_llm_build_only_where_it_cannot_starve_it(
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """A GPU the LLM does not use always compiles early; a shared one only with room for every token2wav
+    worker on it and no LLM sizing its cache by the free memory. The GPUs left out are logged."""
+    with caplog.at_level(logging.INFO, logger="realtime.warm_up"):
+        assert compile_beside_llm([TORCH], ["cuda:0"], {"cuda:0": ROOM}) == {"cuda:0"}
+        assert compile_beside_llm([TORCH], ["cuda:0"], {"cuda:0": ROOM - 1}) == set()
+        # Two token2wav workers on the shared GPU: twice the room; the GPU of its own is early anyway.
+        assert compile_beside_llm([TORCH], ["cuda:0", "cuda:0", "cuda:1"],
+                                  {"cuda:0": 2 * ROOM - 1}) == {"cuda:1"}
+        assert compile_beside_llm([TORCH, TRT], ["cuda:0", "cuda:1"], {"cuda:0": 8 * ROOM}) == {"cuda:1"}
+        assert compile_beside_llm([TORCH], ["cuda:1"], {}) == {"cuda:1"}  # nothing shared
+    said = [record.getMessage() for record in caplog.records]
+    assert said == [
+        "cuda:0: a cold start's compile workers start after the LLM build (40.0 GiB free before the LLM "
+        "builds, 40 GiB wanted)",
+        "cuda:0: a cold start's compile workers start after the LLM build (80.0 GiB free before the LLM "
+        "builds, 80 GiB wanted)",
+        "cuda:0: a cold start's compile workers start after the LLM build (the tensorrt_llm LLM engine sizes "
+        "its cache by the free memory)",
+    ]

@@ -294,6 +294,8 @@ class TorchToken2Wav(Token2Wav):
         try:
             return flow.start_compiling_blocks(batches, hops, prompt_frames, idle)
         except Exception as exc:  # no processes on this host, say: compile in the warm-up as before
+            if idle is not None:
+                idle.stop()
             logger.warning("DiT block compile workers not started (%s: %s); the warm-up compiles alone",
                            type(exc).__name__, exc)
             return None

@@ -290,13 +290,46 @@ class DiTFlow(ConformerFlow):
         encoder = self._bucketed_encoder
         if not isinstance(encoder, GraphedEncoder) or not encoder.shapes:
             return
+        reached = max(shape.history for shape in encoder.shapes)
+        encoder.capture(self._encoder_capture_shapes(batches, reached))
+
+    def _encoder_capture_shapes(self, batches: Iterable[int], reached: int) -> list[EncodeShape]:
+        """What `capture_encoder_graphs` captures once streams reached `reached` history tokens: every
+        chunk-token bucket at each of `batches` rows and each history bucket up to `reached`, largest
+        first."""
         stride, buckets = self.cfg.encoder.up_stride, self.buckets
         sizes = {round_up(b, buckets.batch) for b in batches}
         rows = sorted((size for size in sizes if size is not None), reverse=True)
         tokens = sorted((f // stride for f in buckets.frames if f % stride == 0), reverse=True)
-        reached = max(shape.history for shape in encoder.shapes)
         history = sorted((h for h in buckets.history_tokens if h <= reached), reverse=True)
-        encoder.capture(EncodeShape(b, t, h) for b in rows for t in tokens for h in history)
+        return [EncodeShape(b, t, h) for b in rows for t in tokens for h in history]
+
+    def planned_encoder_history(self, hops: Sequence[int], prompt_tokens: int) -> int | None:
+        """The largest history bucket the warm-up's chunk pass encodes at (streams of a voice with
+        `prompt_tokens` through chunks of `hops` tokens, then a last chunk of the lookahead alone), from
+        the buckets alone; None when no chunk fits them (all run eagerly)."""
+        stride, lookahead = self.cfg.encoder.up_stride, self.cfg.encoder.pre_lookahead
+        histories = []
+        own = 0
+        for tokens in (*hops, lookahead):
+            shape = self.buckets.encode_shape(EncodeShape(1, tokens, prompt_tokens + own), stride)
+            if shape is not None:
+                histories.append(shape.history)
+            own += tokens
+        return max(histories, default=None)
+
+    def reserve_encoder_graphs(self, batches: Iterable[int], hops: Sequence[int], prompt_tokens: int) -> None:
+        """Size the encoder graphs' shared buffers now for the largest shape the warm-up will capture
+        (`planned_encoder_history`, `capture_encoder_graphs`), before it captures any: graphs captured
+        on smaller buffers are otherwise captured again when that shape grows them (35 of the encoder's
+        125 captures at an H100 restart, docs/benchmarks.md sixteenth session)."""
+        encoder = self._bucketed_encoder
+        reached = self.planned_encoder_history(hops, prompt_tokens)
+        if not isinstance(encoder, GraphedEncoder) or reached is None:
+            return
+        shapes = self._encoder_capture_shapes(batches, reached)
+        if shapes:
+            encoder.reserve(shapes[0])
 
     @torch.inference_mode()
     def capture_solve_graphs(self, batches: Iterable[int]) -> None:

@@ -430,6 +430,13 @@ class GraphedEncoder(_ShapeGraphs[EncodeShape, EncoderInputs, EncoderOutputs]):
         self.encode = encode
         self.layout = layout
 
+    def reserve(self, shape: EncodeShape) -> None:
+        """Allocate the shared static buffers at `shape`'s size now, so that graphs of smaller shapes
+        captured before it view them at their final size (none is captured again when it comes)."""
+        self.layout.inputs(shape, self._arena.view)
+        self.layout.outputs(shape, self._arena.view)
+        self._recapture_on_grown_buffers()
+
     def _capture(self, shape: EncodeShape) -> _Graph[EncoderInputs, EncoderOutputs]:
         inputs = self.layout.inputs(shape, self._arena.view)
         outputs = self.layout.outputs(shape, self._arena.view)

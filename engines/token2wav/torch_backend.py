@@ -248,6 +248,9 @@ class TorchToken2Wav(Token2Wav):
             workers = self._start_block_workers(speaker, batches)
         if workers is not None:
             workers.wait()
+        if isinstance(self.flow, DiTFlow) and isinstance(speaker, TorchSpeaker) \
+                and isinstance(speaker.flow, DiTSpeaker):
+            self.flow.reserve_encoder_graphs(batches, hops, speaker.flow.encoder.num_tokens)
         for batch in batches:
             streams = [self.open_stream(speaker) for _ in range(batch)]
             start = 0

@@ -1,5 +1,5 @@
-"""The warm-up's solve shapes planned ahead, and the DiT block's classes compiled in worker processes
-(engines/token2wav/block_compile.py), on the CPU with the tiny models."""
+"""The warm-up's solve shapes and encoder history planned ahead, and the DiT block's classes compiled in
+worker processes (engines/token2wav/block_compile.py), on the CPU with the tiny models."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_token2wav_batching import TRIMMING, PersistentSolver, make_voice
+from test_token2wav_batching import TRIMMING, PersistentEncoder, PersistentSolver, make_voice
 from weights import randomize
 
 from engines.config import PRE_LOOKAHEAD
@@ -66,6 +66,26 @@ def test_planned_solve_shapes_are_those_the_chunk_pass_solves(capped: bool) -> N
     assert all(shape.own_frames > 0 for shape in planned[1])
     if capped:
         assert all(shape.batch == 1 for shapes in planned for shape in shapes)
+
+
+def test_planned_encoder_history_is_the_most_the_chunk_pass_encodes_at() -> None:
+    """The history bucket the warm-up's encoder graphs are sized for before any capture is the largest the
+    chunk pass meets (so no graph is captured again on grown buffers), from the buckets alone."""
+    flow = seeded_flow()
+    speaker = flow.prepare_speaker(make_voice(1, 12))
+    encoder = PersistentEncoder(flow)
+    flow.use_bucketed_solver(PersistentSolver(flow), BUCKETS, encoder)
+    tokens = torch.zeros(sum(HOPS) + PRE_LOOKAHEAD, dtype=torch.int64)
+    for batch in (4, 2, 1):
+        streams = [flow.open_stream(speaker) for _ in range(batch)]
+        start = 0
+        for hop in HOPS:
+            flow.chunks(streams, [tokens[start : start + hop + PRE_LOOKAHEAD]] * batch, [False] * batch)
+            start += hop
+        flow.chunks(streams, [tokens[start:]] * batch, [True] * batch)
+    met = {shape.history for shape in encoder.runs}
+    assert len(met) > 1  # the pass grows the history: sizing for its first shape would not do
+    assert flow.planned_encoder_history(HOPS, speaker.encoder.num_tokens) == max(met)
 
 
 @pytest.mark.skipif(not supported(), reason="this torch has no ahead-of-time compile")

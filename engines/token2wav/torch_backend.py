@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,12 +243,14 @@ class TorchToken2Wav(Token2Wav):
         hops = schedule_hops(self.graph_hops)
         tokens = torch.zeros(sum(hops) + PRE_LOOKAHEAD, dtype=torch.int64)
         batches = sorted(batches, reverse=True)
+        phases = _Phases()
         workers = self._block_workers
         self._block_workers = None
         if workers is None:
             workers = self._start_block_workers(speaker, batches)
         if workers is not None:
             workers.wait()
+            phases.end("compile workers")
         if isinstance(self.flow, DiTFlow) and isinstance(speaker, TorchSpeaker) \
                 and isinstance(speaker.flow, DiTSpeaker):
             self.flow.reserve_encoder_graphs(batches, hops, speaker.flow.encoder.num_tokens)
@@ -259,9 +262,13 @@ class TorchToken2Wav(Token2Wav):
                 self.run_chunks([ChunkJob(stream, piece, last=False) for stream in streams])
                 start += hop
             self.run_chunks([ChunkJob(stream, tokens[start:], last=True) for stream in streams])
+        phases.end("chunk pass")
         if isinstance(self.flow, DiTFlow):
-            self.flow.capture_solve_graphs(batches)
-            self.flow.capture_encoder_graphs(batches)
+            if self.flow.graphs is not None:
+                self.flow.capture_solve_graphs(batches)
+                phases.end("solve graphs")
+                self.flow.capture_encoder_graphs(batches)
+                phases.end("encoder graphs")
             self.flow.seal_graphs()
         vocoder = self.vocoder_graphs
         if vocoder is not None:
@@ -274,6 +281,8 @@ class TorchToken2Wav(Token2Wav):
             # Largest first across both lists, as within each (see GraphedVocoder.final_shapes).
             vocoder.capture(sorted(shapes, key=lambda shape: shape.batch * shape.frames, reverse=True))
             vocoder.seal()
+            phases.end("final-chunk vocoder graphs")
+        logger.info("%s warm-up on %s: %s", self.name, self.device, phases)
 
     def prepare_warmup(self, speaker: SpeakerState, batches: Iterable[int] = WARMUP_BATCHES) -> None:
         """On a cold start, start the worker processes that compile the DiT block's shape classes
@@ -313,3 +322,19 @@ class TorchToken2Wav(Token2Wav):
         generator = None if self.vocoder_seed is None else torch.Generator().manual_seed(self.vocoder_seed)
         speech, _ = self.hift(mel, generator=generator)
         return speech[0].float().cpu()
+
+
+class _Phases:
+    """Seconds of a sequence of steps, each from the end of the one before: what a warm-up spent where."""
+
+    def __init__(self) -> None:
+        self._mark = time.perf_counter()
+        self._seconds: list[tuple[str, float]] = []
+
+    def end(self, name: str) -> None:
+        now = time.perf_counter()
+        self._seconds.append((name, now - self._mark))
+        self._mark = now
+
+    def __str__(self) -> str:
+        return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self._seconds) or "nothing to do"

@@ -10,6 +10,7 @@ builds while any leak of padding (magnitude 100 in the stale-buffer test) would 
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -387,7 +388,10 @@ def test_compiled_blocks_need_one_variant_per_shape_class_whatever_the_batch() -
     assert counters["stats"]["unique_graphs"] - graphs_before <= 6
 
 
-def test_warmup_runs_the_schedule_and_leaves_no_stream_open(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_warmup_runs_the_schedule_and_leaves_no_stream_open(monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """The warm-up opens one stream per row of each batch, closes them all, and logs where its time went
+    (on the CPU: the chunk pass alone; no graphs, no compile workers)."""
     flow, hift = DiTFlow(CONFIGS.dit_flow).eval(), HiFTGenerator(CONFIGS.hift).eval()
     backend = TorchToken2Wav(flow, hift, graph_hops=(4, 6))
     speaker = backend.prepare_speaker(make_voice(1, 12))
@@ -399,8 +403,10 @@ def test_warmup_runs_the_schedule_and_leaves_no_stream_open(monkeypatch: pytest.
         return opened[-1]
 
     monkeypatch.setattr(backend, "open_stream", recording_open)
-    backend.warmup(speaker, batches=(1, 3))
+    with caplog.at_level("INFO", logger="engines.token2wav.torch_backend"):
+        backend.warmup(speaker, batches=(1, 3))
     assert len(opened) == 4 and all(stream.nbytes == 0 for stream in opened)
+    assert re.fullmatch(r"torch warm-up on cpu: chunk pass [\d.]+ s", caplog.records[-1].getMessage())
 
 
 def test_inverse_stft_equals_torch_istft() -> None:

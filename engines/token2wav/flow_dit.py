@@ -291,9 +291,9 @@ class DiTFlow(ConformerFlow):
         if not isinstance(encoder, GraphedEncoder) or not encoder.shapes:
             return
         reached = max(shape.history for shape in encoder.shapes)
-        encoder.capture(self._encoder_capture_shapes(batches, reached))
+        encoder.capture(self.encoder_capture_shapes(batches, reached))
 
-    def _encoder_capture_shapes(self, batches: Iterable[int], reached: int) -> list[EncodeShape]:
+    def encoder_capture_shapes(self, batches: Iterable[int], reached: int) -> list[EncodeShape]:
         """What `capture_encoder_graphs` captures once streams reached `reached` history tokens: every
         chunk-token bucket at each of `batches` rows and each history bucket up to `reached`, largest
         first."""
@@ -309,7 +309,7 @@ class DiTFlow(ConformerFlow):
         `prompt_tokens` through chunks of `hops` tokens, then a last chunk of the lookahead alone), from
         the buckets alone; None when no chunk fits them (all run eagerly)."""
         stride, lookahead = self.cfg.encoder.up_stride, self.cfg.encoder.pre_lookahead
-        histories = []
+        histories: list[int] = []
         own = 0
         for tokens in (*hops, lookahead):
             shape = self.buckets.encode_shape(EncodeShape(1, tokens, prompt_tokens + own), stride)
@@ -324,10 +324,12 @@ class DiTFlow(ConformerFlow):
         on smaller buffers are otherwise captured again when that shape grows them (35 of the encoder's
         125 captures at an H100 restart, docs/benchmarks.md sixteenth session)."""
         encoder = self._bucketed_encoder
-        reached = self.planned_encoder_history(hops, prompt_tokens)
-        if not isinstance(encoder, GraphedEncoder) or reached is None:
+        if not isinstance(encoder, GraphedEncoder):
             return
-        shapes = self._encoder_capture_shapes(batches, reached)
+        reached = self.planned_encoder_history(hops, prompt_tokens)
+        if reached is None:
+            return
+        shapes = self.encoder_capture_shapes(batches, reached)
         if shapes:
             encoder.reserve(shapes[0])
 

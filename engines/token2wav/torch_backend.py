@@ -234,7 +234,8 @@ class TorchToken2Wav(Token2Wav):
         chunk-frames bucket at the most cached state they reached, and HiFT's graphs of final chunks, are
         captured. That compiles and captures the shapes the schedule produces (for voices with prompts
         up to this one's bucket) and runs every kernel once.
-        Largest batches first, so that the graphs' shared buffers are allocated at their final size.
+        Largest batches first, so that the graphs' shared buffers are allocated at their final size (the
+        encoder's are sized ahead for the largest shape it will capture).
         On a cold start (a kept DiT block with no variant saved yet) the block's shape classes these
         chunks meet are first compiled side by side in worker processes (block_compile.py; started
         earlier by `prepare_warmup`, or here).
@@ -243,16 +244,16 @@ class TorchToken2Wav(Token2Wav):
         hops = schedule_hops(self.graph_hops)
         tokens = torch.zeros(sum(hops) + PRE_LOOKAHEAD, dtype=torch.int64)
         batches = sorted(batches, reverse=True)
-        phases = _Phases()
+        phases = _Phases(self.device)
         workers = self._block_workers
         self._block_workers = None
         if workers is None:
             workers = self._start_block_workers(speaker, batches)
         if workers is not None:
             workers.wait()
-            phases.end("compile workers")
-        if isinstance(self.flow, DiTFlow) and isinstance(speaker, TorchSpeaker) \
-                and isinstance(speaker.flow, DiTSpeaker):
+            phases.end("compile workers (the wait for them)")
+        if (isinstance(self.flow, DiTFlow) and isinstance(speaker, TorchSpeaker)
+                and isinstance(speaker.flow, DiTSpeaker)):
             self.flow.reserve_encoder_graphs(batches, hops, speaker.flow.encoder.num_tokens)
         for batch in batches:
             streams = [self.open_stream(speaker) for _ in range(batch)]
@@ -264,12 +265,11 @@ class TorchToken2Wav(Token2Wav):
             self.run_chunks([ChunkJob(stream, tokens[start:], last=True) for stream in streams])
         phases.end("chunk pass")
         if isinstance(self.flow, DiTFlow):
-            if self.flow.graphs is not None:
-                self.flow.capture_solve_graphs(batches)
-                phases.end("solve graphs")
-                self.flow.capture_encoder_graphs(batches)
-                phases.end("encoder graphs")
+            self.flow.capture_solve_graphs(batches)
+            self.flow.capture_encoder_graphs(batches)
             self.flow.seal_graphs()
+            if self.flow.graphs is not None:
+                phases.end("solve and encoder graphs")
         vocoder = self.vocoder_graphs
         if vocoder is not None:
             # Final chunks of any length: after a first chunk's frames (a segment shorter than one
@@ -325,16 +325,20 @@ class TorchToken2Wav(Token2Wav):
 
 
 class _Phases:
-    """Seconds of a sequence of steps, each from the end of the one before: what a warm-up spent where."""
+    """Seconds of a sequence of steps on `device`, each from the end of the one before: what a warm-up
+    spent where. A step ends once the device has done its work (captures queue work they do not wait for)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
         self._mark = time.perf_counter()
         self._seconds: list[tuple[str, float]] = []
 
     def end(self, name: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         now = time.perf_counter()
         self._seconds.append((name, now - self._mark))
         self._mark = now
 
     def __str__(self) -> str:
-        return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self._seconds) or "nothing to do"
+        return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self._seconds)

@@ -3,6 +3,7 @@ worker processes (engines/token2wav/block_compile.py), on the CPU with the tiny 
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -13,9 +14,10 @@ from weights import randomize
 
 from engines.config import PRE_LOOKAHEAD
 from engines.precompiled import SUFFIX, supported
-from engines.token2wav.batching import Buckets, SolveShape
+from engines.token2wav.batching import Buckets, EncodeShape, SolveShape
 from engines.token2wav.block_compile import BlockCompileJob
 from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker
+from engines.token2wav.graphs import EncoderLayout
 
 # Small buckets for the tiny models: frames of hops 5 / 8 / 12 and of the last chunk (the lookahead).
 BUCKETS = Buckets(batch=(1, 2, 4), frames=(6, 10, 16, 24), prompt_frames=(32, 64), own_frames=(8, 16, 32),
@@ -85,7 +87,26 @@ def test_planned_encoder_history_is_the_most_the_chunk_pass_encodes_at() -> None
         flow.chunks(streams, [tokens[start:]] * batch, [True] * batch)
     met = {shape.history for shape in encoder.runs}
     assert len(met) > 1  # the pass grows the history: sizing for its first shape would not do
-    assert flow.planned_encoder_history(HOPS, speaker.encoder.num_tokens) == max(met)
+    planned = flow.planned_encoder_history(HOPS, speaker.encoder.num_tokens)
+    assert planned == max(met)
+    # The shape the buffers are sized for holds every buffer of every shape the warm-up then captures.
+    captures = flow.encoder_capture_shapes((4, 2, 1), planned)
+    layout = EncoderLayout(flow.cfg.encoder, flow.cfg.output_size, flow.dtype, flow.device)
+
+    def sizes(shape: EncodeShape) -> dict[str, int]:
+        numels: dict[str, int] = {}
+
+        def record(name: str, size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            numels[name] = math.prod(size)
+            return torch.empty(size, dtype=dtype)
+
+        layout.inputs(shape, record)
+        layout.outputs(shape, record)
+        return numels
+
+    reserved = sizes(captures[0])
+    for shape in {*encoder.runs, *captures}:
+        assert all(reserved[name] >= numel for name, numel in sizes(shape).items()), shape
 
 
 @pytest.mark.skipif(not supported(), reason="this torch has no ahead-of-time compile")

@@ -82,6 +82,11 @@ def supported() -> bool:
                     for name in ("guard_check", "disable_guard_check", "serialize")))
 
 
+def saved_variants(folder: Path) -> list[Path]:
+    """The variant files saved in `folder` (none when it does not exist), in a fixed order."""
+    return sorted(folder.glob(f"*{SUFFIX}")) if folder.is_dir() else []
+
+
 def compile_kept(fn: Callable[..., Any], root: Path | None, name: str, modules: Iterable[ModuleType],
                  device: torch.device | None, inference: bool) -> Callable[..., Any]:
     """`fn` through `torch.compile` (dynamic shapes, one graph), kept per shape class in the folder
@@ -212,10 +217,8 @@ class PrecompiledFunction:
     def _load(self, args: tuple[Any, ...] | None = None) -> Any:
         """Load the variants saved in the folder since the last look (one that does not load is logged and
         left out); return the first new one whose guards accept `args`, if given."""
-        if not self.folder.is_dir():
-            return None
         found = None
-        for path in sorted(self.folder.glob(f"*{SUFFIX}")):
+        for path in saved_variants(self.folder):
             if path.name in self._seen:
                 continue
             self._seen.add(path.name)

@@ -38,7 +38,7 @@ import torch
 import torch._inductor.config as inductor_config
 
 from engines.config import FlowConfig
-from engines.precompiled import SUFFIX, supported
+from engines.precompiled import saved_variants, supported
 from engines.token2wav.batching import SolveShape
 from engines.token2wav.cfm import ConditionalCFM
 from engines.token2wav.dit import DiT, block_folder
@@ -160,7 +160,7 @@ def idle_workers_for_cold_start(root: Path | None, cfg: FlowConfig, dtype: torch
     if root is None or device.type != "cuda" or not supported():
         return None
     folder = block_folder(root, cfg.dit, dtype, device)
-    if folder is None or any(folder.glob(f"*{SUFFIX}")):
+    if folder is None or saved_variants(folder):
         return None
     try:
         return BlockCompileWorkers(count)
@@ -297,7 +297,7 @@ class BlockCompileWorkers:
                                worker.name)
         logger.info("DiT block: %d of %d compile workers done %.1f s after their jobs came; %d variants "
                     "in %s", len(reports), sum(self._busy), time.perf_counter() - self._ran,
-                    len(list(self.folder.glob(f"*{SUFFIX}"))), self.folder.name)
+                    len(saved_variants(self.folder)), self.folder.name)
         for report in reports.values():
             logger.info("%s: idle %.1f s after its spawn, ready %.1f s after its job, then %d shapes in "
                         "%.1f s; classes compiled at %s (%d of them saved by another worker first)",

@@ -406,16 +406,15 @@ class DiTFlow(ConformerFlow):
                                     self.decoder.noise.shape[2], torch.get_num_threads(), matmul, conv,
                                     requires_grad)
                     for shapes in self.planned_solve_shapes(batches, hops, prompt_frames) if shapes]
-        if not jobs:
-            if workers is not None:
-                workers.stop()
-            return None
-        if workers is not None and len(jobs) <= workers.count == len(workers.running):
-            workers.run(jobs)
-            return workers
-        if workers is not None:
+        if workers is not None and not (jobs and len(jobs) <= workers.count == len(workers.running)):
             workers.stop()
-        return BlockCompileWorkers.started(jobs)
+            workers = None
+        if not jobs:
+            return None
+        if workers is None:
+            return BlockCompileWorkers.started(jobs)
+        workers.run(jobs)
+        return workers
 
     def seal_graphs(self) -> None:
         """From now on capture no graph and compile no block: shapes without one run eagerly (see

@@ -193,11 +193,10 @@ class TorchToken2Wav(Token2Wav):
 
     def stream_bytes_bound(self, speaker: SpeakerState, max_tokens: int) -> int | None:
         """The DiT flow's bound (stream_memory.py); None for the UNet flow."""
-        flow = self.flow
-        if not (isinstance(flow, DiTFlow) and isinstance(speaker, TorchSpeaker)
-                and isinstance(speaker.flow, DiTSpeaker)):
+        flow, voice = self.flow, _dit_speaker(speaker)
+        if not isinstance(flow, DiTFlow) or voice is None:
             return None
-        return stream_state_bytes(flow.cfg, self.hift.cfg, flow.dtype.itemsize, speaker.flow.prompt_frames,
+        return stream_state_bytes(flow.cfg, self.hift.cfg, flow.dtype.itemsize, voice.prompt_frames,
                                   max_tokens)
 
     def run_chunk(self, job: ChunkJob) -> torch.Tensor:
@@ -252,9 +251,9 @@ class TorchToken2Wav(Token2Wav):
         if workers is not None:
             workers.wait()
             phases.end("compile workers (the wait for them)")
-        if (isinstance(self.flow, DiTFlow) and isinstance(speaker, TorchSpeaker)
-                and isinstance(speaker.flow, DiTSpeaker)):
-            self.flow.reserve_encoder_graphs(batches, hops, speaker.flow.encoder.num_tokens)
+        voice = _dit_speaker(speaker)
+        if isinstance(self.flow, DiTFlow) and voice is not None:
+            self.flow.reserve_encoder_graphs(batches, hops, voice.encoder.num_tokens)
         for batch in batches:
             streams = [self.open_stream(speaker) for _ in range(batch)]
             start = 0
@@ -295,14 +294,13 @@ class TorchToken2Wav(Token2Wav):
     ) -> BlockCompileWorkers | None:
         """A cold start's compile workers for the warm-up's chunk pass, the idle ones if spawned (None: none
         to start, or they could not start, logged: an optimisation, the warm-up compiles alone then)."""
-        flow, idle = self.flow, self._idle_workers
+        flow, idle, voice = self.flow, self._idle_workers, _dit_speaker(speaker)
         self._idle_workers = None
-        if not (isinstance(flow, DiTFlow) and flow.graphs is not None and isinstance(speaker, TorchSpeaker)
-                and isinstance(speaker.flow, DiTSpeaker)):
+        if not isinstance(flow, DiTFlow) or flow.graphs is None or voice is None:
             if idle is not None:
                 idle.stop()
             return None
-        hops, prompt_frames = schedule_hops(self.graph_hops), speaker.flow.prompt_frames
+        hops, prompt_frames = schedule_hops(self.graph_hops), voice.prompt_frames
         try:
             return flow.start_compiling_blocks(batches, hops, prompt_frames, idle)
         except Exception as exc:  # no processes on this host, say: compile in the warm-up as before
@@ -322,6 +320,13 @@ class TorchToken2Wav(Token2Wav):
         generator = None if self.vocoder_seed is None else torch.Generator().manual_seed(self.vocoder_seed)
         speech, _ = self.hift(mel, generator=generator)
         return speech[0].float().cpu()
+
+
+def _dit_speaker(speaker: SpeakerState) -> DiTSpeaker | None:
+    """The DiT flow's state of `speaker` (None for another flow's, or another backend's speaker)."""
+    if isinstance(speaker, TorchSpeaker) and isinstance(speaker.flow, DiTSpeaker):
+        return speaker.flow
+    return None
 
 
 class _Phases:

@@ -13,7 +13,7 @@ from test_token2wav_batching import TRIMMING, PersistentEncoder, PersistentSolve
 from weights import randomize
 
 from engines.config import PRE_LOOKAHEAD
-from engines.precompiled import SUFFIX, supported
+from engines.precompiled import saved_variants, supported
 from engines.token2wav.batching import Buckets, EncodeShape, SolveShape
 from engines.token2wav.block_compile import BlockCompileJob
 from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker
@@ -52,6 +52,18 @@ def chunk_pass(flow: DiTFlow, speaker: DiTSpeaker, batches: tuple[int, ...]) -> 
     return per_chunk
 
 
+def run_in_step(flow: DiTFlow, speaker: DiTSpeaker, batches: tuple[int, ...]) -> None:
+    """The warm-up's chunk pass: at each batch size, that many streams through `HOPS`, then a last chunk."""
+    tokens = torch.zeros(sum(HOPS) + PRE_LOOKAHEAD, dtype=torch.int64)
+    for batch in batches:
+        streams = [flow.open_stream(speaker) for _ in range(batch)]
+        start = 0
+        for hop in HOPS:
+            flow.chunks(streams, [tokens[start : start + hop + PRE_LOOKAHEAD]] * batch, [False] * batch)
+            start += hop
+        flow.chunks(streams, [tokens[start:]] * batch, [True] * batch)
+
+
 @pytest.mark.parametrize("capped", [False, True])
 def test_planned_solve_shapes_are_those_the_chunk_pass_solves(capped: bool) -> None:
     """Planned from the cache rule alone, the same shapes, per chunk and in order, as streams run through
@@ -77,14 +89,7 @@ def test_planned_encoder_history_is_the_most_the_chunk_pass_encodes_at() -> None
     speaker = flow.prepare_speaker(make_voice(1, 12))
     encoder = PersistentEncoder(flow)
     flow.use_bucketed_solver(PersistentSolver(flow), BUCKETS, encoder)
-    tokens = torch.zeros(sum(HOPS) + PRE_LOOKAHEAD, dtype=torch.int64)
-    for batch in (4, 2, 1):
-        streams = [flow.open_stream(speaker) for _ in range(batch)]
-        start = 0
-        for hop in HOPS:
-            flow.chunks(streams, [tokens[start : start + hop + PRE_LOOKAHEAD]] * batch, [False] * batch)
-            start += hop
-        flow.chunks(streams, [tokens[start:]] * batch, [True] * batch)
+    run_in_step(flow, speaker, (4, 2, 1))
     met = {shape.history for shape in encoder.runs}
     assert len(met) > 1  # the pass grows the history: sizing for its first shape would not do
     planned = flow.planned_encoder_history(HOPS, speaker.encoder.num_tokens)
@@ -148,7 +153,7 @@ def test_workers_compile_the_classes_the_warm_up_then_loads(
     # shape, by its worker alone, and saved.
     assert [(at, superseded) for *_, at, superseded in done] == [
         (f"({shapes[0].batch}, {shapes[0].frames}, own {shapes[0].own_frames})", 0) for shapes in planned]
-    assert len(list(block.folder.glob(f"*{SUFFIX}"))) == 2
+    assert len(saved_variants(block.folder)) == 2
     outputs = []
     for flow in (eager, kept):
         flow.use_bucketed_solver(PersistentSolver(flow), BUCKETS)  # the planned (bucketed) shapes
@@ -329,14 +334,7 @@ def test_on_cuda_the_workers_compile_every_class_of_the_chunk_pass(tmp_path: Pat
     workers = flow.start_compiling_blocks(batches, HOPS, speaker.prompt_frames, idle)
     assert workers is idle and workers.wait() == len(HOPS) + 1
     assert block.variants == 0  # saved by the workers; the flow's block loads them when it meets them
-    tokens = torch.zeros(sum(HOPS) + PRE_LOOKAHEAD, dtype=torch.int64)
-    for batch in batches:
-        streams = [flow.open_stream(speaker) for _ in range(batch)]
-        start = 0
-        for hop in HOPS:
-            flow.chunks(streams, [tokens[start : start + hop + PRE_LOOKAHEAD]] * batch, [False] * batch)
-            start += hop
-        flow.chunks(streams, [tokens[start:]] * batch, [True] * batch)
+    run_in_step(flow, speaker, batches)
     assert block.compiled == 0 and block.variants > 0
     assert idle_workers_for_cold_start(kept, TRIMMING, torch.float16, cuda, len(HOPS) + 1) is None
 

@@ -259,25 +259,24 @@ class Runtime:
             await self._prepare(info.voice_id, self.voices.get(info.voice_id))
         return "default" in self._prepared and any(worker.device.type == "cuda" for worker in self._workers)
 
-    def _compile_beside_llm(self, engines: LoadedEngines) -> set[torch.device]:
-        """The token2wav devices whose cold-start compiling may run while the LLM builds
+    def _compile_beside_llm(self, engines: LoadedEngines) -> set[int]:
+        """The token2wav workers whose cold-start compiling may run while the LLM builds
         (`warm_up.compile_beside_llm`, on each shared GPU's free memory now)."""
         free = {}
         for device in engines.plan.shared_gpus:
             with torch.cuda.device(device):
                 torch.cuda.empty_cache()  # blocks the loading cached: free for the LLM all the same
             free[device] = torch.cuda.mem_get_info(device)[0]
-        early = compile_beside_llm(engines.llms, engines.plan.token2wav_devices, free)
-        return {torch.device(device) for device in early}
+        return compile_beside_llm(engines.llms, engines.plan.token2wav_devices, free)
 
-    async def _prepare_warmups(self, devices: set[torch.device]) -> None:
-        """Let the token2wav workers on `devices` start what their warm-up with the default voice has
+    async def _prepare_warmups(self, workers: set[int]) -> None:
+        """Let the token2wav workers of these indices start what their warm-up with the default voice has
         other processes do meanwhile (`Token2Wav.prepare_warmup`)."""
         await asyncio.gather(*(
             worker.prepare_warmup(prepared.speaker, batches)
-            for worker, prepared, batches in zip(self._workers, self._prepared["default"],
-                                                 self._warmup_plans(), strict=True)
-            if worker.device in devices
+            for index, (worker, prepared, batches) in enumerate(
+                zip(self._workers, self._prepared["default"], self._warmup_plans(), strict=True))
+            if index in workers
         ))
 
     def _warmup_plans(self) -> list[list[int]]:

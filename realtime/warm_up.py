@@ -29,9 +29,11 @@ def warmup_batches(max_batch: int, max_rows: int) -> list[int]:
 
 
 def compile_beside_llm(llms: Sequence[LLMEngine], token2wav_devices: Sequence[str],
-                       free_bytes: Mapping[str, int]) -> set[str]:
-    """The token2wav devices whose warm-up work in other processes (a cold start's compile workers,
-    `Token2Wav.prepare_warmup`) may start before the LLM engines build. `free_bytes`: the free memory of
+                       free_bytes: Mapping[str, int]) -> set[int]:
+    """The token2wav workers (indices into `token2wav_devices`, as the plan names their devices) whose
+    warm-up work in other processes (a cold start's compile workers, `Token2Wav.prepare_warmup`) may
+    start before the LLM engines build. Indices, not devices: a worker's torch device (`cuda:0`) need
+    not equal the plan's name for it (`cuda`). `free_bytes`: the free memory of
     each GPU the LLM shares with token2wav, measured before the LLM builds. A device the LLM does not
     use, always; a shared one only if no LLM sizes its cache by the free memory (TensorRT-LLM's
     executor: the workers would shrink it) and it has `COMPILE_BESIDE_LLM_MIN_FREE_BYTES` free per
@@ -42,7 +44,7 @@ def compile_beside_llm(llms: Sequence[LLMEngine], token2wav_devices: Sequence[st
         free = free_bytes.get(device)
         wanted = token2wav_devices.count(device) * COMPILE_BESIDE_LLM_MIN_FREE_BYTES
         if free is None or (not sizes_by_free and free >= wanted):
-            early.add(device)
+            early.update(index for index, name in enumerate(token2wav_devices) if name == device)
             continue
         reason = (f"the {sizes_by_free[0]} LLM engine sizes its cache by the free memory" if sizes_by_free
                   else f"{free / 2**30:.1f} GiB free before the LLM builds, {wanted / 2**30:.0f} GiB wanted")

@@ -43,13 +43,13 @@ def test_compiling_runs_beside_the_llm_build_only_where_it_cannot_starve_it(
     """A GPU the LLM does not use always compiles early; a shared one only with room for every token2wav
     worker on it and no LLM sizing its cache by the free memory. The GPUs left out are logged."""
     with caplog.at_level(logging.INFO, logger="realtime.warm_up"):
-        assert compile_beside_llm([TORCH], ["cuda:0"], {"cuda:0": ROOM}) == {"cuda:0"}
+        assert compile_beside_llm([TORCH], ["cuda"], {"cuda": ROOM}) == {0}  # worker 0, on `cuda:0`
         assert compile_beside_llm([TORCH], ["cuda:0"], {"cuda:0": ROOM - 1}) == set()
         # Two token2wav workers on the shared GPU: twice the room; the GPU of its own is early anyway.
-        assert compile_beside_llm([TORCH], ["cuda:0", "cuda:0", "cuda:1"],
-                                  {"cuda:0": 2 * ROOM - 1}) == {"cuda:1"}
-        assert compile_beside_llm([TORCH, TRT], ["cuda:0", "cuda:1"], {"cuda:0": 8 * ROOM}) == {"cuda:1"}
-        assert compile_beside_llm([TORCH], ["cuda:1"], {}) == {"cuda:1"}  # nothing shared
+        assert compile_beside_llm([TORCH], ["cuda:0", "cuda:0", "cuda:1"], {"cuda:0": 2 * ROOM - 1}) == {2}
+        assert compile_beside_llm([TORCH], ["cuda:0", "cuda:0", "cuda:1"], {"cuda:0": 2 * ROOM}) == {0, 1, 2}
+        assert compile_beside_llm([TORCH, TRT], ["cuda:0", "cuda:1"], {"cuda:0": 8 * ROOM}) == {1}
+        assert compile_beside_llm([TORCH], ["cuda:1"], {}) == {0}  # nothing shared
     said = [record.getMessage() for record in caplog.records]
     assert said == [
         "cuda:0: a cold start's compile workers start after the LLM build (40.0 GiB free before the LLM "

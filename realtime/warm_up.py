@@ -39,7 +39,7 @@ def compile_beside_llm(llms: Sequence[LLMEngine], token2wav_devices: Sequence[st
     executor: the workers would shrink it) and it has `COMPILE_BESIDE_LLM_MIN_FREE_BYTES` free per
     token2wav worker on it. The shared ones left out are logged (what a cold start would then wait for)."""
     sizes_by_free = [llm.name for llm in llms if llm.sizes_cache_by_free_memory]
-    early = set()
+    early: set[int] = set()
     for device in dict.fromkeys(token2wav_devices):
         free = free_bytes.get(device)
         wanted = token2wav_devices.count(device) * COMPILE_BESIDE_LLM_MIN_FREE_BYTES

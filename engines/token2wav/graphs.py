@@ -482,6 +482,43 @@ class _VocoderInputs:
 # Padding wastes at most a quarter of a call's frames (~10 % on average); each bucket is ~7 graphs,
 # ~0.1 s of start-up each on an H100.
 FINAL_CHUNK_FRAMES = (16, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 816)
+# Rows of a final-chunk graph: more final chunks in one call run as parts of this many. Finals are one per
+# utterance and seldom meet in numbers outside a bench whose streams all start together; HiFT's device
+# time grows with rows × frames, so parts cost about what one larger graph would, while every row
+# bucket above this would add ~19 graphs (~1.3 s) to every start (docs/benchmarks.md, eighteenth session).
+FINAL_CHUNK_MAX_ROWS = 8
+
+
+@dataclass(frozen=True)
+class FinalChunkBuckets:
+    """The final-chunk graphs a `GraphedVocoder` keeps: `frames` buckets (sorted) at the row buckets of
+    `batches` up to `max_rows` rows and `max_row_frames` rows × frames."""
+
+    frames: tuple[int, ...]
+    batches: tuple[int, ...]
+    max_row_frames: int
+    max_rows: int = FINAL_CHUNK_MAX_ROWS
+
+    def bucket(self, frames: int) -> int | None:
+        """The frames a final chunk of `frames` is padded to (None: longer than every bucket)."""
+        return next((bucket for bucket in self.frames if bucket >= frames), None)
+
+    def batches_for(self, frames: int) -> list[int]:
+        """The row buckets of the graphs `frames` long."""
+        return [batch for batch in self.batches
+                if batch <= self.max_rows and batch * frames <= self.max_row_frames]
+
+    def parts(self, rows: int, frames: int) -> list[int] | None:
+        """The row counts, in order, of the graphs that `rows` padded chunks of `frames` run in: the
+        largest bucket that fits the rows left each time (None: no graph has these frames)."""
+        buckets, parts = self.batches_for(frames), []
+        while rows > 0:
+            part = max((b for b in buckets if b <= rows), default=None)
+            if part is None:
+                return None
+            parts.append(part)
+            rows -= part
+        return parts
 
 
 class GraphedVocoder(_ShapeGraphs[VocodeShape, _VocoderInputs, Vocoded]):
@@ -490,27 +527,29 @@ class GraphedVocoder(_ShapeGraphs[VocodeShape, _VocoderInputs, Vocoded]):
     chunks: (mel frames, cached source samples) pairs to serve from graphs, e.g. a first chunk of 30
     frames without cache and later chunks of 8 + 50 frames after a 3840-sample cache; batches: row
     buckets. Final chunks of other lengths are padded to the next of `final_frames` and run from masked
-    graphs of at most `max_row_frames` rows × frames (default: that of the largest chunk graph, so their
-    shared pool does not grow), in parts of exactly a row bucket each. Graphs are captured on first use
+    graphs of at most `max_final_rows` rows and `max_row_frames` rows × frames (default: that of the
+    largest chunk graph, so their shared pool does not grow), in parts of exactly a row bucket each.
+    Graphs are captured on first use
     (or by `capture`, before `seal`); outputs are returned as copies.
     """
 
     def __init__(
         self, hift: HiFTGenerator, chunks: Iterable[tuple[int, int]], batches: tuple[int, ...],
         final_frames: tuple[int, ...] = FINAL_CHUNK_FRAMES, max_row_frames: int | None = None,
+        max_final_rows: int = FINAL_CHUNK_MAX_ROWS,
     ) -> None:
         super().__init__(hift.stft_window.device)
         self.hift = hift
         self.chunks = frozenset(chunks)
         self.batches = batches
-        self.final_frames = tuple(sorted(final_frames))
-        self.max_row_frames = (max(batches) * max(frames for frames, _ in self.chunks)
-                               if max_row_frames is None else max_row_frames)
+        row_frames = (max(batches) * max(frames for frames, _ in self.chunks)
+                      if max_row_frames is None else max_row_frames)
+        self.finals = FinalChunkBuckets(tuple(sorted(final_frames)), batches, row_frames, max_final_rows)
         # Every graph within rows × frames ≤ max_row_frames views these at their final size from the
         # start: the warm-up meets chunk shapes before the final ones, whose noise after no cache is
         # longer than a chunk graph's, and a grown buffer would mean capturing the earlier graphs again.
         rows = max(batches)
-        frames = -(-self.max_row_frames // rows)
+        frames = -(-row_frames // rows)
         for cached in (0, hift.cfg.source_cache_samples):  # the longest noise, the longest cache
             for name, (size, dtype) in self._buffer_specs(VocodeShape(rows, frames, cached, True)).items():
                 self._arena.reserve(name, math.prod(size), dtype)
@@ -532,18 +571,19 @@ class GraphedVocoder(_ShapeGraphs[VocodeShape, _VocoderInputs, Vocoded]):
     def final_bucket(self, frames: int, cached: int) -> int | None:
         if (frames, cached) in self.chunks:
             return None
-        return next((bucket for bucket in self.final_frames if bucket >= frames), None)
+        return self.finals.bucket(frames)
 
     def final_shapes(self, cached: int, max_frames: int | None = None) -> list[VocodeShape]:
         """The padded final-chunk shapes after `cached` source samples (up to `max_frames`) that graphs
         serve: what the warm-up captures."""
-        if not self.final_frames:
+        finals = self.finals
+        if not finals.frames:
             return []
         least = cached // self.hift.hop_samples
-        most = self.final_frames[-1] if max_frames is None else max_frames
+        most = finals.frames[-1] if max_frames is None else max_frames
         shapes = [VocodeShape(batch, frames, cached, padded=True)
-                  for frames in self.final_frames if least < frames <= most
-                  for batch in self.batches if batch * frames <= self.max_row_frames]
+                  for frames in finals.frames if least < frames <= most
+                  for batch in finals.batches_for(frames)]
         # Largest first: a capture's working memory then fits in the blocks the pool already holds.
         return sorted(shapes, key=lambda shape: shape.batch * shape.frames, reverse=True)
 
@@ -553,7 +593,7 @@ class GraphedVocoder(_ShapeGraphs[VocodeShape, _VocoderInputs, Vocoded]):
         cached = 0 if cache_source is None else cache_source.shape[2]
         batch = round_up(rows, self.batches)
         if frames is not None:
-            if batch != rows or rows * length > self.max_row_frames:
+            if batch != rows or rows not in self.finals.batches_for(length):
                 return self._vocode_in_parts(mel, cache_source, noise, frames)
             batch = rows
         elif batch is None or (length, cached) not in self.chunks:
@@ -573,18 +613,14 @@ class GraphedVocoder(_ShapeGraphs[VocodeShape, _VocoderInputs, Vocoded]):
 
     def _vocode_in_parts(self, mel: torch.Tensor, cache_source: torch.Tensor | None, noise: torch.Tensor,
                          frames: torch.Tensor) -> Vocoded:
-        """Padded rows in parts of exactly a row bucket each (the largest that fits the rows left and the
-        graphs' rows × frames; 40 rows: 32 + 8), so no graph computes padding rows (eagerly where no
-        bucket fits)."""
+        """Padded rows in parts of exactly a final graph's row bucket each (the largest that fits the rows
+        left; 13 rows: 8 + 4 + 1), so no graph computes padding rows (eagerly where no bucket fits)."""
         rows, _, length = mel.shape
-        parts, start = [], 0
-        while start < rows:
-            part = max((b for b in self.batches if b <= rows - start and b * length <= self.max_row_frames),
-                       default=None)
-            if part is None:
-                return self.hift.vocode_with_noise(mel, cache_source, noise, frames)
-            parts.append(slice(start, start + part))
-            start += part
+        sizes = self.finals.parts(rows, length)
+        if sizes is None:
+            return self.hift.vocode_with_noise(mel, cache_source, noise, frames)
+        starts = [sum(sizes[:index]) for index in range(len(sizes))]
+        parts = [slice(start, start + size) for start, size in zip(starts, sizes, strict=True)]
         outs = [self.vocode(mel[rows_of], None if cache_source is None else cache_source[rows_of],
                             noise[rows_of], frames[rows_of])
                 for rows_of in parts]

@@ -15,7 +15,7 @@ from weights import randomize
 
 from engines.checkpoints import CheckpointError, load_strict, read_manifest_tsv
 from engines.config import SAMPLES_PER_MEL_FRAME, HiFTConfig, ModelConfigs
-from engines.token2wav.graphs import GraphedVocoder
+from engines.token2wav.graphs import FinalChunkBuckets, GraphedVocoder
 from engines.token2wav.hift import HiFTGenerator, canonical_hift_state, load_hift
 from engines.token2wav.hift_stream import HiFTStream, vocode_streams
 
@@ -405,3 +405,20 @@ def test_padded_final_chunk_graphs_give_each_row_its_own_audio() -> None:
         # cuDNN picks its kernels (TF32 by default) by shape: ~1e-4 apart on samples ~0.05.
         torch.testing.assert_close(out.speech[row, : n * hop], want.speech[0], atol=5e-4, rtol=1e-3)
         assert not bool(out.speech[row, n * hop:].any())
+
+
+
+def test_final_chunk_graphs_stop_at_their_row_cap() -> None:
+    """Final-chunk graphs exist only up to `max_rows` rows (and `max_row_frames` rows × frames): what the
+    warm-up captures; more final chunks in one call run as parts of those buckets, largest first."""
+    finals = FinalChunkBuckets(frames=(16, 32), batches=(1, 2, 4, 8, 16), max_row_frames=16 * 16, max_rows=4)
+    assert finals.batches_for(16) == finals.batches_for(32) == [1, 2, 4]
+    assert finals.parts(11, 32) == [4, 4, 2, 1]
+    assert finals.parts(4, 16) == [4]
+    assert finals.bucket(17) == 32 and finals.bucket(33) is None
+    tight = FinalChunkBuckets(frames=(16, 32, 48), batches=(1, 2, 4), max_row_frames=64)
+    assert tight.batches_for(32) == [1, 2]  # rows × frames caps below the row cap
+    assert tight.parts(5, 32) == [2, 2, 1]
+    assert tight.parts(1, 80) is None  # no graph that long: eager
+    service = FinalChunkBuckets(frames=(16,), batches=(1, 2, 4, 8, 16, 32, 64), max_row_frames=10**6)
+    assert service.batches_for(16) == [1, 2, 4, 8]  # the service's cap

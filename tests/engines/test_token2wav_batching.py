@@ -574,7 +574,7 @@ def test_warm_up_captures_the_final_chunk_graphs() -> None:
     vocoder = backend.vocoder_graphs
     assert vocoder is not None
     captured = set(vocoder.shapes)
-    assert {s.frames for s in captured if s.padded and s.cached} == set(vocoder.final_frames)
+    assert {s.frames for s in captured if s.padded and s.cached} == set(vocoder.finals.frames)
     # The solve graphs of every frames bucket at the most cached state the warm-up reached.
     flow = backend.flow
     assert isinstance(flow, DiTFlow) and flow.graphs is not None

@@ -329,9 +329,16 @@ class DiTFlow(ConformerFlow):
         reached = self.planned_encoder_history(hops, prompt_tokens)
         if reached is None:
             return
-        shapes = self.encoder_capture_shapes(batches, reached)
-        if shapes:
-            encoder.reserve(shapes[0])
+        encoder.reserve(self.encoder_capture_shapes(batches, reached))
+
+    def reserve_solve_graphs(self, batches: Iterable[int], hops: Sequence[int], prompt_frames: int) -> None:
+        """Size the solve graphs' shared buffers now for the chunk pass's solves
+        (`planned_solve_shapes`): at 64 rows the kept cache grows from 30 to 100 to 200 frames through the
+        schedule, and the graphs captured on the smaller buffers were captured again (3 at an H100
+        restart, docs/benchmarks.md eighteenth session)."""
+        if isinstance(self.graphs, GraphedSolver):
+            planned = self.planned_solve_shapes(batches, hops, prompt_frames)
+            self.graphs.reserve(shape for shapes in planned for shape in shapes)
 
     @torch.inference_mode()
     def capture_solve_graphs(self, batches: Iterable[int]) -> None:

@@ -305,6 +305,28 @@ class _ShapeGraphs(Generic[ShapeT, InputsT, OutputsT]):
         if stale:
             logger.info("%s: %d graphs captured again on grown buffers", type(self).__name__, len(stale))
 
+    def reserve(self, shapes: Iterable[ShapeT]) -> None:
+        """Allocate the shared static buffers now at the largest size any of `shapes` views, so that the
+        graphs captured before the largest of them view their final buffers (none captured again when it
+        comes, no larger buffer allocated beside the smaller one)."""
+        wanted: dict[str, tuple[int, torch.dtype]] = {}
+
+        def note(name: str, size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            numel = math.prod(size)
+            if numel > wanted.get(name, (0, dtype))[0]:
+                wanted[name] = (numel, dtype)
+            return torch.empty(size, dtype=dtype, device="meta")
+
+        for shape in shapes:
+            self._static_buffers(shape, note)
+        for name, (numel, dtype) in wanted.items():
+            self._arena.reserve(name, numel, dtype)
+        self._recapture_on_grown_buffers()
+
+    def _static_buffers(self, shape: ShapeT, view: TensorSource) -> None:
+        """Take the static inputs and outputs of a graph of `shape` through `view` (`reserve`)."""
+        raise NotImplementedError
+
     def _capture(self, shape: ShapeT) -> _Graph[InputsT, OutputsT]:
         raise NotImplementedError
 
@@ -321,6 +343,10 @@ class GraphedSolver(_ShapeGraphs[SolveShape, RaggedInputs, RaggedOutputs]):
             cfm.estimator.compile_blocks(precompiled=precompiled)
         # The steps' time conditioning, computed once from the weights and read by every graph.
         self._conditioning: list[Any] | None = None
+
+    def _static_buffers(self, shape: SolveShape, view: TensorSource) -> None:
+        self.layout.inputs(shape, view)
+        self.layout.outputs(shape, view)
 
     def _capture(self, shape: SolveShape) -> _Graph[RaggedInputs, RaggedOutputs]:
         inputs = self.layout.inputs(shape, self._arena.view)
@@ -430,12 +456,9 @@ class GraphedEncoder(_ShapeGraphs[EncodeShape, EncoderInputs, EncoderOutputs]):
         self.encode = encode
         self.layout = layout
 
-    def reserve(self, shape: EncodeShape) -> None:
-        """Allocate the shared static buffers at `shape`'s size now, so that graphs of smaller shapes
-        captured before it view them at their final size (none is captured again when it comes)."""
-        self.layout.inputs(shape, self._arena.view)
-        self.layout.outputs(shape, self._arena.view)
-        self._recapture_on_grown_buffers()
+    def _static_buffers(self, shape: EncodeShape, view: TensorSource) -> None:
+        self.layout.inputs(shape, view)
+        self.layout.outputs(shape, view)
 
     def _capture(self, shape: EncodeShape) -> _Graph[EncoderInputs, EncoderOutputs]:
         inputs = self.layout.inputs(shape, self._arena.view)

@@ -254,6 +254,7 @@ class TorchToken2Wav(Token2Wav):
         voice = _dit_speaker(speaker)
         if isinstance(self.flow, DiTFlow) and voice is not None:
             self.flow.reserve_encoder_graphs(batches, hops, voice.encoder.num_tokens)
+            self.flow.reserve_solve_graphs(batches, hops, voice.prompt_frames)
         for batch in batches:
             streams = [self.open_stream(speaker) for _ in range(batch)]
             start = 0

@@ -72,6 +72,22 @@ class BlockCompileJob:
     compile_threads: int = 1  # Inductor's kernel-compiling subprocesses: the host's cores shared out
 
 
+def guarded_state() -> tuple[tuple[str, str], ...]:
+    """This thread's global state that compiled variants guard on (Dynamo's global state guard: thread
+    count, float32 and reduced-precision matmul settings, determinism, default dtype, torch function
+    mode; the autograd mode is inference for both sides' calls): a worker reports the state it compiled
+    under, and the warm-up compares its own (a variant compiled under another state does not serve, and
+    the warm-up compiles that class again)."""
+    matmul = torch.backends.cuda.matmul
+    return (("threads", str(torch.get_num_threads())),
+            ("matmul_fp32", str(matmul.fp32_precision)),
+            ("fp16_reduce", str(matmul.allow_fp16_reduced_precision_reduction)),
+            ("bf16_reduce", str(matmul.allow_bf16_reduced_precision_reduction)),
+            ("deterministic", str(torch.are_deterministic_algorithms_enabled())),
+            ("dtype", str(torch.get_default_dtype())),
+            ("torch_function", str(torch._C._is_torch_function_enabled())))
+
+
 @dataclass(frozen=True)
 class WorkerReport:
     """What a worker did, for the parent's log: seconds from its spawn to idle (a spawned Python and its
@@ -86,13 +102,16 @@ class WorkerReport:
     shapes_s: float
     compiled_at: tuple[SolveShape, ...]
     superseded: int
+    state: tuple[tuple[str, str], ...]  # `guarded_state` as it compiled
 
 
-def compile_block_classes(job: BlockCompileJob) -> tuple[float, float, tuple[SolveShape, ...], int]:
+def compile_block_classes(
+    job: BlockCompileJob
+) -> tuple[float, float, tuple[SolveShape, ...], int, tuple[tuple[str, str], ...]]:
     """A worker's part: run one Euler step of each of `job.shapes` through the kept block (so compiling
     and saving every class they meet that no variant in the folder serves yet). Returns the seconds to
-    the first shape, the seconds of the shapes, the shapes at which a class was compiled, and how many
-    of those another process had saved meanwhile."""
+    the first shape, the seconds of the shapes, the shapes at which a class was compiled, how many of
+    those another process had saved meanwhile, and the `guarded_state` they were compiled under."""
     called = time.perf_counter()
     device = torch.device(job.device)
     if device.type == "cuda":
@@ -116,6 +135,7 @@ def compile_block_classes(job: BlockCompileJob) -> tuple[float, float, tuple[Sol
 
     ready = time.perf_counter()
     compiled_at = []
+    state = guarded_state()
     with torch.inference_mode():
         conditioning = cfm.step_conditioning()
         for shape in job.shapes:
@@ -128,7 +148,7 @@ def compile_block_classes(job: BlockCompileJob) -> tuple[float, float, tuple[Sol
                 raise RuntimeError("the ahead-of-time compile failed (logged above)")
             if block.compiled > compiled:
                 compiled_at.append(shape)
-    return ready - called, time.perf_counter() - ready, tuple(compiled_at), block.superseded
+    return ready - called, time.perf_counter() - ready, tuple(compiled_at), block.superseded, state
 
 
 def _serve(parent: int, jobs: Connection, reports: multiprocessing.queues.SimpleQueue[WorkerReport],
@@ -146,9 +166,9 @@ def _serve(parent: int, jobs: Connection, reports: multiprocessing.queues.Simple
         job = None
     if job is None:
         return
-    ready_s, shapes_s, compiled_at, superseded = compile_block_classes(job)
+    ready_s, shapes_s, compiled_at, superseded, state = compile_block_classes(job)
     reports.put(WorkerReport(multiprocessing.current_process().name, idle - spawned, ready_s, len(job.shapes),
-                             shapes_s, compiled_at, superseded))
+                             shapes_s, compiled_at, superseded, state))
 
 
 def idle_workers_for_cold_start(root: Path | None, cfg: FlowConfig, dtype: torch.dtype, device: torch.device,
@@ -298,7 +318,13 @@ class BlockCompileWorkers:
         logger.info("DiT block: %d of %d compile workers done %.1f s after their jobs came; %d variants "
                     "in %s", len(reports), sum(self._busy), time.perf_counter() - self._ran,
                     len(saved_variants(self.folder)), self.folder.name)
+        here = dict(guarded_state())
         for report in reports.values():
+            differs = {name: f"{value} there, {here.get(name)} here" for name, value in report.state
+                       if here.get(name) != value}
+            if differs:
+                logger.warning("%s compiled under another global state than this thread's (%s): its "
+                               "variants will not serve here", report.name, differs)
             logger.info("%s: idle %.1f s after its spawn, ready %.1f s after its job, then %d shapes in "
                         "%.1f s; classes compiled at %s (%d of them saved by another worker first)",
                         report.name, report.idle_s, report.ready_s, report.shapes, report.shapes_s,

@@ -15,7 +15,7 @@ from weights import randomize
 from engines.config import PRE_LOOKAHEAD
 from engines.precompiled import saved_variants, supported
 from engines.token2wav.batching import Buckets, EncodeShape, SolveShape
-from engines.token2wav.block_compile import BlockCompileJob
+from engines.token2wav.block_compile import BlockCompileJob, guarded_state
 from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker
 from engines.token2wav.graphs import EncoderLayout
 
@@ -155,6 +155,8 @@ def test_workers_compile_the_classes_the_warm_up_then_loads(
     assert [(at, superseded) for *_, at, superseded in done] == [
         (f"({shapes[0].batch}, {shapes[0].frames}, own {shapes[0].own_frames})", 0) for shapes in planned]
     assert len(saved_variants(block.folder)) == 2
+    # They compiled under this thread's guarded state (else the loads below would compile again).
+    assert not [r for r in caplog.records if "another global state" in r.getMessage()]
     outputs = []
     for flow in (eager, kept):
         flow.use_bucketed_solver(PersistentSolver(flow), BUCKETS)  # the planned (bucketed) shapes
@@ -169,6 +171,19 @@ def test_workers_compile_the_classes_the_warm_up_then_loads(
     assert block.compiled == 0 and block.variants >= 2
     for got, want in zip(outputs[1], outputs[0], strict=True):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_the_guarded_state_is_what_dynamo_guards_on() -> None:
+    """A change of a setting the variants' global state guard checks shows in `guarded_state`."""
+    before = dict(guarded_state())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        after = dict(guarded_state())
+    finally:
+        torch.set_num_threads(threads)
+    assert {name for name in before if before[name] != after[name]} == {"threads"}
+    assert dict(guarded_state()) == before
 
 
 def test_a_failed_or_stuck_worker_is_logged_and_the_start_goes_on(

@@ -166,7 +166,12 @@ class PrecompiledFunction:
                     logger.warning("%s: inputs of a shape class not compiled before the warm-up ended run "
                                    "uncompiled", self.folder.name)
                 return self.fn(*args)
-            variant = self._load(args) or self._compile(args)  # saved meanwhile by another process or device?
+            variant = self._load(args)  # saved meanwhile by another process or device?
+            if variant is None:
+                if self._variants:  # why none serves: a class expected from elsewhere shows its cause
+                    logger.info("%s: a new shape class compiles; the %d variants' first failing guards: %s",
+                                self.folder.name, len(self._variants), self._guard_failures(args))
+                variant = self._compile(args)
             if variant is not None:
                 return variant(*args)
         return self.jit(*args)
@@ -198,6 +203,19 @@ class PrecompiledFunction:
             logger.warning("%s: a compiled variant could not be saved (%s: %s); the next start compiles it "
                            "again", self.folder.name, type(exc).__name__, exc)
         return variant
+
+    def _guard_failures(self, args: tuple[Any, ...]) -> str:
+        """Each variant's first failing guard on `args`, as Dynamo words it (its private API: a torch
+        without it says so instead)."""
+        reasons = []
+        for variant in self._variants:
+            try:
+                f_locals = variant.prepare_f_locals(*args)
+                failed = variant._artifacts.guard_manager.check_verbose(f_locals).verbose_code_parts
+                reasons.append(str(failed[0]) if failed else "none")
+            except Exception as exc:
+                reasons.append(f"unknown ({type(exc).__name__})")
+        return "; ".join(reason[:300] for reason in reasons)
 
     def _mode(self) -> contextlib.AbstractContextManager[Any]:
         """The autograd mode the variants' guards were built in (see `inference`)."""

@@ -305,10 +305,15 @@ class _ShapeGraphs(Generic[ShapeT, InputsT, OutputsT]):
         if stale:
             logger.info("%s: %d graphs captured again on grown buffers", type(self).__name__, len(stale))
 
+    @torch.inference_mode()
     def reserve(self, shapes: Iterable[ShapeT]) -> None:
         """Allocate the shared static buffers now at the largest size any of `shapes` views, so that the
         graphs captured before the largest of them view their final buffers (none captured again when it
-        comes, no larger buffer allocated beside the smaller one)."""
+        comes, no larger buffer allocated beside the smaller one). In inference mode, as the captures
+        (inside the chunk calls) allocate them: views of ordinary tensors reach the compiled DiT block as
+        ordinary tensors, whose guards then refuse the variants compiled on inference tensors (the compile
+        workers'), and an H100 cold start compiled every class again (docs/benchmarks.md, eighteenth
+        session)."""
         wanted: dict[str, tuple[int, torch.dtype]] = {}
 
         def note(name: str, size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -332,7 +332,8 @@ def test_on_cuda_the_workers_compile_every_class_of_the_chunk_pass(tmp_path: Pat
     """As the service runs it: idle workers spawned for a cold start before the flow loads from its
     checkpoint in half precision (parameters as loaded) with CUDA graphs over a kept block; the workers
     compile the planned chunk pass's classes, and the chunk pass itself (first calls in the graphs'
-    warm-up runs) then compiles none; the next start spawns no workers."""
+    warm-up runs, on the buffers the warm-up reserves) then compiles none; the next start spawns no
+    workers."""
     from engines.token2wav.block_compile import idle_workers_for_cold_start
     from engines.token2wav.flow_dit import load_dit_flow
 
@@ -350,6 +351,9 @@ def test_on_cuda_the_workers_compile_every_class_of_the_chunk_pass(tmp_path: Pat
     workers = flow.start_compiling_blocks(batches, HOPS, speaker.prompt_frames, idle)
     assert workers is idle and workers.wait() == len(HOPS) + 1
     assert block.variants == 0  # saved by the workers; the flow's block loads them when it meets them
+    # As TorchToken2Wav.warmup: the graphs' buffers sized first (outside inference mode).
+    flow.reserve_encoder_graphs(batches, HOPS, speaker.encoder.num_tokens)
+    flow.reserve_solve_graphs(batches, HOPS, speaker.prompt_frames)
     run_in_step(flow, speaker, batches)
     assert block.compiled == 0 and block.variants > 0
     assert idle_workers_for_cold_start(kept, TRIMMING, torch.float16, cuda, len(HOPS) + 1) is None

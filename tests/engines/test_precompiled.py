@@ -33,13 +33,20 @@ def inputs(*shape: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tenso
     return x, torch.randn(shape[-1], generator=generator, dtype=dtype), 1e-5
 
 
-def test_a_variant_serves_its_class_and_a_new_class_compiles_another(tmp_path: Path) -> None:
+def test_a_variant_serves_its_class_and_a_new_class_compiles_another(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     function = PrecompiledFunction(scaled_norm, tmp_path / "norm", scaled_norm)
     for shape in ((4, 8, 16), (7, 3, 16), (2, 5, 16)):  # one class: every dim above 1
         torch.testing.assert_close(function(*inputs(*shape)), scaled_norm(*inputs(*shape)))
     assert function.compiled == 1
-    torch.testing.assert_close(function(*inputs(4, 1, 16)), scaled_norm(*inputs(4, 1, 16)))  # a dim of 1
+    with caplog.at_level(logging.INFO, logger="engines.precompiled"):
+        torch.testing.assert_close(function(*inputs(4, 1, 16)), scaled_norm(*inputs(4, 1, 16)))  # a dim of 1
     assert function.compiled == 2
+    # The log says which guard of the variant there was refused the new class.
+    said = [r.getMessage() for r in caplog.records if "a new shape class compiles" in r.getMessage()]
+    assert len(said) == 1 and "1 variants' first failing guards: " in said[0]
+    assert "L['x']" in said[0], said[0]  # a guard on the function's argument
     assert len(list((tmp_path / "norm").glob(f"*{SUFFIX}"))) == 2
 
 

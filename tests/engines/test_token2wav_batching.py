@@ -647,3 +647,25 @@ def test_compiled_blocks_equal_eager(flow: DiTFlow, speakers: list[DiTSpeaker]) 
     for wanted, gotten in zip(want, got, strict=True):
         for w, g in zip(wanted, gotten, strict=True):
             torch.testing.assert_close(g, w, atol=ATOL, rtol=RTOL)
+
+
+def test_reserved_graph_buffers_are_inference_tensors() -> None:
+    """Buffers reserved outside inference mode (the warm-up's `reserve_*_graphs`) are of the kind the
+    captures inside the chunk calls allocate: inference tensors. Views of ordinary ones reach the compiled
+    DiT block as ordinary tensors, and its variants compiled on inference tensors no longer serve."""
+    import engines.token2wav.graphs as graphs_module
+
+    class Buffers(graphs_module._ShapeGraphs[int, None, None]):
+        def __init__(self) -> None:  # the arena and graph table alone: no CUDA here
+            self._arena = graphs_module._Arena(torch.device("cpu"))
+            self._graphs = {}
+
+        def _static_buffers(self, shape: int, view: graphs_module.TensorSource) -> None:
+            view("in.x", (shape, 2), torch.float16)
+
+    buffers = Buffers()
+    buffers.reserve([3, 5])
+    with torch.inference_mode():
+        x = buffers._arena.view("in.x", (4, 2), torch.float16)
+    assert x.is_inference()
+    assert buffers._arena.reserve("in.x", 10, torch.float16).numel() == 10  # the most any shape views

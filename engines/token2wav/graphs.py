@@ -513,7 +513,8 @@ FINAL_CHUNK_FRAMES = (16, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 448,
 # Rows of a final-chunk graph: more final chunks in one call run as parts of this many. Finals are one per
 # utterance and seldom meet in numbers outside a bench whose streams all start together; HiFT's device
 # time grows with rows × frames, so parts cost about what one larger graph would, while every row
-# bucket above this would add ~19 graphs (~1.3 s) to every start (docs/benchmarks.md, eighteenth session).
+# bucket above this adds ~19 graphs to every start (76 took 8.0 s of an H100 restart, docs/benchmarks.md,
+# eighteenth session; mostly cuDNN's plan per new shape).
 FINAL_CHUNK_MAX_ROWS = 8
 
 

@@ -168,7 +168,7 @@ class PrecompiledFunction:
                 return self.fn(*args)
             variant = self._load(args)  # saved meanwhile by another process or device?
             if variant is None:
-                if self._variants:  # why none serves: a class expected from elsewhere shows its cause
+                if self._variants and logger.isEnabledFor(logging.INFO):  # why none serves them
                     logger.info("%s: a new shape class compiles; the %d variants' first failing guards: %s",
                                 self.folder.name, len(self._variants), self._guard_failures(args))
                 variant = self._compile(args)

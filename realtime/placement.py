@@ -38,6 +38,8 @@ class DevicePlan:
         for name in ("llm_devices", "token2wav_devices"):
             if not getattr(self, name):
                 raise ValueError(f"{name} is empty: give at least one device")
+            # One name per device, so that `cuda` and `cuda:0` are seen to share a GPU.
+            object.__setattr__(self, name, tuple(_canonical(device) for device in getattr(self, name)))
 
     @property
     def shared_gpus(self) -> tuple[str, ...]:
@@ -49,6 +51,11 @@ class DevicePlan:
         """The (first) LLM engine on the same device as token2wav worker `token2wav_index`, if any."""
         device = self.token2wav_devices[token2wav_index]
         return self.llm_devices.index(device) if device in self.llm_devices else None
+
+
+def _canonical(device: str) -> str:
+    """A device's one name: a bare `cuda` is the current GPU, GPU 0 in the service's process."""
+    return "cuda:0" if device == "cuda" else device
 
 
 def plan_devices(

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import multiprocessing
 import multiprocessing.queues
@@ -73,19 +74,24 @@ class BlockCompileJob:
 
 
 def guarded_state() -> tuple[tuple[str, str], ...]:
-    """This thread's global state that compiled variants guard on (Dynamo's global state guard: thread
-    count, float32 and reduced-precision matmul settings, determinism, default dtype, torch function
-    mode; the autograd mode is inference for both sides' calls): a worker reports the state it compiled
-    under, and the warm-up compares its own (a variant compiled under another state does not serve, and
-    the warm-up compiles that class again)."""
-    matmul = torch.backends.cuda.matmul
-    return (("threads", str(torch.get_num_threads())),
-            ("matmul_fp32", str(matmul.fp32_precision)),
-            ("fp16_reduce", str(matmul.allow_fp16_reduced_precision_reduction)),
-            ("bf16_reduce", str(matmul.allow_bf16_reduced_precision_reduction)),
-            ("deterministic", str(torch.are_deterministic_algorithms_enabled())),
-            ("dtype", str(torch.get_default_dtype())),
-            ("torch_function", str(torch._C._is_torch_function_enabled())))
+    """This thread's global state that compiled variants guard on, as Dynamo's global state guard reads
+    it (thread count, TF32, reduced-precision reductions, autocast, determinism, default dtype, torch
+    function mode; not the autograd mode: both sides call under inference mode): a worker reports the
+    state it compiled under, and the warm-up compares its own (a variant compiled under another state
+    does not serve, and the warm-up compiles that class again). From the guard's own record where this
+    torch exposes it (a private API), else from the public settings."""
+    try:
+        state = json.loads(str(torch._C._dynamo.guards.GlobalStateGuard().__getstate__()))
+    except Exception:  # another torch: the public settings the guard reads
+        matmul = torch.backends.cuda.matmul
+        state = {"num_threads": torch.get_num_threads(), "allow_tf32": matmul.fp32_precision == "tf32",
+                 "allow_fp16_reduce": matmul.allow_fp16_reduced_precision_reduction,
+                 "allow_bf16_reduce": matmul.allow_bf16_reduced_precision_reduction,
+                 "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+                 "default_dtype": str(torch.get_default_dtype()),
+                 "torch_function": torch._C._is_torch_function_enabled()}
+    state.pop("grad_mode", None)
+    return tuple(sorted((name, json.dumps(value, sort_keys=True)) for name, value in state.items()))
 
 
 @dataclass(frozen=True)

@@ -332,13 +332,18 @@ class DiTFlow(ConformerFlow):
         encoder.reserve(self.encoder_capture_shapes(batches, reached))
 
     def reserve_solve_graphs(self, batches: Iterable[int], hops: Sequence[int], prompt_frames: int) -> None:
-        """Size the solve graphs' shared buffers now for the chunk pass's solves
-        (`planned_solve_shapes`): at 64 rows the kept cache grows from 30 to 100 to 200 frames through the
-        schedule, and the graphs captured on the smaller buffers were captured again (3 at an H100
-        restart, docs/benchmarks.md eighteenth session)."""
-        if isinstance(self.graphs, GraphedSolver):
-            planned = self.planned_solve_shapes(batches, hops, prompt_frames)
-            self.graphs.reserve(shape for shapes in planned for shape in shapes)
+        """Size the solve graphs' shared buffers now for every graph the warm-up will capture: the chunk
+        pass's solves (`planned_solve_shapes`) and what `capture_solve_graphs` then adds. At 64 rows the
+        kept cache grows from 30 to 100 to 200 frames through the schedule, and the graphs captured on
+        the smaller buffers were captured again (3 at an H100 restart, docs/benchmarks.md eighteenth
+        session). Shapes past the buckets run eagerly and take no graph buffer."""
+        if not isinstance(self.graphs, GraphedSolver):
+            return
+        batches = list(batches)
+        planned = self.planned_solve_shapes(batches, hops, prompt_frames)
+        graphed = [shape for shapes in planned for shape in shapes if self.buckets.shape(shape) == shape]
+        if graphed:
+            self.graphs.reserve([*graphed, *self._solve_capture_shapes(batches, graphed)])
 
     @torch.inference_mode()
     def capture_solve_graphs(self, batches: Iterable[int]) -> None:
@@ -351,16 +356,19 @@ class DiTFlow(ConformerFlow):
         of a few words ends with a short last chunk there. Shapes over the solve memory cap are skipped,
         as batch planning never forms them."""
         solver = self.graphs
-        if solver is None or not solver.shapes:
-            return
-        cached = max(solver.shapes, key=lambda shape: (shape.own_frames, shape.kept_frames))
-        prompts = {shape.prompt_frames for shape in solver.shapes}
+        if solver is not None and solver.shapes:
+            solver.capture(self._solve_capture_shapes(batches, solver.shapes))
+
+    def _solve_capture_shapes(self, batches: Iterable[int], met: Sequence[SolveShape]) -> list[SolveShape]:
+        """What `capture_solve_graphs` captures after a chunk pass that solved `met` (see there)."""
+        cached = max(met, key=lambda shape: (shape.own_frames, shape.kept_frames))
+        prompts = {shape.prompt_frames for shape in met}
         buckets = self.buckets
         sizes = {round_up(b, buckets.batch) for b in batches}
         rows = sorted((size for size in sizes if size is not None), reverse=True)
         frames = sorted(buckets.frames, reverse=True)
         states = {(cached.own_frames, cached.kept_frames): frames[0]}
-        for shape in solver.shapes:
+        for shape in met:
             if 0 < shape.own_frames < cached.own_frames:
                 key = (shape.own_frames, shape.kept_frames)
                 states[key] = max(states.get(key, 0), shape.frames)
@@ -368,7 +376,7 @@ class DiTFlow(ConformerFlow):
                   for b in rows for (own, kept), most in states.items() for f in frames if f <= most
                   for p in sorted(prompts)]
         fits = self.solve_memory.fits if self.solve_memory is not None else None
-        solver.capture(shape for shape in shapes if shape.batch == 1 or fits is None or fits(shape))
+        return [shape for shape in shapes if shape.batch == 1 or fits is None or fits(shape)]
 
     def planned_solve_shapes(self, batches: Iterable[int], hops: Sequence[int],
                              prompt_frames: int) -> list[list[SolveShape]]:

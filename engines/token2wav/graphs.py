@@ -314,6 +314,8 @@ class _ShapeGraphs(Generic[ShapeT, InputsT, OutputsT]):
         ordinary tensors, whose guards then refuse the variants compiled on inference tensors (the compile
         workers'), and an H100 cold start compiled every class again (docs/benchmarks.md, eighteenth
         session)."""
+        if self._sealed:
+            return  # nothing more is captured: no buffer is needed
         wanted: dict[str, tuple[int, torch.dtype]] = {}
 
         def note(name: str, size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -582,6 +584,10 @@ class GraphedVocoder(_ShapeGraphs[VocodeShape, _VocoderInputs, Vocoded]):
         for cached in (0, hift.cfg.source_cache_samples):  # the longest noise, the longest cache
             for name, (size, dtype) in self._buffer_specs(VocodeShape(rows, frames, cached, True)).items():
                 self._arena.reserve(name, math.prod(size), dtype)
+
+    def _static_buffers(self, shape: VocodeShape, view: TensorSource) -> None:
+        for name, (size, dtype) in self._buffer_specs(shape).items():
+            view(name, size, dtype)
 
     def _buffer_specs(self, shape: VocodeShape) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """The static inputs and outputs of a graph of `shape`: arena name → (size, dtype)."""

@@ -233,8 +233,8 @@ class TorchToken2Wav(Token2Wav):
         chunk-frames bucket at the most cached state they reached, and HiFT's graphs of final chunks, are
         captured. That compiles and captures the shapes the schedule produces (for voices with prompts
         up to this one's bucket) and runs every kernel once.
-        Largest batches first, so that the graphs' shared buffers are allocated at their final size (the
-        encoder's are sized ahead for the largest shape it will capture).
+        The encoder's and the solve's shared graph buffers are first sized for every shape the warm-up will
+        capture (so no graph is captured twice on a grown buffer); largest batches first all the same.
         On a cold start (a kept DiT block with no variant saved yet) the block's shape classes these
         chunks meet are first compiled side by side in worker processes (block_compile.py; started
         earlier by `prepare_warmup`, or here).

@@ -182,8 +182,16 @@ def test_the_guarded_state_is_what_dynamo_guards_on() -> None:
         after = dict(guarded_state())
     finally:
         torch.set_num_threads(threads)
-    assert {name for name in before if before[name] != after[name]} == {"threads"}
+    assert {name for name in before if before[name] != after[name]} == {"num_threads"}
     assert dict(guarded_state()) == before
+    # Dynamo's own guard agrees: set under one state, it refuses the other.
+    guard = torch._C._dynamo.guards.GlobalStateGuard()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert not guard.check()
+    finally:
+        torch.set_num_threads(threads)
+    assert guard.check()
 
 
 def test_a_failed_or_stuck_worker_is_logged_and_the_start_goes_on(

@@ -407,7 +407,6 @@ def test_padded_final_chunk_graphs_give_each_row_its_own_audio() -> None:
         assert not bool(out.speech[row, n * hop:].any())
 
 
-
 def test_final_chunk_graphs_stop_at_their_row_cap() -> None:
     """Final-chunk graphs exist only up to `max_rows` rows (and `max_row_frames` rows × frames): what the
     warm-up captures; more final chunks in one call run as parts of those buckets, largest first."""

@@ -565,10 +565,16 @@ def test_backend_with_cuda_graphs_equals_eager() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_warm_up_captures_the_final_chunk_graphs(caplog: pytest.LogCaptureFixture) -> None:
+def test_warm_up_captures_the_final_chunk_graphs(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """After the warm-up, final chunks of lengths it never ran (every plan's) come from its padded HiFT
     graphs, no new capture, and each stream's audio is what the eager backend gives it. The warm-up
-    sizes the graphs' shared buffers first: no graph is captured twice."""
+    sizes the graphs' shared buffers first: no graph is captured twice, even where any grown buffer,
+    however small, would be captured again."""
+    import engines.token2wav.graphs as graphs_module
+
+    monkeypatch.setattr(graphs_module, "RECAPTURE_MIN_BYTES", 0)
     eager_backend, eager_voices = seeded_backend("cuda", graphs=False)
     eager = run_plans(eager_backend, eager_voices, plans())
     backend, voices = seeded_backend("cuda", graphs=True)
@@ -659,6 +665,7 @@ def test_reserved_graph_buffers_are_inference_tensors() -> None:
         def __init__(self) -> None:  # the arena and graph table alone: no CUDA here
             self._arena = graphs_module._Arena(torch.device("cpu"))
             self._graphs = {}
+            self._sealed = False
 
         def _static_buffers(self, shape: int, view: graphs_module.TensorSource) -> None:
             view("in.x", (shape, 2), torch.float16)
@@ -669,3 +676,6 @@ def test_reserved_graph_buffers_are_inference_tensors() -> None:
         x = buffers._arena.view("in.x", (4, 2), torch.float16)
     assert x.is_inference()
     assert buffers._arena.reserve("in.x", 10, torch.float16).numel() == 10  # the most any shape views
+    buffers.seal()
+    buffers.reserve([9])  # sealed: nothing more is captured, so nothing grows
+    assert buffers._arena.reserve("in.x", 10, torch.float16).numel() == 10

@@ -170,3 +170,12 @@ async def _drain(session: Session) -> str:
     except ServiceError as exc:
         return exc.code
     return "ok"
+
+
+def test_a_bare_cuda_and_cuda_0_are_one_gpu() -> None:
+    """`--device cuda` with `--token2wav-devices cuda:0` shares one GPU: the start-up then builds the two
+    sides one after the other (building them at once once ran an 80 GB H100 out of memory)."""
+    plan = plan_devices("cuda", 1, token2wav_devices=("cuda:0",))
+    assert plan.llm_devices == ("cuda:0",) and plan.shared_gpus == ("cuda:0",)
+    assert plan.llm_for(0) == 0
+    assert plan_devices("cpu", 0).llm_devices == ("cpu",)

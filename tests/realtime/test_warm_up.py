@@ -4,11 +4,14 @@ beside the LLM's build."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 
 from engines.llm.torch_engine import TorchLLMEngine
 from engines.llm.trtllm import TrtLlmEngine
+from realtime.config import ServiceConfig
+from realtime.runtime import Runtime
 from realtime.warm_up import COMPILE_BESIDE_LLM_MIN_FREE_BYTES, compile_beside_llm, warmup_batches
 
 ROOM = COMPILE_BESIDE_LLM_MIN_FREE_BYTES
@@ -59,3 +62,28 @@ def test_compiling_runs_beside_the_llm_build_only_where_it_cannot_starve_it(
         "cuda:0: a cold start's compile workers start after the LLM build (the tensorrt_llm LLM engine sizes "
         "its cache by the free memory)",
     ]
+
+
+async def test_the_runtime_hands_the_early_start_to_the_workers_it_names(
+    tiny_models: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`Runtime._prepare_warmups` gives the default voice and warm-up batches to exactly the token2wav
+    workers the policy named, by index (the plan named a GPU `cuda` where its worker's device was
+    `cuda:0`, and no worker was ever picked)."""
+    runtime = Runtime(ServiceConfig(models_dir=tiny_models, device="cpu", max_streams=2,
+                                    token2wav_devices=("cpu", "cpu")))
+    await runtime.start()
+    try:
+        called: list[tuple[int, list[int]]] = []
+        for index, worker in enumerate(runtime._workers):
+            async def record(speaker: object, batches: list[int], index: int = index) -> None:
+                called.append((index, list(batches)))
+
+            monkeypatch.setattr(worker, "prepare_warmup", record)
+        await runtime._prepare_warmups({1})
+        assert called == [(1, runtime._warmup_plans()[1])]
+        called.clear()
+        await runtime._prepare_warmups(set())
+        assert called == []
+    finally:
+        await runtime.stop(drain_timeout_s=1.0)

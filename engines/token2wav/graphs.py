@@ -27,6 +27,7 @@ padding would be), so each row's audio is its own. Other calls run eagerly.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 from collections.abc import Callable, Iterable
@@ -181,12 +182,17 @@ class _Arena:
         return self.reserve(name, numel, dtype)[:numel].view(size)
 
     def reserve(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """The flat storage of `name`, at least `numel` elements of `dtype` (reallocated if smaller)."""
+        """The flat storage of `name`, at least `numel` elements of `dtype` (reallocated if smaller). An
+        inference tensor, whoever asks: every graph runs in inference mode, and views of an ordinary
+        tensor reach the compiled DiT block as ordinary tensors, whose guards refuse the variants compiled
+        on inference tensors (an H100 cold start compiled every class again, docs/benchmarks.md,
+        eighteenth session)."""
         flat = self._flat.get(name)
         if flat is None or flat.numel() < numel or flat.dtype != dtype:
             if flat is not None and flat.nbytes >= RECAPTURE_MIN_BYTES:
                 self._replaced.add(flat.untyped_storage().data_ptr())
-            flat = torch.zeros(numel, dtype=dtype, device=self.device)
+            with torch.inference_mode():
+                flat = torch.zeros(numel, dtype=dtype, device=self.device)
             self._flat[name] = flat
         return flat
 
@@ -305,15 +311,11 @@ class _ShapeGraphs(Generic[ShapeT, InputsT, OutputsT]):
         if stale:
             logger.info("%s: %d graphs captured again on grown buffers", type(self).__name__, len(stale))
 
-    @torch.inference_mode()
+    @torch.inference_mode()  # a graph captured again here runs as every capture does
     def reserve(self, shapes: Iterable[ShapeT]) -> None:
         """Allocate the shared static buffers now at the largest size any of `shapes` views, so that the
         graphs captured before the largest of them view their final buffers (none captured again when it
-        comes, no larger buffer allocated beside the smaller one). In inference mode, as the captures
-        (inside the chunk calls) allocate them: views of ordinary tensors reach the compiled DiT block as
-        ordinary tensors, whose guards then refuse the variants compiled on inference tensors (the compile
-        workers'), and an H100 cold start compiled every class again (docs/benchmarks.md, eighteenth
-        session)."""
+        comes, no larger buffer allocated beside the smaller one)."""
         if self._sealed:
             return  # nothing more is captured: no buffer is needed
         wanted: dict[str, tuple[int, torch.dtype]] = {}
@@ -581,9 +583,8 @@ class GraphedVocoder(_ShapeGraphs[VocodeShape, _VocoderInputs, Vocoded]):
         # longer than a chunk graph's, and a grown buffer would mean capturing the earlier graphs again.
         rows = max(batches)
         frames = -(-row_frames // rows)
-        for cached in (0, hift.cfg.source_cache_samples):  # the longest noise, the longest cache
-            for name, (size, dtype) in self._buffer_specs(VocodeShape(rows, frames, cached, True)).items():
-                self._arena.reserve(name, math.prod(size), dtype)
+        # The longest noise (no cache), the longest cache.
+        self.reserve(VocodeShape(rows, frames, cached, True) for cached in (0, hift.cfg.source_cache_samples))
 
     def _static_buffers(self, shape: VocodeShape, view: TensorSource) -> None:
         for name, (size, dtype) in self._buffer_specs(shape).items():
@@ -654,8 +655,8 @@ class GraphedVocoder(_ShapeGraphs[VocodeShape, _VocoderInputs, Vocoded]):
         sizes = self.finals.parts(rows, length)
         if sizes is None:
             return self.hift.vocode_with_noise(mel, cache_source, noise, frames)
-        starts = [sum(sizes[:index]) for index in range(len(sizes))]
-        parts = [slice(start, start + size) for start, size in zip(starts, sizes, strict=True)]
+        ends = list(itertools.accumulate(sizes))
+        parts = [slice(end - size, end) for end, size in zip(ends, sizes, strict=True)]
         outs = [self.vocode(mel[rows_of], None if cache_source is None else cache_source[rows_of],
                             noise[rows_of], frames[rows_of])
                 for rows_of in parts]

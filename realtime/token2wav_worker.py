@@ -324,9 +324,11 @@ class Token2WavWorker:
             lane.start()
 
     def stop(self) -> None:
-        """Finish what is queued, then end the threads."""
+        """Finish what is queued, then end the threads and release what the backend holds beside its
+        streams (`Token2Wav.close`)."""
         for lane in self._lanes:
             lane.stop()
+        self._backend.close()
 
     async def call(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the first worker thread (between batches) and return its result."""

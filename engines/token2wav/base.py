@@ -113,6 +113,10 @@ class Token2Wav(abc.ABC):
         meanwhile (a cold start's compiling); `warmup` then waits for it. They may take device memory
         until then. Backends without such work do nothing."""
 
+    def close(self) -> None:  # noqa: B027
+        """Release, when its owner stops, what the backend holds beside its streams (a cold start's
+        compile processes that no warm-up took, say). Backends holding nothing do nothing."""
+
     def warmup(self, speaker: SpeakerState, batches: Sequence[int]) -> None:  # noqa: B027
         """Before traffic: run the common chunk shapes at these batch sizes (captures graphs, loads
         kernels) so the first requests do not pay for it. Backends without such costs do nothing."""

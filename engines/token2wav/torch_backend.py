@@ -284,6 +284,14 @@ class TorchToken2Wav(Token2Wav):
             phases.end("final-chunk vocoder graphs")
         logger.info("%s warm-up on %s: %s", self.name, self.device, phases)
 
+    def close(self) -> None:
+        """Stop the compile workers no warm-up took: idle ones spawned for a cold start, or ones
+        `prepare_warmup` started for a warm-up that never came (a start that failed, say)."""
+        for workers in (self._idle_workers, self._block_workers):
+            if workers is not None:
+                workers.stop()
+        self._idle_workers = self._block_workers = None
+
     def prepare_warmup(self, speaker: SpeakerState, batches: Iterable[int] = WARMUP_BATCHES) -> None:
         """On a cold start, start the worker processes that compile the DiT block's shape classes
         `warmup(speaker, the same batches)` will meet (block_compile.py), and return."""

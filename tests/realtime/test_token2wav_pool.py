@@ -211,3 +211,19 @@ async def test_the_configured_schedule_cuts_the_chunks(
     finally:
         await runtime.stop(config.drain_timeout_s)
     assert chunk_tokens[0] == first_chunk
+
+
+def test_stopping_the_worker_stops_compile_processes_no_warm_up_took(tiny_models: Path) -> None:
+    """A cold start's idle compile workers belong to the backend: when its worker stops before any warm-up
+    took them (a start that failed, a CPU-only voice set), they end then, not at their idle timeout."""
+    from engines.token2wav.block_compile import BlockCompileWorkers
+
+    idle = BlockCompileWorkers(2)
+    loaded = TorchToken2Wav.from_models_dir(tiny_models, "dit", "cpu")
+    backend = TorchToken2Wav(loaded.flow, loaded.hift, block_workers=idle)
+    worker = Token2WavWorker(backend, max_batch=1, capacity=2)
+    worker.start()
+    assert len(idle.running) == 2
+    worker.stop()
+    assert None not in idle.exit_codes
+    backend.close()  # idempotent

@@ -82,6 +82,12 @@ def supported() -> bool:
                     for name in ("guard_check", "disable_guard_check", "serialize")))
 
 
+def likely_supported() -> bool:
+    """`supported`'s first test, without importing Dynamo (seconds of a cold start): for choices made
+    before it is imported; `supported` decides."""
+    return hasattr(torch.compiler, "load_compiled_function")
+
+
 def saved_variants(folder: Path) -> list[Path]:
     """The variant files saved in `folder` (none when it does not exist), in a fixed order."""
     return sorted(folder.glob(f"*{SUFFIX}")) if folder.is_dir() else []

@@ -6,12 +6,15 @@ modules from source again: on the GPU bench image ~1400 modules, ~6 s of each st
 alone pulls in Dynamo, Inductor and sympy). `keep_bytecode` points Python's bytecode cache
 (`sys.pycache_prefix`) at a folder beside the models instead, so a restart reads what the first start
 wrote. It must run before the heavy imports, and only when the installation lacks bytecode: with a
-prefix Python no longer reads the `__pycache__` folders next to the sources.
+prefix Python no longer reads the `__pycache__` folders next to the sources. The processes the service
+spawns (a cold start's compile workers, which import Dynamo and Inductor) inherit the folder through
+the environment: they read what the parent or a sibling wrote instead of compiling it again.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -32,4 +35,6 @@ def keep_bytecode(directory: Path, package: str = "torch") -> Path | None:
         return None
     sys.pycache_prefix = str(directory)
     sys.dont_write_bytecode = False
+    os.environ["PYTHONPYCACHEPREFIX"] = str(directory)
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     return directory

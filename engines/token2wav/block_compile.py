@@ -36,10 +36,9 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
-import torch._inductor.config as inductor_config
 
 from engines.config import FlowConfig
-from engines.precompiled import saved_variants, supported
+from engines.precompiled import likely_supported, saved_variants
 from engines.token2wav.batching import SolveShape
 from engines.token2wav.cfm import ConditionalCFM
 from engines.token2wav.dit import DiT, block_folder
@@ -53,6 +52,9 @@ WORKERS_TIMEOUT_S = 600.0
 # An idle worker given no job for this long ends (a start that never warmed up); `stop`, its parent's exit
 # or death end it sooner. Above the slowest start measured (~235 s cold), so that a job is not lost.
 IDLE_TIMEOUT_S = 1800.0
+# How often `wait` looks for reports and ended workers, and how long a worker that reported gets to exit.
+WAIT_POLL_S = 0.05
+EXIT_GRACE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -111,24 +113,50 @@ class WorkerReport:
     state: tuple[tuple[str, str], ...]  # `guarded_state` as it compiled
 
 
+@dataclass(frozen=True)
+class BlockModel:
+    """The model a worker compiles the block of: known before the shapes are (from the models' manifest),
+    so an idle worker builds it on the device while the parent loads (`BlockCompileWorkers(preload=)`)."""
+
+    cfg: FlowConfig
+    dtype: torch.dtype
+    device: str
+
+    def build(self) -> DiT:
+        """The DiT, random weights (compiled code does not depend on their values), on the device, with
+        the device's context and first kernels set up (the bulk of a worker's set-up on a GPU host)."""
+        device = torch.device(self.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # Triton and the autotuner use the current device
+        with device:
+            dit = DiT(self.cfg.dit).to(self.dtype).eval()
+        if device.type == "cuda":
+            with torch.inference_mode():  # cuBLAS's handle and workspace
+                dit.t_embedder(torch.zeros(1, device=device))
+            torch.cuda.synchronize(device)
+        return dit
+
+
 def compile_block_classes(
-    job: BlockCompileJob
+    job: BlockCompileJob, built: tuple[BlockModel, DiT] | None = None
 ) -> tuple[float, float, tuple[SolveShape, ...], int, tuple[tuple[str, str], ...]]:
     """A worker's part: run one Euler step of each of `job.shapes` through the kept block (so compiling
-    and saving every class they meet that no variant in the folder serves yet). Returns the seconds to
-    the first shape, the seconds of the shapes, the shapes at which a class was compiled, how many of
-    those another process had saved meanwhile, and the `guarded_state` they were compiled under."""
+    and saving every class they meet that no variant in the folder serves yet), on `built`'s DiT when it
+    is the job's model (built while idle), else on one built here. Returns the seconds to the first
+    shape, the seconds of the shapes, the shapes at which a class was compiled, how many of those
+    another process had saved meanwhile, and the `guarded_state` they were compiled under."""
+    import torch._inductor.config as inductor_config  # Dynamo and Inductor: imported by the worker only
+
     called = time.perf_counter()
+    model = BlockModel(job.cfg, job.dtype, job.device)
+    dit = built[1] if built is not None and built[0] == model else model.build()
     device = torch.device(job.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # Triton and the autotuner use the current device
     torch.set_num_threads(job.threads)
     inductor_config.compile_threads = job.compile_threads
     torch.backends.cuda.matmul.fp32_precision = job.matmul_precision
     torch.backends.cudnn.conv.fp32_precision = job.conv_precision  # type: ignore[attr-defined]
-    dit = DiT(job.cfg.dit)
     cfm = ConditionalCFM(dit, job.cfg.n_timesteps, job.cfg.cfg_rate, job.noise_frames)
-    cfm.to(device, job.dtype).eval().requires_grad_(job.requires_grad)
+    cfm.to(device, job.dtype).requires_grad_(job.requires_grad)
     dit.compile_blocks(precompiled=job.folder.parent)
     block = dit.kept_block
     if block is None or block.folder != job.folder:
@@ -158,13 +186,20 @@ def compile_block_classes(
 
 
 def _serve(parent: int, jobs: Connection, reports: multiprocessing.queues.SimpleQueue[WorkerReport],
-           spawned: float, idle_timeout_s: float) -> None:
-    """A worker process: import what compiling needs, wait up to `idle_timeout_s` for a job (None or a
-    closed pipe: nothing to do), run it and report. It does not outlive `parent`, the process that
-    spawned it at `spawned`."""
+           spawned: float, idle_timeout_s: float, preload: BlockModel | None) -> None:
+    """A worker process: import what compiling needs and build `preload`'s model if given, wait up to
+    `idle_timeout_s` for a job (None or a closed pipe: nothing to do), run it and report. It does not
+    outlive `parent`, the process that spawned it at `spawned`."""
     _exit_with_parent(parent)
     import torch._inductor.compile_fx  # noqa: F401  (the compile's own imports, done while idle)
 
+    built = None
+    if preload is not None:
+        try:
+            built = (preload, preload.build())
+        except Exception:  # no device memory left, say: the job builds its own (and fails if it must)
+            logger.exception("%s: the model could not be built ahead of its job",
+                             multiprocessing.current_process().name)
     idle = time.time()
     try:
         job: BlockCompileJob | None = jobs.recv() if jobs.poll(idle_timeout_s) else None
@@ -172,24 +207,24 @@ def _serve(parent: int, jobs: Connection, reports: multiprocessing.queues.Simple
         job = None
     if job is None:
         return
-    ready_s, shapes_s, compiled_at, superseded, state = compile_block_classes(job)
+    ready_s, shapes_s, compiled_at, superseded, state = compile_block_classes(job, built)
     reports.put(WorkerReport(multiprocessing.current_process().name, idle - spawned, ready_s, len(job.shapes),
                              shapes_s, compiled_at, superseded, state))
 
 
 def idle_workers_for_cold_start(root: Path | None, cfg: FlowConfig, dtype: torch.dtype, device: torch.device,
                                 count: int) -> BlockCompileWorkers | None:
-    """`count` idle workers when a DiT flow of `cfg` in `dtype` on CUDA `device` keeps its block under
-    `root` and the block's folder holds no variant yet (a cold start); None otherwise (a restart, no
-    ahead-of-time compile in this torch) or when the processes could not start (logged: the warm-up then
-    compiles alone)."""
-    if root is None or device.type != "cuda" or not supported():
+    """`count` idle workers, each building a DiT of `cfg` in `dtype` on CUDA `device` while it waits, when
+    that DiT keeps its block under `root` and the block's folder holds no variant yet (a cold start);
+    None otherwise (a restart, no ahead-of-time compile in this torch) or when the processes could not
+    start (logged: the warm-up then compiles alone). Cheap to call before Dynamo is imported."""
+    if root is None or device.type != "cuda" or not likely_supported():
         return None
     folder = block_folder(root, cfg.dit, dtype, device)
     if folder is None or saved_variants(folder):
         return None
     try:
-        return BlockCompileWorkers(count)
+        return BlockCompileWorkers(count, preload=BlockModel(cfg, dtype, str(device)))
     except Exception as exc:  # no processes on this host, say
         logger.warning("DiT block compile workers not started (%s: %s); the warm-up compiles alone",
                        type(exc).__name__, exc)
@@ -210,14 +245,15 @@ def _exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
 
 class BlockCompileWorkers:
     """`count` worker processes, spawned at once (CUDA does not survive a fork) and idle: each imports
-    what compiling needs and waits for its job, which is when it first touches the device. So a start
-    can spawn them before it loads its models (a worker took 24–26 s to get going beside five others on
-    an H100 host, docs/benchmarks.md seventeenth session) and hand them their jobs (`run`) once it knows
-    the shapes. `wait` ends them. A parent that exits first stops them; a worker given no job within
+    what compiling needs, builds `preload`'s model if given (on its device: the context, the first
+    kernels) and waits for its job. So a start can spawn them before it loads its models (a worker took
+    24–26 s to get going beside five others on an H100 host, docs/benchmarks.md seventeenth session)
+    and hand them their jobs (`run`) once it knows the shapes. `wait` returns once each has reported; they
+    exit by themselves then. A parent that exits first stops them; a worker given no job within
     `idle_timeout_s` ends, as does one whose parent is gone."""
 
     def __init__(self, count: int, timeout_s: float = WORKERS_TIMEOUT_S,
-                 idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, preload: BlockModel | None = None) -> None:
         if count < 1:
             raise ValueError(f"{count} compile workers")
         self.timeout_s = timeout_s
@@ -231,7 +267,8 @@ class BlockCompileWorkers:
         spawned = time.time()
         # Not daemonic: Inductor starts processes of its own to compile kernels.
         self._workers = [context.Process(target=_serve, name=f"dit-block-compile-{index}",
-                                         args=(os.getpid(), receiver, self._reports, spawned, idle_timeout_s))
+                                         args=(os.getpid(), receiver, self._reports, spawned, idle_timeout_s,
+                                               preload))
                          for index, (receiver, _) in enumerate(pipes)]
         # Stopped at interpreter exit, before multiprocessing joins its children (a start that failed
         # meanwhile), and if one of them cannot start.
@@ -297,30 +334,42 @@ class BlockCompileWorkers:
         _stop(self._workers)
 
     def wait(self) -> int:
-        """Wait for the workers given a job until `timeout_s` after `run`; stop any still running then. A
-        worker that failed, was stopped or ended without its job is logged (the warm-up compiles what it
-        did not). Returns how many compiled their job to the end; 0 (the workers stopped) before `run`."""
+        """Wait until each worker given a job has reported, or ended without (failed, stopped, or gone
+        before its job came: logged; the warm-up compiles what it did not), until `timeout_s` after `run`;
+        stop any still running then. A worker that reported exits by itself (tearing down its device
+        context and Inductor's processes takes seconds the start need not wait for): reaped in the
+        background. Returns how many compiled their job to the end; 0 (the workers stopped) before `run`."""
         if self.folder is None:
             self.stop()
             return 0
         deadline = self._ran + self.timeout_s
-        for worker in self._workers:
-            worker.join(max(0.0, deadline - time.perf_counter()))
-            if worker.is_alive():
-                logger.warning("%s still compiling %.0f s after its job came: stopped (the warm-up compiles "
-                               "what it did not)", worker.name, self.timeout_s)
-                _stop([worker])
-            elif worker.exitcode != 0:
-                logger.warning("%s failed (exit code %s); the warm-up compiles what it did not", worker.name,
-                               worker.exitcode)
-        reports = {}
-        while not self._reports.empty():  # every worker's that ran its job to the end, put before it exited
-            report = self._reports.get()
-            reports[report.name] = report
-        for worker, busy in zip(self._workers, self._busy, strict=True):
-            if busy and worker.exitcode == 0 and worker.name not in reports:
-                logger.warning("%s ended before its job came; the warm-up compiles what it did not",
-                               worker.name)
+        pending = {worker.name: worker
+                   for worker, busy in zip(self._workers, self._busy, strict=True) if busy}
+        reports: dict[str, WorkerReport] = {}
+        while pending:
+            while not self._reports.empty():  # each put before its worker returns
+                report = self._reports.get()
+                reports[report.name] = report
+                pending.pop(report.name, None)
+            for name, worker in list(pending.items()):
+                if worker.exitcode is not None and self._reports.empty():  # ended with no report
+                    del pending[name]
+                    if worker.exitcode != 0:
+                        logger.warning("%s failed (exit code %s); the warm-up compiles what it did not",
+                                       name, worker.exitcode)
+                    else:
+                        logger.warning("%s ended before its job came; the warm-up compiles what it did not",
+                                       name)
+            if pending and time.perf_counter() >= deadline:
+                for name in pending:
+                    logger.warning("%s still compiling %.0f s after its job came: stopped (the warm-up "
+                                   "compiles what it did not)", name, self.timeout_s)
+                _stop(list(pending.values()))
+                break
+            if pending:
+                time.sleep(WAIT_POLL_S)
+        threading.Thread(target=_reap, args=(self._workers, EXIT_GRACE_S), name="compile-workers-reap",
+                         daemon=True).start()
         logger.info("DiT block: %d of %d compile workers done %.1f s after their jobs came; %d variants "
                     "in %s", len(reports), sum(self._busy), time.perf_counter() - self._ran,
                     len(saved_variants(self.folder)), self.folder.name)
@@ -341,6 +390,15 @@ class BlockCompileWorkers:
 def _shapes(shapes: Sequence[SolveShape]) -> str:
     """`(rows, frames, own cache frames)` of each shape, or "none"."""
     return ", ".join(f"({shape.batch}, {shape.frames}, own {shape.own_frames})" for shape in shapes) or "none"
+
+
+def _reap(workers: Sequence[multiprocessing.process.BaseProcess], grace_s: float) -> None:
+    """Join `workers` as they exit; stop those still there after `grace_s`."""
+    deadline = time.perf_counter() + grace_s
+    for worker in workers:
+        if worker.pid is not None:
+            worker.join(max(0.0, deadline - time.perf_counter()))
+    _stop(workers)
 
 
 def _stop(workers: Sequence[multiprocessing.process.BaseProcess], grace_s: float = 10.0) -> None:

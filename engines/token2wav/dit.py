@@ -51,6 +51,12 @@ RAGGED_SHAPE_CLASSES = 64  # compiled variants of the batched block (see DiT.com
 ONE_CALL_MAX_ROWS = 8
 
 
+def one_call_attention(streams: int) -> bool:
+    """Whether a batch of `streams` (two guidance rows each) lays its attention out in one call: a shape
+    class of the compiled block of its own, apart from the larger batches'."""
+    return 2 * streams <= ONE_CALL_MAX_ROWS
+
+
 def modulated_norm(
     norm: nn.LayerNorm, x: torch.Tensor, shift: torch.Tensor, scale1p: torch.Tensor
 ) -> torch.Tensor:

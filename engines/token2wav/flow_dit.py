@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +46,7 @@ from engines.token2wav.batching import (
 from engines.token2wav.block_compile import BlockCompileJob, BlockCompileWorkers
 from engines.token2wav.cfm import ConditionalCFM, RaggedEstimator
 from engines.token2wav.conformer import ConformerCache, blocks_attention_mask
-from engines.token2wav.dit import DiT
+from engines.token2wav.dit import DiT, one_call_attention
 from engines.token2wav.dit_cache import EstimatorKeys
 from engines.token2wav.flow_base import ConformerFlow, FlowSpeaker, FlowStream
 from engines.token2wav.graphs import (
@@ -406,10 +407,13 @@ class DiTFlow(ConformerFlow):
                                workers: BlockCompileWorkers | None = None) -> BlockCompileWorkers | None:
         """When the block is kept ahead of time and its folder holds no variant yet (a cold start), start
         compiling the shape classes of `planned_solve_shapes(batches, hops, prompt_frames)` in worker
-        processes, one per chunk of the schedule (block_compile.py): `workers` if given (idle ones
-        spawned earlier; stopped when there is nothing for them or one has ended), else new ones.
-        `wait()` on the result before the warm-up, which then loads the variants instead of compiling
-        one class after the other. None when there is nothing to start."""
+        processes (block_compile.py): one per chunk of the schedule and attention layout (a chunk's
+        batches of up to `ONE_CALL_MAX_ROWS` rows are a class of their own: two classes a worker would
+        compile one after the other), or one per chunk where there are not enough workers (`workers`
+        if given: idle ones spawned earlier, stopped when there is nothing for them or one has ended;
+        else new ones, at most one per core). `wait()` on the result before the warm-up, which then
+        loads the variants instead of compiling one class after the other. None when there is nothing
+        to start."""
         estimator = self.decoder.estimator
         block = estimator.kept_block if isinstance(estimator, DiT) else None
         jobs: list[BlockCompileJob] = []
@@ -417,10 +421,12 @@ class DiTFlow(ConformerFlow):
             requires_grad = next(estimator.parameters()).requires_grad
             matmul = torch.backends.cuda.matmul.fp32_precision
             conv = torch.backends.cudnn.conv.fp32_precision  # type: ignore[attr-defined]
+            limit = workers.count if workers is not None else len(os.sched_getaffinity(0))
             jobs = [BlockCompileJob(self.cfg, self.dtype, str(self.device), block.folder, tuple(shapes),
                                     self.decoder.noise.shape[2], torch.get_num_threads(), matmul, conv,
                                     requires_grad)
-                    for shapes in self.planned_solve_shapes(batches, hops, prompt_frames) if shapes]
+                    for shapes in compile_job_shapes(self.planned_solve_shapes(batches, hops, prompt_frames),
+                                                     limit)]
         if workers is not None and not (jobs and len(jobs) <= workers.count == len(workers.running)):
             workers.stop()
             workers = None
@@ -668,6 +674,16 @@ class DiTFlow(ConformerFlow):
             mask = token_mask.repeat_interleave(ratio, 0).repeat_interleave(ratio, 1)[None]
         mel = self.decoder.solve(mu, mask, speaker.spks, cond)
         return mel[:, :, speaker.prompt_frames :]
+
+
+def compile_job_shapes(per_chunk: Sequence[Sequence[SolveShape]], limit: int) -> list[list[SolveShape]]:
+    """The compile workers' shape lists for `per_chunk` (`DiTFlow.planned_solve_shapes`): each chunk's
+    shapes split by attention layout (`one_call_attention`), in order, while that makes at most `limit`
+    lists; else one list per chunk."""
+    split = [[shape for shape in shapes if one_call_attention(shape.batch) == small]
+             for shapes in per_chunk for small in (False, True)]
+    lists = [shapes for shapes in split if shapes]
+    return lists if len(lists) <= limit else [list(shapes) for shapes in per_chunk if shapes]
 
 
 def load_dit_flow(path: Path, cfg: FlowConfig, device: torch.device | str, dtype: torch.dtype) -> DiTFlow:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -63,10 +64,10 @@ def schedule_hops(graph_hops: Sequence[int]) -> tuple[int, ...]:
     return (*graph_hops, STEADY_HOP)
 
 
-def schedule_chunks(graph_hops: Sequence[int]) -> int:
-    """How many chunks the warm-up's streams run (`schedule_hops` and the final one): its compile
-    workers' count, one per chunk (DiTFlow.planned_solve_shapes)."""
-    return len(schedule_hops(graph_hops)) + 1
+def compile_worker_count(graph_hops: Sequence[int]) -> int:
+    """A cold start's DiT block compile workers: one per chunk the warm-up's streams run (`schedule_hops`
+    and the final one) and attention layout (two: flow_dit.compile_job_shapes), at most one per core."""
+    return min(2 * (len(schedule_hops(graph_hops)) + 1), len(os.sched_getaffinity(0)))
 
 
 @dataclass(frozen=True, eq=False)
@@ -158,7 +159,7 @@ class TorchToken2Wav(Token2Wav):
             flow_cfg = dataclasses.replace(configs.dit_flow, att_cache_rule=dit_cache_rule)
             if cuda_graphs:  # a cold start's compile workers import while the models load
                 workers = idle_workers_for_cold_start(precompiled, flow_cfg, dtype, torch.device(device),
-                                                      schedule_chunks(GRAPH_HOPS))
+                                                      compile_worker_count(GRAPH_HOPS))
             try:
                 flow = load_dit_flow(paths.dit_flow, flow_cfg, device, dtype)
                 flow.limit_solve_memory(solve_memory_bytes)

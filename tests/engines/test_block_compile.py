@@ -120,10 +120,13 @@ def test_planned_encoder_history_is_the_most_the_chunk_pass_encodes_at() -> None
 def test_workers_compile_the_classes_the_warm_up_then_loads(
     tmp_path: Path, requires_grad: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Two of three worker processes spawned idle are given the block's classes of the planned solves,
-    compile them into the kept folder and report what they did; the flow's own block then serves every
-    one of them from a loaded variant (compiling none), with the eager flow's first chunks."""
-    from engines.token2wav.block_compile import BlockCompileJob, BlockCompileWorkers
+    """Two of three worker processes spawned idle (each building the flow's DiT while it waits) are given
+    the block's classes of the planned solves, compile them into the kept folder and report what they
+    did, then exit by themselves; the flow's own block then serves every one of them from a loaded
+    variant (compiling none), with the eager flow's first chunks."""
+    import time
+
+    from engines.token2wav.block_compile import BlockCompileJob, BlockCompileWorkers, BlockModel
 
     eager, kept = seeded_flow(), seeded_flow()
     for flow in (eager, kept):
@@ -139,10 +142,15 @@ def test_workers_compile_the_classes_the_warm_up_then_loads(
     jobs = [BlockCompileJob(kept.cfg, kept.dtype, "cpu", block.folder, tuple(shapes),
                             kept.decoder.noise.shape[2], torch.get_num_threads(), matmul, conv, requires_grad)
             for shapes in planned]
-    workers = BlockCompileWorkers(len(jobs) + 1)  # spawned idle, as a cold start does before it loads
+    # Spawned idle, as a cold start does before it loads.
+    workers = BlockCompileWorkers(len(jobs) + 1, preload=BlockModel(kept.cfg, kept.dtype, "cpu"))
     with caplog.at_level("INFO", logger="engines.token2wav.block_compile"):
         workers.run(jobs)  # the spare worker gets none and ends
         assert workers.wait() == len(jobs)
+    deadline = time.monotonic() + 60
+    while workers.running and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert workers.exit_codes == [0] * (len(jobs) + 1)
     report = (r"(dit-block-compile-\d): idle [\d.]+ s after its spawn, ready [\d.]+ s after its job, then "
               r"(\d+) shapes in [\d.]+ s; classes compiled at (.*) \((\d+) of them saved by another worker "
               r"first\)")
@@ -296,6 +304,7 @@ def test_jobs_carry_the_parents_state_and_a_restart_starts_none(tmp_path: Path,
     assert flow.start_compiling_blocks((2, 1), HOPS, speaker.prompt_frames) is not None
     (jobs,) = started
     planned = flow.planned_solve_shapes((2, 1), HOPS, speaker.prompt_frames)
+    # The tiny buckets' batches (2 and 1 streams) are all of the one-call attention layout: one job per chunk.
     assert [job.shapes for job in jobs] == [tuple(shapes) for shapes in planned]
     for job in jobs:
         assert (job.threads, job.requires_grad, job.folder, job.dtype) == (
@@ -317,6 +326,23 @@ def test_jobs_carry_the_parents_state_and_a_restart_starts_none(tmp_path: Path,
     spare = IdleWorkers(chunks, running=chunks)
     assert flow.start_compiling_blocks((2, 1), HOPS, speaker.prompt_frames, spare) is None  # type: ignore[arg-type]
     assert spare.calls == ["stop"] and len(started) == 2
+
+
+def test_a_chunks_shapes_split_by_attention_layout_while_there_are_workers_for_them() -> None:
+    """Each chunk's planned shapes go to two workers, the batches above the one-call attention layout's
+    rows and those within it (two shape classes a single worker would compile one after the other), in
+    their planned order; where that makes more lists than workers, one list per chunk."""
+    from engines.token2wav.dit import ONE_CALL_MAX_ROWS
+    from engines.token2wav.flow_dit import compile_job_shapes
+
+    small = ONE_CALL_MAX_ROWS // 2  # streams
+    first = [SolveShape(batch, 30, 0, 256, 30) for batch in (64, 32, small, 1)]
+    second = [SolveShape(batch, 50, 32, 256, 82) for batch in (64, small)]
+    last = [SolveShape(small, 16, 200, 256, 200)]
+    assert compile_job_shapes([first, second, last], limit=5) == [
+        first[:2], first[2:], second[:1], second[1:], last]
+    assert compile_job_shapes([first, second, last], limit=4) == [first, second, last]
+    assert compile_job_shapes([first, [], last], limit=2) == [first, last]
 
 
 class IdleWorkers:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +23,8 @@ def package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     monkeypatch.setattr(sys, "pycache_prefix", None)
     monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")  # as images often set it
     importlib.invalidate_caches()
     return source
 
@@ -30,6 +34,10 @@ def test_an_installation_without_bytecode_caches_it_beside_the_models(package: P
     assert keep_bytecode(cache, "bytecode_probe") == cache
     assert sys.pycache_prefix == str(cache) and not sys.dont_write_bytecode
     assert cache.is_dir()
+    # A process the service spawns (compile workers) reads and writes the same folder.
+    probe = "import sys; print(sys.pycache_prefix, sys.dont_write_bytecode)"
+    child = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert child.stdout.split() == [str(cache), "False"]
 
 
 def test_an_installation_with_bytecode_keeps_its_own(package: Path, tmp_path: Path) -> None:
@@ -38,6 +46,7 @@ def test_an_installation_with_bytecode_keeps_its_own(package: Path, tmp_path: Pa
     compiled.write_bytes(b"")
     assert keep_bytecode(tmp_path / "cache", "bytecode_probe") is None
     assert sys.pycache_prefix is None and sys.dont_write_bytecode
+    assert "PYTHONPYCACHEPREFIX" not in os.environ
 
 
 def test_a_prefix_chosen_already_stays(package: Path, tmp_path: Path,

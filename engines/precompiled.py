@@ -94,15 +94,19 @@ def saved_variants(folder: Path) -> list[Path]:
 
 
 def compile_kept(fn: Callable[..., Any], root: Path | None, name: str, modules: Iterable[ModuleType],
-                 device: torch.device | None, inference: bool) -> Callable[..., Any]:
+                 device: torch.device | None, inference: bool,
+                 size_oblivious: bool = False) -> Callable[..., Any]:
     """`fn` through `torch.compile` (dynamic shapes, one graph), kept per shape class in the folder
-    `variant_folder(root, name, modules, (), device)` names (`PrecompiledFunction`, with `inference` as
-    there); the plain `torch.compile` when `root` is None or this torch cannot keep it."""
+    `variant_folder(root, name, modules, (), device)` names (`PrecompiledFunction`, with `inference` and
+    `size_oblivious` as there); the plain `torch.compile` when `root` is None or this torch cannot keep
+    it."""
     jit = torch.compile(fn, dynamic=True, fullgraph=True)
     if root is None or not supported():
         return jit
-    folder = variant_folder(root, name, modules, (), device)
-    return jit if folder is None else PrecompiledFunction(fn, folder, jit, inference=inference)
+    keys = ("size-oblivious",) if size_oblivious else ()
+    folder = variant_folder(root, name, modules, keys, device)
+    return jit if folder is None else PrecompiledFunction(fn, folder, jit, inference=inference,
+                                                          size_oblivious=size_oblivious)
 
 
 def seal_kept(*functions: Callable[..., Any]) -> None:
@@ -117,13 +121,17 @@ class PrecompiledFunction:
     `folder`. `jit`: `fn` through `torch.compile` with the same settings, which serves instead if an
     ahead-of-time compile fails (today's behaviour, one trace per class in each process). `dynamic`,
     `specialize_float` and `duck_shape` are the compile's settings (as for `torch.compile`, Dynamo's
-    `specialize_float`, and the FX shape config's `use_duck_shape`). `inference`: the calls come with
+    `specialize_float`, and the FX shape config's `use_duck_shape`). `size_oblivious`: sizes of 1 are
+    not special (the FX shape config's `backed_size_oblivious`): one class serves a row or a step of one
+    position and many, for functions whose inputs never broadcast a size-1 axis against a larger one
+    (row-wise ones over the last axis). `inference`: the calls come with
     inference tensors (the token2wav engines'), so variants are loaded and called in inference mode;
     False for callers under `torch.no_grad()` with ordinary tensors (the LLM's). Called from one thread at
     a time (each engine's are); the variants' order changes as calls come."""
 
     def __init__(self, fn: Callable[..., Any], folder: Path, jit: Callable[..., Any], dynamic: bool = True,
-                 specialize_float: bool = True, duck_shape: bool = False, inference: bool = True) -> None:
+                 specialize_float: bool = True, duck_shape: bool = False, inference: bool = True,
+                 size_oblivious: bool = False) -> None:
         self.fn = fn
         self.jit = jit
         self.inference = inference
@@ -131,6 +139,7 @@ class PrecompiledFunction:
         self.dynamic = dynamic
         self.specialize_float = specialize_float
         self.duck_shape = duck_shape
+        self.size_oblivious = size_oblivious
         self.compiled = 0  # variants compiled by this process
         self.superseded = 0  # of those, classes another process saved meanwhile (its variant serves)
         self._sealed = False
@@ -235,7 +244,8 @@ class PrecompiledFunction:
         if hasattr(torch._dynamo.config, "enable_aot_compile"):
             dynamo["enable_aot_compile"] = True
         with torch._dynamo.config.patch(dynamo), \
-                fx_config.patch(use_duck_shape=self.duck_shape):  # type: ignore[attr-defined]
+                fx_config.patch(use_duck_shape=self.duck_shape,  # type: ignore[attr-defined]
+                                backed_size_oblivious=self.size_oblivious):
             yield
 
     def _load(self, args: tuple[Any, ...] | None = None) -> Any:

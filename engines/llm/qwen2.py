@@ -188,12 +188,15 @@ class LayerKernels:
         (engines/precompiled.py; `device` names the GPU they are for); `seal` once warmed up.
         """
 
-        def compile_(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def compile_(fn: Callable[..., Any], row_wise: bool = False) -> Callable[..., Any]:
             return compile_kept(fn, precompiled, f"llm-{fn.__name__}", (sys.modules[__name__],), device,
-                                inference=False)
+                                inference=False, size_oblivious=row_wise)
 
-        return LayerKernels(rope_=compile_(apply_rope_), silu_mul=compile_(silu_mul),
-                            rms_norm=compile_(rms_norm))
+        # SwiGLU and RMSNorm work along the last axis alone: one compiled class serves decode steps (one
+        # position) and prefills, one row and many (four classes each otherwise, ~2 s of a cold start
+        # apiece). Rope broadcasts its tables over the heads: specialised as before.
+        return LayerKernels(rope_=compile_(apply_rope_), silu_mul=compile_(silu_mul, row_wise=True),
+                            rms_norm=compile_(rms_norm, row_wise=True))
 
     def seal(self) -> None:
         """Compile no more variants of the kept functions (`compiled(precompiled=...)`)."""

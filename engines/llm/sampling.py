@@ -135,8 +135,9 @@ class SamplingSlots:
         `precompiled` for later processes when given (engines/precompiled.py; `seal` once warmed up)."""
         self.history_len = history
         self._draw_uniforms = (
+            # Row-wise (the rows never broadcast): one compiled class serves one row and many.
             compile_kept(draw_uniforms, precompiled, "llm-draw_uniforms", (sys.modules[__name__],), device,
-                         inference=False)
+                         inference=False, size_oblivious=True)
             if compiled else draw_uniforms
         )
         self.eos = eos

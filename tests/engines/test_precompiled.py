@@ -280,3 +280,31 @@ def test_a_one_step_warm_up_compiles_every_class_the_whole_solve_runs(tmp_path: 
             compiled.decoder.solve_ragged(solver.inputs[shape])
             assert block.compiled == warmed
     assert block.compiled >= 2
+
+
+def test_a_size_oblivious_variant_serves_one_row_and_one_position_as_many(tmp_path: Path) -> None:
+    """RMSNorm, SwiGLU and the sampler's uniforms (the LLM's row-wise kept functions) compiled with sizes
+    of 1 not special: the variant compiled at a decode step of many rows serves one row, one position
+    and a prefill alike, with the eager results; compiled the default way, the same calls need more
+    than one class."""
+    from engines.llm.qwen2 import rms_norm, silu_mul
+    from engines.llm.sampling import draw_uniforms
+
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(16, generator=generator) + 1
+    shapes = ((32, 1, 16), (1, 1, 16), (4, 9, 16), (1, 5, 16))
+    cases = [(rms_norm, lambda shape: (torch.randn(*shape, generator=generator), weight, 1e-6)),
+             (silu_mul, lambda shape: (torch.randn(*shape[:-1], 2 * shape[-1], generator=generator),)),
+             (draw_uniforms, lambda shape: tuple(torch.randint(0, 2**32, shape[:1], generator=generator)
+                                                 for _ in range(2)))]
+    for fn, make in cases:
+        calls = [make(shape) for shape in shapes]
+        oblivious = PrecompiledFunction(fn, tmp_path / f"{fn.__name__}-oblivious", fn, size_oblivious=True)
+        default = PrecompiledFunction(fn, tmp_path / f"{fn.__name__}-default", fn)
+        with torch.inference_mode():
+            for args in calls:
+                want = fn(*args)
+                torch.testing.assert_close(oblivious(*args), want)
+                torch.testing.assert_close(default(*args), want)
+        assert (oblivious.compiled, oblivious.variants) == (1, 1), fn.__name__
+        assert default.compiled > 1, fn.__name__

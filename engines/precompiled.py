@@ -243,9 +243,10 @@ class PrecompiledFunction:
         dynamo: dict[str, Any] = {"specialize_float": self.specialize_float}
         if hasattr(torch._dynamo.config, "enable_aot_compile"):
             dynamo["enable_aot_compile"] = True
-        with torch._dynamo.config.patch(dynamo), \
-                fx_config.patch(use_duck_shape=self.duck_shape,  # type: ignore[attr-defined]
-                                backed_size_oblivious=self.size_oblivious):
+        shapes: dict[str, Any] = {"use_duck_shape": self.duck_shape}
+        if self.size_oblivious:  # only then: a torch without the setting still compiles the others
+            shapes["backed_size_oblivious"] = True
+        with torch._dynamo.config.patch(dynamo), fx_config.patch(shapes):  # type: ignore[attr-defined]
             yield
 
     def _load(self, args: tuple[Any, ...] | None = None) -> Any:

@@ -26,6 +26,7 @@ from engines.token2wav.base import Token2Wav
 from engines.voice_encoder import VoiceEncoder, VoiceLimits
 from realtime.config import ServiceConfig
 from realtime.placement import DevicePlan
+from realtime.warm_up import preload_compile_workers
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,8 @@ class LoadedEngines:
             raise ValueError("one LLM engine per LLM device and one token2wav backend per token2wav device")
 
 
-def _load_token2wav(config: ServiceConfig, device: str, compiled: Path | None) -> Token2Wav:
+def _load_token2wav(config: ServiceConfig, device: str, compiled: Path | None,
+                    preload_compile_workers: bool) -> Token2Wav:
     started = time.perf_counter()
     backend = select_token2wav(
         config.models_dir,
@@ -61,6 +63,7 @@ def _load_token2wav(config: ServiceConfig, device: str, compiled: Path | None) -
         solve_memory_bytes=config.token2wav_solve_bytes,
         final_chunk_graphs=config.final_chunk_graphs,
         precompiled=compiled,
+        preload_compile_workers=preload_compile_workers,
     )
     logger.info("token2wav %s loaded on %s in %.1f s", backend.name, device, time.perf_counter() - started)
     return backend
@@ -97,14 +100,18 @@ def load_engines(config: ServiceConfig) -> LoadedEngines:
             use_tf32_matmuls()
             cache = keep_compiled_artifacts(compile_cache_dir(config.models_dir, gpus[0]))
             logger.info("compiled kernels cached in %s", cache or "Inductor's default folder")
-        token2wav_loads = [pool.submit(_load_token2wav, config, device, cache)
-                           for device in plan.token2wav_devices]
         slots = config.llm_slots or config.max_streams
-        # Constructing an LLM engine is cheap: its weights load when it starts.
+        # Constructing an LLM engine is cheap: its weights load when it starts. First: which kind it is
+        # decides whether token2wav's compile workers may take device memory before it builds.
         llms = tuple(
             select_llm(config.models_dir, config.llm_backend, device, max_slots=slots, precompiled=cache)
             for device in plan.llm_devices
         )
+        token2wav_loads = [
+            pool.submit(_load_token2wav, config, device, cache,
+                        preload_compile_workers(llms, plan.llm_devices, device))
+            for device in plan.token2wav_devices
+        ]
         token2wavs = tuple(load.result() for load in token2wav_loads)
         text, encoder = text_load.result(), encoder_load.result()
     for llm in llms:

@@ -213,22 +213,19 @@ class Runtime:
             )
         if warmed_up:
             # From now on the process compiles nothing: a shape the warm-up did not meet (a voice with a
-            # longer prompt, say) runs uncompiled rather than stalling every stream of an engine thread
-            # for the seconds Inductor takes.
+            # longer prompt, say) runs uncompiled rather than stalling every stream of an engine thread.
             torch.compiler.set_stance("eager_on_recompile")
             logger.info("engines started and warmed up in %.1f s; compilation closed",
                         time.perf_counter() - started)
+        else:  # what a cold start prepared for a warm-up (compile processes) goes
+            await asyncio.gather(*(worker.release_warmup() for worker in self._workers))
         self._limit_memory()
         self._voice_sync = asyncio.create_task(self._sync_voices(), name="voice-sync")
         self._accepting = True
-        logger.info(
-            "runtime ready: llm %s on %s, token2wav %s on %s, %d voices",
-            engines.llms[0].name,
-            ",".join(engines.plan.llm_devices),
-            engines.token2wavs[0].name,
-            ",".join(engines.plan.token2wav_devices),
-            len(self._prepared),
-        )
+        plan = engines.plan
+        logger.info("runtime ready: llm %s on %s, token2wav %s on %s, %d voices", engines.llms[0].name,
+                    ",".join(plan.llm_devices), engines.token2wavs[0].name, ",".join(plan.token2wav_devices),
+                    len(self._prepared))
 
     def _limit_memory(self) -> None:
         """Set each token2wav worker's byte budget (`memory_budget.device_budgets`: measured now, after

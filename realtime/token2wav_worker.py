@@ -343,6 +343,10 @@ class Token2WavWorker:
     async def warmup(self, speaker: SpeakerState, batches: Sequence[int]) -> None:
         await self.call(lambda: self._backend.warmup(speaker, batches))
 
+    async def release_warmup(self) -> None:
+        """No warm-up is coming: `Token2Wav.release_warmup`."""
+        await self.call(self._backend.release_warmup)
+
     async def open_stream(self, speaker: SpeakerState) -> Token2WavStream:
         lane = min(self._lanes, key=lambda candidate: candidate.assigned)
 

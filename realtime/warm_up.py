@@ -12,8 +12,8 @@ logger = logging.getLogger(__name__)
 
 # Device memory a GPU shared with the LLM must have free before the LLM builds, per token2wav worker on
 # it, for that worker's cold-start compile processes to run during the build: they hold a CUDA context,
-# the DiT and one Euler step's activations each (a few GiB for the six), and the LLM's cache and graphs
-# must still fit beside them.
+# the DiT and one Euler step's activations each (up to twelve of them: ~1 GiB each and the activations
+# of a 64-row step), and the LLM's cache and graphs must still fit beside them.
 COMPILE_BESIDE_LLM_MIN_FREE_BYTES = 40 << 30
 
 
@@ -50,3 +50,12 @@ def compile_beside_llm(llms: Sequence[LLMEngine], token2wav_devices: Sequence[st
                   else f"{free / 2**30:.1f} GiB free before the LLM builds, {wanted / 2**30:.0f} GiB wanted")
         logger.info("%s: a cold start's compile workers start after the LLM build (%s)", device, reason)
     return early
+
+
+def preload_compile_workers(llms: Sequence[LLMEngine], llm_devices: Sequence[str], device: str) -> bool:
+    """Whether the cold-start compile workers of a token2wav worker on `device` may build their models on
+    the GPU while the engines load, before any LLM builds (block_compile.py): not where an LLM engine on
+    that GPU sizes its cache by the free memory (TensorRT-LLM's executor: the workers' contexts and
+    models would shrink it for good). `llm_devices`: each engine's device, as the plan names them."""
+    return not any(llm.sizes_cache_by_free_memory and llm_device == device
+                   for llm, llm_device in zip(llms, llm_devices, strict=True))

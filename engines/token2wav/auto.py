@@ -57,6 +57,7 @@ def select_token2wav(
     solve_memory_bytes: int | None = None,
     final_chunk_graphs: bool = True,
     precompiled: Path | None = None,
+    preload_compile_workers: bool = True,
 ) -> Token2Wav:
     """The token2wav backend for `models_dir`: `tensorrt` or `torch` as asked, `auto` prefers TensorRT.
 
@@ -67,6 +68,7 @@ def select_token2wav(
     solve_memory_bytes: the PyTorch DiT flow's cap on one batched solve (solve_memory.py; None: none).
     final_chunk_graphs: the PyTorch backend's HiFT graphs for final chunks of any length (TorchToken2Wav).
     precompiled: where the PyTorch backend keeps its ahead-of-time compiled DiT block (TorchToken2Wav).
+    preload_compile_workers: as for `TorchToken2Wav.from_models_dir`.
     Asking for `tensorrt` where it cannot run raises RuntimeError with the reason.
     """
     reason = None if backend == "torch" else tensorrt_unavailable(models_dir, flow, device, precision)
@@ -81,4 +83,5 @@ def select_token2wav(
 
     logger.info("token2wav backend: PyTorch %s flow (%s)", flow, reason or "requested")
     return TorchToken2Wav.from_models_dir(models_dir, flow, device, torch_dtype, cuda_graphs, dit_cache_rule,
-                                          solve_memory_bytes, final_chunk_graphs, precompiled)
+                                          solve_memory_bytes, final_chunk_graphs, precompiled,
+                                          preload_compile_workers)

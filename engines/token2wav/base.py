@@ -113,6 +113,11 @@ class Token2Wav(abc.ABC):
         meanwhile (a cold start's compiling); `warmup` then waits for it. They may take device memory
         until then. Backends without such work do nothing."""
 
+    def release_warmup(self) -> None:  # noqa: B027
+        """No warm-up is coming (no default voice, say): release what the backend holds for one (a cold
+        start's compile processes and the models they built on the device); it serves on. Backends
+        holding nothing do nothing."""
+
     def close(self) -> None:  # noqa: B027
         """Release, when its owner stops, what the backend holds beside its streams (a cold start's
         compile processes that no warm-up took, say). Backends holding nothing do nothing."""

@@ -28,6 +28,7 @@ import multiprocessing
 import multiprocessing.queues
 import multiprocessing.util
 import os
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -149,7 +150,11 @@ def compile_block_classes(
 
     called = time.perf_counter()
     model = BlockModel(job.cfg, job.dtype, job.device)
-    dit = built[1] if built is not None and built[0] == model else model.build()
+    if built is not None and built[0] != model:
+        logger.warning("%s: the model built ahead (%s) is not the job's (%s); building the job's",
+                       multiprocessing.current_process().name, built[0].device, model.device)
+        built = None
+    dit = built[1] if built is not None else model.build()
     device = torch.device(job.device)
     torch.set_num_threads(job.threads)
     inductor_config.compile_threads = job.compile_threads
@@ -191,6 +196,10 @@ def _serve(parent: int, jobs: Connection, reports: multiprocessing.queues.Simple
     `idle_timeout_s` for a job (None or a closed pipe: nothing to do), run it and report. It does not
     outlive `parent`, the process that spawned it at `spawned`."""
     _exit_with_parent(parent)
+    if sys.pycache_prefix is not None:
+        # A bytecode cache folder of the service's (realtime/bytecode.py): write into it for the parent
+        # and the siblings, which spawn's `-B` (given when the parent started without writing) forbids.
+        sys.dont_write_bytecode = False
     import torch._inductor.compile_fx  # noqa: F401  (the compile's own imports, done while idle)
 
     built = None
@@ -213,18 +222,21 @@ def _serve(parent: int, jobs: Connection, reports: multiprocessing.queues.Simple
 
 
 def idle_workers_for_cold_start(root: Path | None, cfg: FlowConfig, dtype: torch.dtype, device: torch.device,
-                                count: int) -> BlockCompileWorkers | None:
-    """`count` idle workers, each building a DiT of `cfg` in `dtype` on CUDA `device` while it waits, when
-    that DiT keeps its block under `root` and the block's folder holds no variant yet (a cold start);
-    None otherwise (a restart, no ahead-of-time compile in this torch) or when the processes could not
-    start (logged: the warm-up then compiles alone). Cheap to call before Dynamo is imported."""
+                                count: int, preload: bool = True) -> BlockCompileWorkers | None:
+    """`count` idle workers, each building a DiT of `cfg` in `dtype` on CUDA `device` while it waits if
+    `preload`, when that DiT keeps its block under `root` and the block's folder holds no variant yet (a
+    cold start); None otherwise (a restart, no ahead-of-time compile in this torch) or when the
+    processes could not start (logged: the warm-up then compiles alone). Cheap to call before Dynamo is
+    imported."""
     if root is None or device.type != "cuda" or not likely_supported():
         return None
     folder = block_folder(root, cfg.dit, dtype, device)
     if folder is None or saved_variants(folder):
         return None
+    if device.index is None:  # named as the jobs will name it (the flow's parameters' device)
+        device = torch.device("cuda", torch.cuda.current_device())
     try:
-        return BlockCompileWorkers(count, preload=BlockModel(cfg, dtype, str(device)))
+        return BlockCompileWorkers(count, preload=BlockModel(cfg, dtype, str(device)) if preload else None)
     except Exception as exc:  # no processes on this host, say
         logger.warning("DiT block compile workers not started (%s: %s); the warm-up compiles alone",
                        type(exc).__name__, exc)
@@ -322,6 +334,19 @@ class BlockCompileWorkers:
                 sender.send(job)
             sender.close()
 
+    def _reap(self, reported: set[str], grace_s: float = EXIT_GRACE_S) -> None:
+        """Join the workers as they exit; stop those still there after `grace_s`; log any of `reported`
+        (their names) that exited with an error after its report."""
+        deadline = time.perf_counter() + grace_s
+        for worker in self._workers:
+            if worker.pid is not None:
+                worker.join(max(0.0, deadline - time.perf_counter()))
+        _stop(self._workers)
+        failed = [f"{worker.name} ({worker.exitcode})" for worker in self._workers
+                  if worker.name in reported and worker.exitcode not in (0, None)]
+        if failed:
+            logger.info("compile workers that ended with an error after reporting: %s", ", ".join(failed))
+
     def stop(self, grace_s: float = 2.0) -> None:
         """End the workers without jobs for them (nothing to compile after all): an idle one ends by itself
         on the closed pipe; those still there after `grace_s` (importing, say) are stopped."""
@@ -361,14 +386,18 @@ class BlockCompileWorkers:
                         logger.warning("%s ended before its job came; the warm-up compiles what it did not",
                                        name)
             if pending and time.perf_counter() >= deadline:
-                for name in pending:
+                stuck = [worker for worker in pending.values() if worker.exitcode is None]
+                _stop(stuck)
+                for worker in stuck:
                     logger.warning("%s still compiling %.0f s after its job came: stopped (the warm-up "
-                                   "compiles what it did not)", name, self.timeout_s)
-                _stop(list(pending.values()))
-                break
+                                   "compiles what it did not)", worker.name, self.timeout_s)
+                    del pending[worker.name]
+                deadline = float("inf")  # the others have ended: one more look for their reports
+                continue
             if pending:
                 time.sleep(WAIT_POLL_S)
-        threading.Thread(target=_reap, args=(self._workers, EXIT_GRACE_S), name="compile-workers-reap",
+        # Bound to `self`: its finaliser (which stops whatever still runs) waits until the exits are in.
+        threading.Thread(target=self._reap, args=(set(reports),), name="compile-workers-reap",
                          daemon=True).start()
         logger.info("DiT block: %d of %d compile workers done %.1f s after their jobs came; %d variants "
                     "in %s", len(reports), sum(self._busy), time.perf_counter() - self._ran,
@@ -390,15 +419,6 @@ class BlockCompileWorkers:
 def _shapes(shapes: Sequence[SolveShape]) -> str:
     """`(rows, frames, own cache frames)` of each shape, or "none"."""
     return ", ".join(f"({shape.batch}, {shape.frames}, own {shape.own_frames})" for shape in shapes) or "none"
-
-
-def _reap(workers: Sequence[multiprocessing.process.BaseProcess], grace_s: float) -> None:
-    """Join `workers` as they exit; stop those still there after `grace_s`."""
-    deadline = time.perf_counter() + grace_s
-    for worker in workers:
-        if worker.pid is not None:
-            worker.join(max(0.0, deadline - time.perf_counter()))
-    _stop(workers)
 
 
 def _stop(workers: Sequence[multiprocessing.process.BaseProcess], grace_s: float = 10.0) -> None:

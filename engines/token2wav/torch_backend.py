@@ -66,8 +66,10 @@ def schedule_hops(graph_hops: Sequence[int]) -> tuple[int, ...]:
 
 def compile_worker_count(graph_hops: Sequence[int]) -> int:
     """A cold start's DiT block compile workers: one per chunk the warm-up's streams run (`schedule_hops`
-    and the final one) and attention layout (two: flow_dit.compile_job_shapes), at most one per core."""
-    return min(2 * (len(schedule_hops(graph_hops)) + 1), len(os.sched_getaffinity(0)))
+    and the final one) and attention layout (two: flow_dit.compile_job_shapes) where the cores allow,
+    else one per chunk (the split's lists are then merged back)."""
+    chunks = len(schedule_hops(graph_hops)) + 1
+    return 2 * chunks if 2 * chunks <= len(os.sched_getaffinity(0)) else chunks
 
 
 @dataclass(frozen=True, eq=False)
@@ -140,6 +142,7 @@ class TorchToken2Wav(Token2Wav):
         solve_memory_bytes: int | None = None,
         final_chunk_graphs: bool = True,
         precompiled: Path | None = None,
+        preload_compile_workers: bool = True,
     ) -> TorchToken2Wav:
         """Load the `variant` flow of a models directory with its HiFT (Step-Audio2's for the DiT flow,
         CosyVoice2's for the UNet flow); the architecture comes from the directory's manifest.
@@ -148,6 +151,9 @@ class TorchToken2Wav(Token2Wav):
         cuda_graphs: as for the constructor. dit_cache_rule: the DiT flow's (dit_cache.py).
         solve_memory_bytes: the DiT flow's cap on one batched solve (solve_memory.py; None: none).
         final_chunk_graphs, precompiled: as for the constructor (`precompiled` on CUDA only).
+        preload_compile_workers: a cold start's compile workers build their models on the device while
+        they wait for their shapes (block_compile.py); off where that memory must stay free until the
+        LLM has built (realtime/warm_up.py).
         """
         if dtype is None:
             dtype = torch.float16 if torch.device(device).type == "cuda" else torch.float32
@@ -159,7 +165,8 @@ class TorchToken2Wav(Token2Wav):
             flow_cfg = dataclasses.replace(configs.dit_flow, att_cache_rule=dit_cache_rule)
             if cuda_graphs:  # a cold start's compile workers import while the models load
                 workers = idle_workers_for_cold_start(precompiled, flow_cfg, dtype, torch.device(device),
-                                                      compile_worker_count(GRAPH_HOPS))
+                                                      compile_worker_count(GRAPH_HOPS),
+                                                      preload=preload_compile_workers)
             try:
                 flow = load_dit_flow(paths.dit_flow, flow_cfg, device, dtype)
                 flow.limit_solve_memory(solve_memory_bytes)
@@ -285,13 +292,17 @@ class TorchToken2Wav(Token2Wav):
             phases.end("final-chunk vocoder graphs")
         logger.info("%s warm-up on %s: %s", self.name, self.device, phases)
 
-    def close(self) -> None:
+    def release_warmup(self) -> None:
         """Stop the compile workers no warm-up took: idle ones spawned for a cold start, or ones
-        `prepare_warmup` started for a warm-up that never came (a start that failed, say)."""
+        `prepare_warmup` started for a warm-up that never came."""
         for workers in (self._idle_workers, self._block_workers):
             if workers is not None:
                 workers.stop()
         self._idle_workers = self._block_workers = None
+
+    def close(self) -> None:
+        """`release_warmup` (a start that failed, say, leaves compile workers no warm-up took)."""
+        self.release_warmup()
 
     def prepare_warmup(self, speaker: SpeakerState, batches: Iterable[int] = WARMUP_BATCHES) -> None:
         """On a cold start, start the worker processes that compile the DiT block's shape classes

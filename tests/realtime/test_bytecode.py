@@ -23,7 +23,8 @@ def package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     monkeypatch.setattr(sys, "pycache_prefix", None)
     monkeypatch.setattr(sys, "dont_write_bytecode", True)
-    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    monkeypatch.setenv("PYTHONPYCACHEPREFIX", "unset")  # recorded, so that teardown restores it
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX")
     monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")  # as images often set it
     importlib.invalidate_caches()
     return source

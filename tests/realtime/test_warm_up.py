@@ -12,7 +12,12 @@ from engines.llm.torch_engine import TorchLLMEngine
 from engines.llm.trtllm import TrtLlmEngine
 from realtime.config import ServiceConfig
 from realtime.runtime import Runtime
-from realtime.warm_up import COMPILE_BESIDE_LLM_MIN_FREE_BYTES, compile_beside_llm, warmup_batches
+from realtime.warm_up import (
+    COMPILE_BESIDE_LLM_MIN_FREE_BYTES,
+    compile_beside_llm,
+    preload_compile_workers,
+    warmup_batches,
+)
 
 ROOM = COMPILE_BESIDE_LLM_MIN_FREE_BYTES
 
@@ -85,5 +90,37 @@ async def test_the_runtime_hands_the_early_start_to_the_workers_it_names(
         called.clear()
         await runtime._prepare_warmups(set())
         assert called == []
+    finally:
+        await runtime.stop(drain_timeout_s=1.0)
+
+
+def test_compile_workers_take_device_memory_early_only_beside_an_llm_with_a_fixed_cache() -> None:
+    """A cold start's compile workers build their models on the GPU while the engines load unless an LLM
+    engine on that GPU sizes its cache by the free memory then (it would keep the smaller cache)."""
+    assert preload_compile_workers([TORCH], ["cuda:0"], "cuda:0")
+    assert not preload_compile_workers([TRT], ["cuda:0"], "cuda:0")
+    assert preload_compile_workers([TRT], ["cuda:0"], "cuda:1")  # its own GPU
+    assert not preload_compile_workers([TORCH, TRT], ["cuda:1", "cuda:0"], "cuda:0")
+
+
+async def test_a_start_without_a_warm_up_releases_what_was_prepared_for_one(
+    tiny_models: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No warm-up comes (CPU workers here; on a GPU, no default voice): each token2wav worker's backend
+    is told so (`Token2Wav.release_warmup`: a cold start's idle compile processes end then, not at their
+    30-minute idle timeout)."""
+    from engines.token2wav.torch_backend import TorchToken2Wav
+
+    released: list[str] = []
+
+    def record(backend: TorchToken2Wav) -> None:
+        released.append(str(backend.device))
+
+    monkeypatch.setattr(TorchToken2Wav, "release_warmup", record)
+    runtime = Runtime(ServiceConfig(models_dir=tiny_models, device="cpu", max_streams=2,
+                                    token2wav_devices=("cpu", "cpu")))
+    await runtime.start()
+    try:
+        assert released == ["cpu", "cpu"]
     finally:
         await runtime.stop(drain_timeout_s=1.0)

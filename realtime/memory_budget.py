@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from realtime.metrics import Metrics
+
 logger = logging.getLogger(__name__)
 
 MIB = 1 << 20
@@ -95,3 +97,19 @@ def log_budgets(budgets: Sequence[int | None], devices: Sequence[torch.device], 
 
 
 __all__ = ["MemoryBudgets", "device_budgets", "log_budgets", "usable_device_bytes"]
+
+
+def track_gpu_memory(metrics: Metrics, devices: Sequence[str]) -> None:
+    """Let `metrics` read the memory of the CUDA devices among `devices` at every scrape: the peak per
+    device, PyTorch's allocated bytes and the devices' used and total bytes, summed over the GPUs."""
+    gpus = sorted({torch.device(name) for name in devices if torch.device(name).type == "cuda"}, key=str)
+    if not gpus:
+        return
+
+    def free_total() -> tuple[int, int]:
+        readings = [torch.cuda.mem_get_info(device) for device in gpus]
+        return sum(free for free, _ in readings), sum(total for _, total in readings)
+
+    metrics.track_gpu_memory_peak(
+        lambda: {str(device): torch.cuda.max_memory_allocated(device) for device in gpus})
+    metrics.track_gpu_memory(lambda: sum(torch.cuda.memory_allocated(device) for device in gpus), free_total)

@@ -26,8 +26,9 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -50,7 +51,7 @@ from realtime.access import OPERATOR
 from realtime.admission import AdmissionPolicy, Load, Refuse
 from realtime.config import ServiceConfig
 from realtime.engine_loader import LoadedEngines, load_engines
-from realtime.memory_budget import MemoryBudgets, device_budgets, log_budgets
+from realtime.memory_budget import MemoryBudgets, device_budgets, log_budgets, track_gpu_memory
 from realtime.metrics import Metrics
 from realtime.placement import WorkerLoad, least_loaded, split_capacity
 from realtime.prompts import PromptCache, choose_mode
@@ -161,20 +162,20 @@ class Runtime:
         for worker in workers:
             worker.start()
         self._engines, self._workers = engines, workers
-        self._prompts = PromptCache(engines.text)
         self._placed, self._capacity = [0] * len(workers), capacities
-        self._memory_budgets = MemoryBudgets(len(workers))
+        try:
+            await self._start_engines(engines)
+        except BaseException:  # what this start began ends with it: threads, engines, compile processes
+            await self.stop(drain_timeout_s=0.0)
+            raise
+
+    async def _start_engines(self, engines: LoadedEngines) -> None:
+        """`start`'s part after the token2wav workers run: build the LLM engines, prepare the voices and
+        warm up (on shared GPUs one after the other), then accept streams."""
+        self._prompts = PromptCache(engines.text)
+        self._memory_budgets = MemoryBudgets(len(self._workers))
         self._max_tokens = max(llm.max_context for llm in engines.llms)
-        devices = {torch.device(name) for name in engines.plan.llm_devices + engines.plan.token2wav_devices}
-        gpus = sorted((device for device in devices if device.type == "cuda"), key=str)
-        if gpus:
-            self.metrics.track_gpu_memory_peak(
-                lambda: {str(device): torch.cuda.max_memory_allocated(device) for device in gpus}
-            )
-            self.metrics.track_gpu_memory(
-                lambda: sum(torch.cuda.memory_allocated(device) for device in gpus),
-                lambda: _summed(torch.cuda.mem_get_info(device) for device in gpus),
-            )
+        track_gpu_memory(self.metrics, (*engines.plan.llm_devices, *engines.plan.token2wav_devices))
         self.metrics.track_llm(lambda: [llm.stats() for llm in engines.llms])
         started = time.perf_counter()
         if engines.plan.shared_gpus:
@@ -188,7 +189,7 @@ class Runtime:
                 warmed_up = await self._prepare_voices()
                 if warmed_up:
                     await self._prepare_warmups(early)
-            await asyncio.gather(*(llm.start() for llm in engines.llms))
+            await _together(*(llm.start() for llm in engines.llms))
             for device in engines.plan.shared_gpus:
                 with torch.cuda.device(device):
                     torch.cuda.empty_cache()  # the LLM warm-up's cached blocks, for token2wav's stream
@@ -207,10 +208,7 @@ class Runtime:
                     await self._warm_up(self._prepared["default"])
                 return warm_up
 
-            _, warmed_up = await asyncio.gather(
-                asyncio.gather(*(llm.start() for llm in engines.llms)),
-                voices_then_warm_up(),
-            )
+            *_, warmed_up = await _together(*(llm.start() for llm in engines.llms), voices_then_warm_up())
         if warmed_up:
             # From now on the process compiles nothing: a shape the warm-up did not meet (a voice with a
             # longer prompt, say) runs uncompiled rather than stalling every stream of an engine thread.
@@ -646,12 +644,16 @@ class Runtime:
             self._prompts.forget(voice_id)
 
 
-def _summed(pairs: Iterable[tuple[int, int]]) -> tuple[int, int]:
-    """(free, total) device memory over several GPUs."""
-    free = total = 0
-    for device_free, device_total in pairs:
-        free, total = free + device_free, total + device_total
-    return free, total
+async def _together(*steps: Coroutine[Any, Any, Any]) -> list[Any]:
+    """`steps`' results, run side by side; if one fails, the others are cancelled and awaited before its
+    exception propagates (`asyncio.gather` leaves them running: an LLM engine that went on building
+    after a failed start would start its thread after the start had stopped everything)."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(step) for step in steps]
+    except BaseExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+    return [task.result() for task in tasks]
 
 
 def _requests_held(llm: LLMEngine) -> int:

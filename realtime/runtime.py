@@ -26,9 +26,8 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -58,6 +57,7 @@ from realtime.prompts import PromptCache, choose_mode
 from realtime.render import render_segment
 from realtime.schedule import EqualHops, ExponentialHops
 from realtime.session import PreparedVoice, Segment, ServiceError, Session, SpeechRequest, language_code
+from realtime.tasks import together
 from realtime.token2wav_worker import Token2WavWorker
 from realtime.voices import VoiceInfo, VoiceQuota, VoiceRegistry
 from realtime.warm_up import compile_beside_llm, warmup_batches
@@ -141,7 +141,9 @@ class Runtime:
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Load and start the engines, load the voices and prepare each one for synthesis."""
+        """Load and start the engines, load the voices and prepare each one for synthesis. Once only."""
+        if self._engines is not None:
+            raise RuntimeError("a Runtime starts once")
         engines = await asyncio.to_thread(self._loader, self.config)
         capacities = split_capacity(self.config.max_streams, len(engines.token2wavs))
         workers = [
@@ -166,7 +168,10 @@ class Runtime:
         try:
             await self._start_engines(engines)
         except BaseException:  # what this start began ends with it: threads, engines, compile processes
-            await self.stop(drain_timeout_s=0.0)
+            try:
+                await self.stop(drain_timeout_s=0.0)
+            except Exception:  # the start's own error is the one to raise
+                logger.exception("stopping what a failed start began failed too")
             raise
 
     async def _start_engines(self, engines: LoadedEngines) -> None:
@@ -189,7 +194,7 @@ class Runtime:
                 warmed_up = await self._prepare_voices()
                 if warmed_up:
                     await self._prepare_warmups(early)
-            await _together(*(llm.start() for llm in engines.llms))
+            await together(*(llm.start() for llm in engines.llms))
             for device in engines.plan.shared_gpus:
                 with torch.cuda.device(device):
                     torch.cuda.empty_cache()  # the LLM warm-up's cached blocks, for token2wav's stream
@@ -208,7 +213,7 @@ class Runtime:
                     await self._warm_up(self._prepared["default"])
                 return warm_up
 
-            *_, warmed_up = await _together(*(llm.start() for llm in engines.llms), voices_then_warm_up())
+            *_, warmed_up = await together(*(llm.start() for llm in engines.llms), voices_then_warm_up())
         if warmed_up:
             # From now on the process compiles nothing: a shape the warm-up did not meet (a voice with a
             # longer prompt, say) runs uncompiled rather than stalling every stream of an engine thread.
@@ -642,18 +647,6 @@ class Runtime:
         ]
         if self._prompts is not None:
             self._prompts.forget(voice_id)
-
-
-async def _together(*steps: Coroutine[Any, Any, Any]) -> list[Any]:
-    """`steps`' results, run side by side; if one fails, the others are cancelled and awaited before its
-    exception propagates (`asyncio.gather` leaves them running: an LLM engine that went on building
-    after a failed start would start its thread after the start had stopped everything)."""
-    try:
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(step) for step in steps]
-    except BaseExceptionGroup as failed:
-        raise failed.exceptions[0] from None
-    return [task.result() for task in tasks]
 
 
 def _requests_held(llm: LLMEngine) -> int:

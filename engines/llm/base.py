@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import enum
 import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Self
+from typing import Self, TypeVar
 
 from engines.errors import CodedError
 
@@ -255,6 +256,26 @@ def deliver_threadsafe(loop: asyncio.AbstractEventLoop | None, deliveries: Seque
 def _deliver_all(deliveries: Sequence[Delivery]) -> None:
     for stream, tokens, done, error in deliveries:
         stream.deliver(tokens, done, error)
+
+
+T = TypeVar("T")
+
+
+async def build_in_thread(build: Callable[[], T], discard: Callable[[T], None]) -> T:
+    """`build()` on a worker thread. A thread cannot be interrupted: if the caller is cancelled meanwhile
+    (a sibling of an engine's start failed), the build is waited for and what it made is handed to
+    `discard` (memory freed, processes shut down) before the cancellation goes on, so nothing the
+    cancelled start made outlives it."""
+    made = asyncio.ensure_future(asyncio.to_thread(build))
+    try:
+        return await asyncio.shield(made)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):  # the build failed too: the cancellation goes on all the same
+            built = await made
+            del made  # no reference left here (the traceback keeps this frame) once `discard` is done
+            discard(built)
+            del built
+        raise
 
 
 class LLMEngine(abc.ABC):

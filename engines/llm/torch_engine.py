@@ -46,6 +46,7 @@ from engines.llm.base import (
     LLMStats,
     QueuedTokenStream,
     TokenStream,
+    build_in_thread,
     deliver_threadsafe,
 )
 from engines.llm.model import CosyVoice2LM, load_llm, prompt_length
@@ -163,7 +164,8 @@ class TorchLLMEngine(LLMEngine):
         if self._thread is not None or self._stopping:
             raise RuntimeError("a TorchLLMEngine can be started only once")
         self._loop = asyncio.get_running_loop()
-        self._runner = await asyncio.to_thread(self._build_runner)
+        # A runner built for a cancelled start needs no shutting down: dropped, its memory is the allocator's.
+        self._runner = await build_in_thread(self._build_runner, lambda runner: None)
         self._stop_tokens = frozenset(self._runner.model.cfg.stop_tokens)
         self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
         self._thread.start()

@@ -47,6 +47,7 @@ from engines.llm.base import (
     QueuedTokenStream,
     SamplingParams,
     TokenStream,
+    build_in_thread,
     deliver_threadsafe,
 )
 from engines.llm.hf_export import SpeechVocab, read_lm_head_bias
@@ -258,7 +259,7 @@ class TrtLlmEngine(LLMEngine):
         self._loop = asyncio.get_running_loop()
         hf_bias = await asyncio.to_thread(read_lm_head_bias, self.config.hf_dir)
         self._bias = runtime_bias(hf_bias, self._limits)
-        self._executor = await asyncio.to_thread(self._create_executor)
+        self._executor = await build_in_thread(self._create_executor, lambda executor: executor.shutdown())
         self._thread = threading.Thread(target=self._pump_responses, name="trtllm-responses", daemon=True)
         self._thread.start()
         logger.info("TensorRT-LLM engine %s: batch %d, input %d, sequence %d positions; sampling is "

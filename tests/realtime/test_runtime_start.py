@@ -1,41 +1,92 @@
-"""A start that fails part-way ends what it began (realtime/runtime.py): the service's own process exits
-then, but an embedding application lives on and must not keep the threads, engines and compile
-processes of a runtime it never got."""
+"""A start that fails part-way ends what it began (realtime/runtime.py, realtime/tasks.py): the service's
+own process exits then, but an embedding application lives on and must not keep the threads, engines
+and compile processes of a runtime it never got."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from engines.llm.torch_engine import TorchLLMEngine
 from engines.token2wav.torch_backend import TorchToken2Wav
 from realtime.config import ServiceConfig
 from realtime.runtime import Runtime
+from realtime.tasks import together
 
 
-def engine_threads() -> list[str]:
-    return sorted(thread.name for thread in threading.enumerate()
-                  if thread.name.startswith(("token2wav", "llm-engine")))
+def engine_threads() -> set[threading.Thread]:
+    return {thread for thread in threading.enumerate() if thread.name.startswith(("token2wav", "llm-engine"))}
 
 
 async def test_a_start_that_fails_stops_its_workers_and_engines(
     tiny_models: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The voices fail to load while the LLM engine builds beside them: the start raises that error,
-    and afterwards no token2wav or LLM thread of it runs and each token2wav backend was closed (its
-    idle compile processes end)."""
+    """The voices fail to load while the LLM engine still builds beside them (slowed here): the start
+    raises that error only once the build has ended (a thread cannot be stopped: its engine thread must
+    never start afterwards), and then no token2wav or LLM thread of it runs and each token2wav backend
+    was closed (its idle compile processes end). The runtime cannot be started again."""
     closed: list[str] = []
     monkeypatch.setattr(TorchToken2Wav, "close", lambda backend: closed.append(str(backend.device)))
+    built: list[float] = []
+    build = TorchLLMEngine._build_runner
+
+    def slow_build(engine: TorchLLMEngine) -> Any:
+        time.sleep(1.0)
+        runner = build(engine)
+        built.append(time.monotonic())
+        return runner
 
     async def unreadable(runtime: Runtime) -> bool:
         raise RuntimeError("the voices folder is unreadable")
 
+    monkeypatch.setattr(TorchLLMEngine, "_build_runner", slow_build)
     monkeypatch.setattr(Runtime, "_prepare_voices", unreadable)
     before = engine_threads()
     runtime = Runtime(ServiceConfig(models_dir=tiny_models, device="cpu", max_streams=2,
                                     token2wav_devices=("cpu", "cpu")))
     with pytest.raises(RuntimeError, match="voices folder is unreadable"):
         await runtime.start()
-    assert engine_threads() == before
+    raised = time.monotonic()
+    assert len(built) == 1 and built[0] <= raised
+    await asyncio.sleep(0.2)
+    assert {thread for thread in engine_threads() - before if thread.is_alive()} == set()
     assert closed == ["cpu", "cpu"]
+    with pytest.raises(RuntimeError, match="starts once"):
+        await runtime.start()
+
+
+async def test_together_cancels_and_awaits_the_others_when_one_fails(
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first failure propagates as itself (not a group) once the siblings have ended; a sibling that
+    failed too is logged; with no failure the results come in order."""
+    ended: list[str] = []
+
+    async def slow(name: str) -> str:
+        try:
+            await asyncio.sleep(10)
+        finally:
+            ended.append(name)
+        return name
+
+    async def fails(message: str, after: float = 0.0) -> None:
+        await asyncio.sleep(after)
+        raise ValueError(message)
+
+    with pytest.raises(ValueError, match="first"):
+        await together(slow("a"), fails("first"), slow("b"))
+    assert sorted(ended) == ["a", "b"]
+    with caplog.at_level(logging.ERROR, logger="realtime.tasks"), pytest.raises(ValueError, match="one"):
+        await together(fails("one"), fails("two"))
+    assert [record.getMessage() for record in caplog.records] == ["also failed: ValueError"]
+
+    async def value(number: int) -> int:
+        return number
+
+    assert await together(value(1), value(2)) == [1, 2]

@@ -100,13 +100,15 @@ def guarded_state() -> tuple[tuple[str, str], ...]:
 @dataclass(frozen=True)
 class WorkerReport:
     """What a worker did, for the parent's log: seconds from its spawn to idle (a spawned Python and its
-    imports), from its job to its first shape (the model built on the device), the seconds its shapes
-    took, and the shapes at which it compiled a class (the others' classes it loaded from another
-    worker's variants or had compiled already); `superseded` of those another worker saved first."""
+    imports), from its job to its first shape (the model built on the device, unless `built_ahead`
+    while it waited), the seconds its shapes took, and the shapes at which it compiled a class (the
+    others' classes it loaded from another worker's variants or had compiled already); `superseded` of
+    those another worker saved first."""
 
     name: str
     idle_s: float
     ready_s: float
+    built_ahead: bool
     shapes: int
     shapes_s: float
     compiled_at: tuple[SolveShape, ...]
@@ -216,9 +218,10 @@ def _serve(parent: int, jobs: Connection, reports: multiprocessing.queues.Simple
         job = None
     if job is None:
         return
+    built_ahead = built is not None and built[0] == BlockModel(job.cfg, job.dtype, job.device)
     ready_s, shapes_s, compiled_at, superseded, state = compile_block_classes(job, built)
-    reports.put(WorkerReport(multiprocessing.current_process().name, idle - spawned, ready_s, len(job.shapes),
-                             shapes_s, compiled_at, superseded, state))
+    reports.put(WorkerReport(multiprocessing.current_process().name, idle - spawned, ready_s, built_ahead,
+                             len(job.shapes), shapes_s, compiled_at, superseded, state))
 
 
 def idle_workers_for_cold_start(root: Path | None, cfg: FlowConfig, dtype: torch.dtype, device: torch.device,
@@ -409,9 +412,10 @@ class BlockCompileWorkers:
             if differs:
                 logger.warning("%s compiled under another global state than this thread's (%s): its "
                                "variants will not serve here", report.name, differs)
-            logger.info("%s: idle %.1f s after its spawn, ready %.1f s after its job, then %d shapes in "
-                        "%.1f s; classes compiled at %s (%d of them saved by another worker first)",
-                        report.name, report.idle_s, report.ready_s, report.shapes, report.shapes_s,
+            logger.info("%s: idle %.1f s after its spawn, ready %.1f s after its job (model built %s), "
+                        "then %d shapes in %.1f s; classes compiled at %s (%d of them saved by another "
+                        "worker first)", report.name, report.idle_s, report.ready_s,
+                        "ahead" if report.built_ahead else "then", report.shapes, report.shapes_s,
                         _shapes(report.compiled_at), report.superseded)
         return len(reports)
 

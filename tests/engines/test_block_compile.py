@@ -151,9 +151,10 @@ def test_workers_compile_the_classes_the_warm_up_then_loads(
     while workers.running and time.monotonic() < deadline:
         time.sleep(0.1)
     assert workers.exit_codes == [0] * (len(jobs) + 1)
-    report = (r"(dit-block-compile-\d): idle [\d.]+ s after its spawn, ready [\d.]+ s after its job, then "
-              r"(\d+) shapes in [\d.]+ s; classes compiled at (.*) \((\d+) of them saved by another worker "
-              r"first\)")
+    # "built ahead": the workers ran their jobs on the DiT they built while waiting.
+    report = (r"(dit-block-compile-\d): idle [\d.]+ s after its spawn, ready [\d.]+ s after its job \(model "
+              r"built ahead\), then (\d+) shapes in [\d.]+ s; classes compiled at (.*) \((\d+) of them saved "
+              r"by another worker first\)")
     reports = [re.fullmatch(report, record.getMessage()) for record in caplog.records]
     done = sorted((match[1], int(match[2]), match[3], int(match[4])) for match in reports if match)
     assert [(name, shapes) for name, shapes, *_ in done] == [

@@ -109,8 +109,10 @@ def load_engines(config: ServiceConfig) -> LoadedEngines:
         )
         token2wav_loads = [
             pool.submit(_load_token2wav, config, device, cache,
-                        preload_compile_workers(llms, plan.llm_devices, device))
-            for device in plan.token2wav_devices
+                        torch.device(device).type == "cuda" and preload_compile_workers(
+                            llms, plan.llm_devices, plan.token2wav_devices, index,
+                            torch.cuda.get_device_properties(device).total_memory))
+            for index, device in enumerate(plan.token2wav_devices)
         ]
         token2wavs = tuple(load.result() for load in token2wav_loads)
         text, encoder = text_load.result(), encoder_load.result()

@@ -52,10 +52,16 @@ def compile_beside_llm(llms: Sequence[LLMEngine], token2wav_devices: Sequence[st
     return early
 
 
-def preload_compile_workers(llms: Sequence[LLMEngine], llm_devices: Sequence[str], device: str) -> bool:
-    """Whether the cold-start compile workers of a token2wav worker on `device` may build their models on
-    the GPU while the engines load, before any LLM builds (block_compile.py): not where an LLM engine on
-    that GPU sizes its cache by the free memory (TensorRT-LLM's executor: the workers' contexts and
-    models would shrink it for good). `llm_devices`: each engine's device, as the plan names them."""
+def preload_compile_workers(llms: Sequence[LLMEngine], llm_devices: Sequence[str],
+                            token2wav_devices: Sequence[str], index: int, total_bytes: int) -> bool:
+    """Whether the cold-start compile workers of token2wav worker `index` (on `token2wav_devices[index]`,
+    a GPU of `total_bytes`) may build their models on the GPU while the engines load, before any LLM
+    builds (block_compile.py): not where an LLM engine on that GPU sizes its cache by the free memory
+    (TensorRT-LLM's executor: the workers' contexts and models would shrink it for good), nor on a GPU
+    without `COMPILE_BESIDE_LLM_MIN_FREE_BYTES` in all per token2wav worker on it (their ~1 GiB each
+    would stay held through the LLM's build there). Devices as the plan names them."""
+    device = token2wav_devices[index]
+    if total_bytes < token2wav_devices.count(device) * COMPILE_BESIDE_LLM_MIN_FREE_BYTES:
+        return False
     return not any(llm.sizes_cache_by_free_memory and llm_device == device
                    for llm, llm_device in zip(llms, llm_devices, strict=True))

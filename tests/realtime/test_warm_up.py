@@ -96,11 +96,17 @@ async def test_the_runtime_hands_the_early_start_to_the_workers_it_names(
 
 def test_compile_workers_take_device_memory_early_only_beside_an_llm_with_a_fixed_cache() -> None:
     """A cold start's compile workers build their models on the GPU while the engines load unless an LLM
-    engine on that GPU sizes its cache by the free memory then (it would keep the smaller cache)."""
-    assert preload_compile_workers([TORCH], ["cuda:0"], "cuda:0")
-    assert not preload_compile_workers([TRT], ["cuda:0"], "cuda:0")
-    assert preload_compile_workers([TRT], ["cuda:0"], "cuda:1")  # its own GPU
-    assert not preload_compile_workers([TORCH, TRT], ["cuda:1", "cuda:0"], "cuda:0")
+    engine on that GPU sizes its cache by the free memory then (it would keep the smaller cache), or the
+    GPU is too small to hold them through the LLM's build (the room compiling beside the LLM wants, per
+    token2wav worker on it)."""
+    big = 80 << 30
+    assert preload_compile_workers([TORCH], ["cuda:0"], ["cuda:0"], 0, big)
+    assert not preload_compile_workers([TRT], ["cuda:0"], ["cuda:0"], 0, big)
+    assert preload_compile_workers([TRT], ["cuda:0"], ["cuda:0", "cuda:1"], 1, big)  # its own GPU
+    assert not preload_compile_workers([TORCH, TRT], ["cuda:1", "cuda:0"], ["cuda:0"], 0, big)
+    assert not preload_compile_workers([TORCH], ["cuda:0"], ["cuda:0"], 0, ROOM - 1)  # a 24 GB card, say
+    assert not preload_compile_workers([TORCH], ["cuda:0"], ["cuda:0", "cuda:0"], 0, 2 * ROOM - 1)
+    assert preload_compile_workers([TORCH], ["cuda:0"], ["cuda:0", "cuda:0"], 1, 2 * ROOM)
 
 
 async def test_a_start_without_a_warm_up_releases_what_was_prepared_for_one(

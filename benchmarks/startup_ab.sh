@@ -13,6 +13,11 @@
 # COLD=1 compares cold starts instead: the base cold, this tree cold, then this tree restarted on what
 # its cold start left (base-cold.json, head-cold.json, head-restart.json); each cold start clears the
 # models' compile cache first. RESTART=0 leaves the restart out (to fit one device call).
+#
+# HEAD_ENV="VAR=value ..." sets variables for this tree's starts only: with BASE=. an A/B of a setting,
+# e.g. Inductor's C++ wrapper (docs/benchmarks.md, nineteenth session):
+#
+#   COLD=1 BASE=. HEAD_ENV="TORCHINDUCTOR_CPP_WRAPPER=1" bash benchmarks/on_device.sh bash benchmarks/startup_ab.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BASE=${BASE:?BASE names the other tree (see above)}
@@ -21,12 +26,15 @@ DEST=$(realpath -m "${OUT:-bench-results}")
 mkdir -p "$DEST"
 SERVE=(--device cuda --max-streams "${MAX_STREAMS:-320}")
 SITE=/tmp/site  # on_device.sh's wheels
+read -ra HEAD_VARS <<<"${HEAD_ENV:-}"
 
 start() {  # TREE NAME [startup.py flags...]
     local tree=$1 name=$2
     shift 2
-    (cd "$tree" && PYTHONPATH="$PWD:$SITE" python3 benchmarks/startup.py --models "$MODELS" --starts 1 "$@" \
-        --json "$DEST/$name.json" -- "${SERVE[@]}" 2>&1 | grep "^start" | sed "s/^/$name: /")
+    local -a vars=()
+    if [ "${name#head}" != "$name" ]; then vars=("${HEAD_VARS[@]}"); fi
+    (cd "$tree" && env "${vars[@]}" PYTHONPATH="$PWD:$SITE" python3 benchmarks/startup.py --models "$MODELS" \
+        --starts 1 "$@" --json "$DEST/$name.json" -- "${SERVE[@]}" 2>&1 | grep "^start" | sed "s/^/$name: /")
 }
 
 if [ "${COLD:-0}" = 1 ]; then

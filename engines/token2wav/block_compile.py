@@ -4,18 +4,20 @@ On a cold start the token2wav warm-up compiles the block once per shape class as
 (`DiT.compile_blocks`): six classes of ~12 s each on an H100 host, one after the other, ~76 s of a
 163 s start (docs/benchmarks.md, sixteenth session). Compiling is host work (Dynamo's trace, Inductor's
 lowering, Triton's builds), single-threaded per class and held by the GIL, so threads cannot share it;
-processes can. `BlockCompileWorkers` spawns the processes idle, early in a cold start (while the models
-load: `idle_workers_for_cold_start`), and hands each a list of solve shapes once the voice is known:
-each builds the flow's CFM with the same sizes and dtype (random weights: compiled code does not depend
-on their values), runs one Euler step of each of its shapes through the block kept ahead of time
-(`engines/precompiled.py`), and so saves a variant per class it meets into the folder the warm-up's block
-reads. The warm-up then loads the variants instead of compiling them.
+processes can. `BlockCompileWorkers` spawns the processes idle, early in a cold start (as the token2wav
+load begins, before this process imports Dynamo: `idle_workers_for_cold_start`); each imports the
+compiler and builds a DiT of the flow's sizes and dtype on the device while it waits (random weights:
+compiled code does not depend on their values). Once the voice is known each gets a list of solve
+shapes, runs one Euler step of each through the block kept ahead of time (`engines/precompiled.py`),
+and so saves a variant per class it meets into the folder the warm-up's block reads. The warm-up then
+loads the variants instead of compiling them (on an H100 host: 12 workers done ~33–36 s after their
+jobs, docs/benchmarks.md nineteenth session).
 
-Each list is one chunk of the warm-up's schedule at every batch size, largest first, as the warm-up
-runs them: a class is compiled at the shapes the warm-up would have compiled it at (Inductor picks its
-kernels' configurations by the first shapes), and a worker that meets a class another has saved
-meanwhile loads it instead. A worker that fails is logged; the warm-up compiles what is missing, as
-without workers.
+Each list is one chunk of the warm-up's schedule and attention layout at every batch size, largest
+first, as the warm-up runs them (`flow_dit.compile_job_shapes`): a class is compiled at the shapes the
+warm-up would have compiled it at (Inductor picks its kernels' configurations by the first shapes), and
+a worker that meets a class another has saved meanwhile loads it instead. A worker that fails is
+logged; the warm-up compiles what is missing, as without workers.
 """
 
 from __future__ import annotations

@@ -71,21 +71,22 @@ def _version_of(package: str) -> str:
         return "none"
 
 
-def supported() -> bool:
-    """Whether this torch has Dynamo's ahead-of-time compile, its loader, and the guard calls used here."""
-    try:
-        from torch._dynamo.aot_compile import AOTCompiledFunction
-    except ImportError:
-        return False
-    return (hasattr(torch.compiler, "load_compiled_function")
-            and all(hasattr(AOTCompiledFunction, name)
-                    for name in ("guard_check", "disable_guard_check", "serialize")))
-
-
 def likely_supported() -> bool:
     """`supported`'s first test, without importing Dynamo (seconds of a cold start): for choices made
     before it is imported; `supported` decides."""
     return hasattr(torch.compiler, "load_compiled_function")
+
+
+def supported() -> bool:
+    """Whether this torch has Dynamo's ahead-of-time compile, its loader, and the guard calls used here."""
+    if not likely_supported():
+        return False
+    try:
+        from torch._dynamo.aot_compile import AOTCompiledFunction
+    except ImportError:
+        return False
+    return all(hasattr(AOTCompiledFunction, name)
+               for name in ("guard_check", "disable_guard_check", "serialize"))
 
 
 def saved_variants(folder: Path) -> list[Path]:

@@ -118,9 +118,10 @@ class Token2Wav(abc.ABC):
         start's compile processes and the models they built on the device); it serves on. Backends
         holding nothing do nothing."""
 
-    def close(self) -> None:  # noqa: B027
-        """Release, when its owner stops, what the backend holds beside its streams (a cold start's
-        compile processes that no warm-up took, say). Backends holding nothing do nothing."""
+    def close(self) -> None:
+        """Release, when its owner stops, what the backend holds beside its streams: at least what
+        `release_warmup` releases (a cold start's compile processes that no warm-up took, say)."""
+        self.release_warmup()
 
     def warmup(self, speaker: SpeakerState, batches: Sequence[int]) -> None:  # noqa: B027
         """Before traffic: run the common chunk shapes at these batch sizes (captures graphs, loads

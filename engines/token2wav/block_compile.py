@@ -143,22 +143,17 @@ class BlockModel:
 
 
 def compile_block_classes(
-    job: BlockCompileJob, built: tuple[BlockModel, DiT] | None = None
+    job: BlockCompileJob, built: DiT | None = None
 ) -> tuple[float, float, tuple[SolveShape, ...], int, tuple[tuple[str, str], ...]]:
     """A worker's part: run one Euler step of each of `job.shapes` through the kept block (so compiling
-    and saving every class they meet that no variant in the folder serves yet), on `built`'s DiT when it
-    is the job's model (built while idle), else on one built here. Returns the seconds to the first
-    shape, the seconds of the shapes, the shapes at which a class was compiled, how many of those
-    another process had saved meanwhile, and the `guarded_state` they were compiled under."""
+    and saving every class they meet that no variant in the folder serves yet), on `built` (the job's
+    model, built while idle) or on one built here. Returns the seconds to the first shape, the seconds
+    of the shapes, the shapes at which a class was compiled, how many of those another process had
+    saved meanwhile, and the `guarded_state` they were compiled under."""
     import torch._inductor.config as inductor_config  # Dynamo and Inductor: imported by the worker only
 
     called = time.perf_counter()
-    model = BlockModel(job.cfg, job.dtype, job.device)
-    if built is not None and built[0] != model:
-        logger.warning("%s: the model built ahead (%s) is not the job's (%s); building the job's",
-                       multiprocessing.current_process().name, built[0].device, model.device)
-        built = None
-    dit = built[1] if built is not None else model.build()
+    dit = built if built is not None else BlockModel(job.cfg, job.dtype, job.device).build()
     device = torch.device(job.device)
     torch.set_num_threads(job.threads)
     inductor_config.compile_threads = job.compile_threads
@@ -220,10 +215,15 @@ def _serve(parent: int, jobs: Connection, reports: multiprocessing.queues.Simple
         job = None
     if job is None:
         return
-    built_ahead = built is not None and built[0] == BlockModel(job.cfg, job.dtype, job.device)
-    ready_s, shapes_s, compiled_at, superseded, state = compile_block_classes(job, built)
-    reports.put(WorkerReport(multiprocessing.current_process().name, idle - spawned, ready_s, built_ahead,
-                             len(job.shapes), shapes_s, compiled_at, superseded, state))
+    name = multiprocessing.current_process().name
+    if built is not None and built[0] != BlockModel(job.cfg, job.dtype, job.device):
+        logger.warning("%s: the model built ahead (%s) is not the job's (%s); building the job's", name,
+                       built[0].device, job.device)
+        built = None
+    ready_s, shapes_s, compiled_at, superseded, state = compile_block_classes(
+        job, None if built is None else built[1])
+    reports.put(WorkerReport(name, idle - spawned, ready_s, built is not None, len(job.shapes), shapes_s,
+                             compiled_at, superseded, state))
 
 
 def idle_workers_for_cold_start(root: Path | None, cfg: FlowConfig, dtype: torch.dtype, device: torch.device,

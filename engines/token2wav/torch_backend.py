@@ -300,10 +300,6 @@ class TorchToken2Wav(Token2Wav):
                 workers.stop()
         self._idle_workers = self._block_workers = None
 
-    def close(self) -> None:
-        """`release_warmup` (a start that failed, say, leaves compile workers no warm-up took)."""
-        self.release_warmup()
-
     def prepare_warmup(self, speaker: SpeakerState, batches: Iterable[int] = WARMUP_BATCHES) -> None:
         """On a cold start, start the worker processes that compile the DiT block's shape classes
         `warmup(speaker, the same batches)` will meet (block_compile.py), and return."""

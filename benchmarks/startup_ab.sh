@@ -10,9 +10,9 @@
 # which then is partly a cold start: say so when reporting. Reports land in $OUT (or bench-results/):
 # head-cold.json, base-restart.json, head-restart.json and each start's server log.
 #
-# COLD=1 compares cold starts instead: the base cold, this tree cold, then this tree restarted on what
-# its cold start left (base-cold.json, head-cold.json, head-restart.json); each cold start clears the
-# models' compile cache first. RESTART=0 leaves the restart out (to fit one device call).
+# COLD=1 compares cold starts instead: each tree cold, then restarted on what its cold start left
+# (base-cold.json, base-restart.json, head-cold.json, head-restart.json); each cold start clears the
+# models' compile cache first. RESTART=0 leaves the restarts out (to fit one device call).
 #
 # HEAD_ENV="VAR=value ..." sets variables for this tree's starts only: with BASE=. an A/B of a setting,
 # e.g. Inductor's C++ wrapper (docs/benchmarks.md, nineteenth session):
@@ -39,6 +39,7 @@ start() {  # TREE NAME [startup.py flags...]
 
 if [ "${COLD:-0}" = 1 ]; then
     start "$BASE" base-cold
+    if [ "${RESTART:-1}" = 1 ]; then start "$BASE" base-restart --keep-cache; fi
     start . head-cold
     if [ "${RESTART:-1}" = 1 ]; then start . head-restart --keep-cache; fi
 else

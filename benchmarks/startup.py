@@ -1,4 +1,5 @@
-"""Start-up time of the server: process start → /readyz answering 200, cold and then warm.
+"""Start-up time of the server: process start → /readyz answering 200 (and → its token2wav warm-up done,
+which goes on between calls after ready: `warm_s`), cold and then warm.
 
     python3 benchmarks/startup.py --models /tmp/m --json startup.json -- --device cuda --max-streams 320
 
@@ -32,7 +33,7 @@ from pathlib import Path
 
 from profile_summary import py_spy_record, summarise
 
-from realtime.bench_server import spawned_process
+from realtime.bench_server import spawned_process, wait_until_warm
 
 PHASES = {  # when each phase ended, read off the log's time stamps
     "first_log": re.compile(r"compiled kernels cached|token2wav backend"),
@@ -66,8 +67,11 @@ def one_start(models: Path, serve_args: list[str], log: Path, timeout_s: float,
     # profiler in front of the server stops on (and the server drains on it as on SIGTERM).
     server = spawned_process(models, serve_args, log, ready_timeout_s=timeout_s, launcher=launcher,
                              stop_signal=signal.SIGINT)
-    with contextlib.suppress(RuntimeError), server:
+    warm_s = None
+    with contextlib.suppress(RuntimeError), server as (port, _):
         ready_s = time.time() - started
+        wait_until_warm(port, timeout_s)
+        warm_s = time.time() - started
     marks: dict[str, float] = {}
     durations: dict[str, float] = {}
     for line in log.read_text(errors="replace").splitlines():
@@ -82,7 +86,8 @@ def one_start(models: Path, serve_args: list[str], log: Path, timeout_s: float,
         for name, pattern in PHASES.items():
             if name not in marks and pattern.search(line):
                 marks[name] = round(at - started, 1)
-    return {"ready_s": None if ready_s is None else round(ready_s, 1), "marks_s": marks,
+    return {"ready_s": None if ready_s is None else round(ready_s, 1),
+            "warm_s": None if warm_s is None else round(warm_s, 1), "marks_s": marks,
             "durations_s": durations, "log": log.name}
 
 
@@ -118,7 +123,8 @@ def main() -> int:
             result["profile"] = summary.name
         result["cache_before"] = "none" if index == 0 and not args.keep_cache else "kept"
         results.append(result)
-        print(f"start {index + 1} ({result['cache_before']} cache): ready in {result['ready_s']} s; "
+        print(f"start {index + 1} ({result['cache_before']} cache): ready in {result['ready_s']} s, warm-up "
+              f"done in {result['warm_s']} s; "
               f"phases {result['marks_s']}; {result['durations_s']}", flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "serve_args": args.serve_args, "starts": results}

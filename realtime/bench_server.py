@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -63,8 +64,27 @@ def spawned_process(
                 proc.kill()
 
 
+WARMING = re.compile(r"^tts_token2wav_warmups_running (\S+)$", re.MULTILINE)
+
+
+def wait_until_warm(port: int, timeout_s: float = 300.0) -> None:
+    """Wait until the server on `port` has no token2wav warm-up left to run between calls (its /metrics'
+    `tts_token2wav_warmups_running` is 0): a ready server may still be capturing graphs between calls,
+    which a benchmark of steady serving should not time. RuntimeError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            found = WARMING.search(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text)
+            if found is not None and float(found.group(1)) == 0:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"the server's warm-up was not finished within {timeout_s:g} s")
+
+
 @contextlib.contextmanager
 def spawned_server(models: Path | None, extra: Sequence[str]) -> Iterator[str]:
-    """A server subprocess on a free loopback port; yields its websocket URL once /readyz answers."""
+    """A server subprocess on a free loopback port; yields its websocket URL once /readyz answers and its
+    warm-up is finished (`wait_until_warm`)."""
     with spawned_process(models, extra) as (port, _):
+        wait_until_warm(port)
         yield f"ws://127.0.0.1:{port}/v1/ws"

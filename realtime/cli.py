@@ -129,6 +129,7 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         token2wav_call_tokens=args.token2wav_call_tokens or None,
         render_hop=getattr(args, "render_hop", 0) or None,
         final_chunk_graphs=args.final_chunk_graphs,
+        warmup_between_calls=args.warm_up_between_calls,
         urgent_chunk_calls=args.urgent_chunk_calls,
         token2wav_workers=BASELINE_TOKEN2WAV_WORKERS if args.baseline else 1,
         llm_pacing=not args.baseline,
@@ -303,7 +304,14 @@ def synth(config: ServiceConfig, args: argparse.Namespace) -> int:
 
 
 def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
-    """The options only `serve` has (network, WebRTC, drain)."""
+    """The options only `serve` has (network, WebRTC, drain, warm-up)."""
+    parser.add_argument(
+        "--warm-up-between-calls",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ready once the token2wav warm-up's first stage is done (first chunks at every batch size); "
+             "the rest of its CUDA graphs are captured between calls. Off: ready once all are",
+    )
     parser.add_argument(
         "--drain-timeout",
         type=float,
@@ -443,6 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
             serve_only = argparse.ArgumentParser(add_help=False)
             _add_serve_flags(serve_only)
             sub.set_defaults(**vars(serve_only.parse_args([])))
+            sub.set_defaults(warm_up_between_calls=False)  # no idle time to fill: all of it first
         if name == "synth":
             source = sub.add_mutually_exclusive_group(required=True)
             source.add_argument("text", nargs="?", help="one text to speak into --out")

@@ -226,6 +226,10 @@ class ServiceConfig:
     final_chunk_graphs: vocode final chunks (whatever a segment leaves: any length) from CUDA graphs,
         padded to length buckets (engines/token2wav/graphs.py); off, eagerly at their own lengths, which
         saves ~100 captures at start-up but costs ~10 ms of host time per call (~70 ms for a new length).
+    warmup_between_calls: the service is ready once the token2wav warm-up's first stage is done (every
+        chunk of the largest batch, first chunks at every batch size); its other ~200 CUDA graph captures
+        run as steps between calls (engines/token2wav/torch_warmup.py; ~20 s less to ready on an H100,
+        docs/benchmarks.md twentieth session). Off: ready only once all of it is done.
     render_hop: offline synthesis (`realtime synth`) hands each utterance's tokens to token2wav in chunks
         as the LLM decodes them (the last chunk whatever is left), so token2wav works while the LLM is
         still decoding and a long text never needs one solve over all its frames: chunks of this many
@@ -275,6 +279,7 @@ class ServiceConfig:
     token2wav_call_tokens: int | None = None
     urgent_chunk_calls: float = 2.0
     final_chunk_graphs: bool = True
+    warmup_between_calls: bool = True
     render_hop: int | None = None
     token2wav_workers: int = 1
     chunk_queue: int = 4

@@ -58,6 +58,17 @@ class Metrics:
             "token2wav streams open on the worker threads (their caches held)",
             registry=self.registry,
         )
+        self.token2wav_warmups_running = Gauge(
+            "tts_token2wav_warmups_running",
+            "token2wav workers still warming up between calls (shapes not captured yet run eagerly)",
+            registry=self.registry,
+        )
+        self.token2wav_warmup_step_seconds = Histogram(
+            "tts_token2wav_warmup_step_seconds",
+            "Wall time of one warm-up step run between calls (a call arriving meanwhile waits for it)",
+            buckets=BATCH_SECONDS_BUCKETS,
+            registry=self.registry,
+        )
         self.queue_depth = Gauge(
             "tts_token2wav_queue_depth",
             "Chunks waiting for the token2wav worker",

@@ -289,13 +289,15 @@ class Runtime:
         requests do not pay for CUDA-graph capture or compilation."""
         started = time.perf_counter()
         plans = self._warmup_plans()
+        between_calls = self.config.warmup_between_calls
         await asyncio.gather(*(
-            worker.warmup(prepared.speaker, batches)
+            worker.warmup(prepared.speaker, batches, between_calls)
             for worker, prepared, batches in zip(self._workers, voice, plans, strict=True)
             if worker.device.type == "cuda"
         ))
-        logger.info("token2wav warmed up for batches %s in %.1f s", max(plans, key=len),
-                    time.perf_counter() - started)
+        rest = " (first stage; the rest between calls)" if between_calls else ""
+        logger.info("token2wav warmed up for batches %s in %.1f s%s", max(plans, key=len),
+                    time.perf_counter() - started, rest)
 
     async def stop(self, drain_timeout_s: float) -> None:
         """Refuse new streams, let running ones finish for up to `drain_timeout_s`, cancel the rest."""

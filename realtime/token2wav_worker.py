@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from engines.token2wav.base import ChunkJob, SpeakerState, Token2Wav, Token2WavStream
+from engines.token2wav.base import ChunkJob, SpeakerState, Token2Wav, Token2WavStream, WarmupSteps
 from engines.voice import VoicePrompt
 from realtime.batch_policy import BatchPolicy, FirstChunkHold, RecentStepTime, WaitingChunk
 from realtime.metrics import Metrics
@@ -37,6 +37,7 @@ from realtime.metrics import Metrics
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+_DONE = object()  # what `next` returns for exhausted warm-up steps
 
 
 @dataclass
@@ -84,6 +85,8 @@ class _Lane:
         self._metrics = metrics
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._pending: list[_ChunkTask] = []  # chunks taken from the inbox, not yet run (this thread's)
+        # The rest of a staged warm-up (Token2Wav.staged_warmup), a step whenever nothing is queued.
+        self._warmup_steps: WarmupSteps | None = None
         self.failure: BaseException | None = None  # what ended the thread, if something did
 
     def start(self) -> None:
@@ -114,6 +117,37 @@ class _Lane:
             logger.critical("token2wav thread %s died: %s", self._thread.name, type(exc).__name__,
                             exc_info=exc)
             self._fail_all(exc)
+        finally:
+            self._end_warmup_steps()
+
+    def warm_up_between_calls(self, steps: WarmupSteps) -> None:
+        """Run `steps` (the rest of a staged warm-up), one whenever nothing is queued. On this thread."""
+        self._warmup_steps = steps
+        if self._metrics is not None:
+            self._metrics.token2wav_warmups_running.inc()
+
+    def _warmup_step(self) -> None:
+        """One step of the warm-up's rest; the warm-up ends when they are exhausted or one fails (shapes it
+        did not capture then run eagerly: the service goes on)."""
+        assert self._warmup_steps is not None
+        started = time.monotonic()
+        try:
+            more = next(self._warmup_steps, _DONE) is not _DONE
+        except Exception:
+            logger.exception("token2wav warm-up step failed; the shapes it did not reach run eagerly")
+            more = False
+        if self._metrics is not None:
+            self._metrics.token2wav_warmup_step_seconds.observe(time.monotonic() - started)
+        if not more:
+            self._end_warmup_steps()
+
+    def _end_warmup_steps(self) -> None:
+        steps, self._warmup_steps = self._warmup_steps, None
+        if steps is None:
+            return
+        steps.close()  # left mid-way (a stop): what the step in progress holds (its streams) goes
+        if self._metrics is not None:
+            self._metrics.token2wav_warmups_running.dec()
 
     def _fail_all(self, exc: BaseException) -> None:
         """Fail every chunk and call this dead lane still holds or is sent later (see `Token2WavWorker`)."""
@@ -153,10 +187,17 @@ class _Lane:
                 return
 
     def _receive(self, hold_until: float | None) -> list[_ChunkTask | _Call | None]:
-        """Everything in the inbox: with no chunk pending, block for the first item; while holding
-        (`hold_until`), wait for one until then; else take only what is there."""
+        """Everything in the inbox: with no chunk pending, block for the first item (or, with nothing there
+        and warm-up steps left, run one and return none); while holding (`hold_until`), wait for one
+        until then; else take only what is there."""
         items: list[_ChunkTask | _Call | None] = []
-        if not self._pending:
+        if not self._pending and self._warmup_steps is not None:
+            try:
+                items.append(self.inbox.get_nowait())
+            except queue.Empty:
+                self._warmup_step()
+                return items
+        elif not self._pending:
             items.append(self.inbox.get())
         elif hold_until is not None:
             with contextlib.suppress(queue.Empty):
@@ -340,8 +381,22 @@ class Token2WavWorker:
     async def prepare_warmup(self, speaker: SpeakerState, batches: Sequence[int]) -> None:
         await self.call(lambda: self._backend.prepare_warmup(speaker, batches))
 
-    async def warmup(self, speaker: SpeakerState, batches: Sequence[int]) -> None:
-        await self.call(lambda: self._backend.warmup(speaker, batches))
+    async def warmup(self, speaker: SpeakerState, batches: Sequence[int],
+                     between_calls: bool = False) -> None:
+        """The backend's warm-up. `between_calls`: return after its first stage (`Token2Wav.staged_warmup`)
+        and run the rest on the first thread, a step whenever it has nothing queued."""
+        lane = self._lanes[0]
+
+        def first_stage() -> None:
+            steps = self._backend.staged_warmup(speaker, batches)
+            next(steps, None)
+            if between_calls:
+                lane.warm_up_between_calls(steps)
+            else:
+                for _ in steps:
+                    pass
+
+        await self._call(lane, first_stage)
 
     async def release_warmup(self) -> None:
         """No warm-up is coming: `Token2Wav.release_warmup`."""

@@ -15,7 +15,7 @@ tensors; `close()` drops them at once.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -44,6 +44,10 @@ class Token2WavStream(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release the caches now; the stream cannot be used afterwards. Idempotent."""
+
+
+# A staged warm-up's steps (`Token2Wav.staged_warmup`); `close()` ends one mid-way.
+WarmupSteps = Generator[None, None, None]
 
 
 @dataclass
@@ -126,6 +130,15 @@ class Token2Wav(abc.ABC):
     def warmup(self, speaker: SpeakerState, batches: Sequence[int]) -> None:  # noqa: B027
         """Before traffic: run the common chunk shapes at these batch sizes (captures graphs, loads
         kernels) so the first requests do not pay for it. Backends without such costs do nothing."""
+
+    def staged_warmup(self, speaker: SpeakerState, batches: Sequence[int]) -> WarmupSteps:
+        """`warmup` for a caller that serves meanwhile: the work until the first `yield` is what new
+        streams need at once (traffic may come after it); each later step is a bounded piece of the rest
+        (one chunk call or one graph capture: up to a few hundred milliseconds), which the caller runs
+        when it has nothing else to do; the warm-up is complete once the steps are exhausted. Backends
+        without such a split do all of `warmup` before the first `yield`."""
+        self.warmup(speaker, batches)
+        yield
 
     def stream_bytes_bound(self, speaker: SpeakerState, max_tokens: int) -> int | None:
         """The most device bytes a stream of `speaker` holds between its chunks over at most `max_tokens`

@@ -281,21 +281,38 @@ class DiTFlow(ConformerFlow):
         self.use_bucketed_solver(graphs, buckets, encoder)
         return graphs
 
+    def later_graph_shapes(self, batches: Iterable[int]) -> list[SolveShape | EncodeShape]:
+        """The solve and encoder graphs at `batches` rows that serving meets but running streams through
+        the schedule in step (a warm-up's chunk pass) does not, once such a pass has run; largest first
+        within each kind. Solves: every chunk-frames bucket at the most cached state the pass met (its
+        largest own and kept frames, its prompts): once an utterance's cache is trimmed it stays there,
+        and its last chunk (any length) or a batch mixing it with other streams' chunks solves there
+        with any frames bucket; at the less cached states met (after a stream's first chunk or two) the
+        frames buckets up to the chunk met there, for an utterance of a few words whose last chunk comes
+        early; shapes over the solve memory cap are skipped, as batch planning never forms them.
+        Encoder: every chunk-token bucket at each history bucket met: a last chunk may have any length.
+        Longer histories are left out: their graphs' working memory grows with the history (at 64 rows,
+        GiBs), and they only come after ~20 s of one utterance, where an eager encoder call is a small
+        part of the chunk."""
+        solver, encoder, batches = self.graphs, self._bucketed_encoder, list(batches)
+        shapes: list[SolveShape | EncodeShape] = []
+        if solver is not None and solver.shapes:
+            shapes += self._solve_capture_shapes(batches, solver.shapes)
+        if isinstance(encoder, GraphedEncoder) and encoder.shapes:
+            shapes += self.encoder_capture_shapes(batches, max(shape.history for shape in encoder.shapes))
+        return shapes
+
     @torch.inference_mode()
-    def capture_encoder_graphs(self, batches: Iterable[int]) -> None:
-        """Capture the encoder graph of every chunk-token bucket at each of `batches` rows and each
-        history bucket captured so far: an utterance's last chunk may have any length, so running
-        streams through the schedule (the warm-up) does not meet them all. Longer histories are left
-        out: their graphs' working memory grows with the history (at 64 rows, GiBs), and they only
-        come after ~20 s of one utterance, where an eager encoder call is a small part of the chunk."""
-        encoder = self._bucketed_encoder
-        if not isinstance(encoder, GraphedEncoder) or not encoder.shapes:
-            return
-        reached = max(shape.history for shape in encoder.shapes)
-        encoder.capture(self.encoder_capture_shapes(batches, reached))
+    def capture_graph(self, shape: SolveShape | EncodeShape) -> None:
+        """Capture the graph of one of `later_graph_shapes`."""
+        solver, encoder = self.graphs, self._bucketed_encoder
+        if isinstance(shape, SolveShape) and solver is not None:
+            solver.capture([shape])
+        elif isinstance(shape, EncodeShape) and isinstance(encoder, GraphedEncoder):
+            encoder.capture([shape])
 
     def encoder_capture_shapes(self, batches: Iterable[int], reached: int) -> list[EncodeShape]:
-        """What `capture_encoder_graphs` captures once streams reached `reached` history tokens: every
+        """The encoder graphs of `later_graph_shapes` once streams reached `reached` history tokens: every
         chunk-token bucket at each of `batches` rows and each history bucket up to `reached`, largest
         first."""
         stride, buckets = self.cfg.encoder.up_stride, self.buckets
@@ -319,49 +336,25 @@ class DiTFlow(ConformerFlow):
             own += tokens
         return max(histories, default=None)
 
-    def reserve_encoder_graphs(self, batches: Iterable[int], hops: Sequence[int], prompt_tokens: int) -> None:
-        """Size the encoder graphs' shared buffers now for the largest shape the warm-up will capture
-        (`planned_encoder_history`, `capture_encoder_graphs`), before it captures any: graphs captured
-        on smaller buffers are otherwise captured again when that shape grows them (35 of the encoder's
-        125 captures at an H100 restart, docs/benchmarks.md sixteenth session)."""
-        encoder = self._bucketed_encoder
-        if not isinstance(encoder, GraphedEncoder):
-            return
-        reached = self.planned_encoder_history(hops, prompt_tokens)
-        if reached is None:
-            return
-        encoder.reserve(self.encoder_capture_shapes(batches, reached))
-
-    def reserve_solve_graphs(self, batches: Iterable[int], hops: Sequence[int], prompt_frames: int) -> None:
-        """Size the solve graphs' shared buffers now for every graph the warm-up will capture: the chunk
-        pass's solves (`planned_solve_shapes`) and what `capture_solve_graphs` then adds. At 64 rows the
-        kept cache grows from 30 to 100 to 200 frames through the schedule, and the graphs captured on
-        the smaller buffers were captured again (3 at an H100 restart, docs/benchmarks.md eighteenth
+    def reserve_graphs(self, batches: Iterable[int], hops: Sequence[int], voice: DiTSpeaker) -> None:
+        """Size the graphs' shared buffers now for every graph a warm-up with `voice` will capture (the
+        chunk pass's, `planned_solve_shapes` and `planned_encoder_history`, then `later_graph_shapes`),
+        before it captures any: graphs captured on smaller buffers are otherwise captured again when a
+        larger shape grows them (at 64 rows the kept cache grows from 30 to 100 to 200 frames through
+        the schedule; 35 of the encoder's 125 captures at an H100 restart, docs/benchmarks.md sixteenth
         session). Shapes past the buckets run eagerly and take no graph buffer."""
-        if not isinstance(self.graphs, GraphedSolver):
-            return
-        batches = list(batches)
-        planned = self.planned_solve_shapes(batches, hops, prompt_frames)
-        graphed = [shape for shapes in planned for shape in shapes if self.buckets.shape(shape) == shape]
-        if graphed:
-            self.graphs.reserve([*graphed, *self._solve_capture_shapes(batches, graphed)])
-
-    @torch.inference_mode()
-    def capture_solve_graphs(self, batches: Iterable[int]) -> None:
-        """Capture the solve graph of every chunk-frames bucket at each of `batches` rows, for the most
-        cached state the warm-up met (its largest own and kept frames, its prompts): once an utterance's
-        cache is trimmed it stays there, and its last chunk (any length) or a batch that mixes it with
-        other streams' chunks solves at that state with any frames bucket, which running streams through
-        the schedule in step does not meet. At the less cached states the warm-up met (after a stream's
-        first chunk or two) the frames buckets up to the chunk met there are captured too: an utterance
-        of a few words ends with a short last chunk there. Shapes over the solve memory cap are skipped,
-        as batch planning never forms them."""
-        solver = self.graphs
-        if solver is not None and solver.shapes:
-            solver.capture(self._solve_capture_shapes(batches, solver.shapes))
+        batches, encoder = list(batches), self._bucketed_encoder
+        reached = self.planned_encoder_history(hops, voice.encoder.num_tokens)
+        if isinstance(encoder, GraphedEncoder) and reached is not None:
+            encoder.reserve(self.encoder_capture_shapes(batches, reached))
+        if isinstance(self.graphs, GraphedSolver):
+            planned = self.planned_solve_shapes(batches, hops, voice.prompt_frames)
+            graphed = [shape for shapes in planned for shape in shapes if self.buckets.shape(shape) == shape]
+            if graphed:
+                self.graphs.reserve([*graphed, *self._solve_capture_shapes(batches, graphed)])
 
     def _solve_capture_shapes(self, batches: Iterable[int], met: Sequence[SolveShape]) -> list[SolveShape]:
-        """What `capture_solve_graphs` captures after a chunk pass that solved `met` (see there)."""
+        """The solves of `later_graph_shapes` after a chunk pass that solved `met` (see there)."""
         cached = max(met, key=lambda shape: (shape.own_frames, shape.kept_frames))
         prompts = {shape.prompt_frames for shape in met}
         buckets = self.buckets
@@ -437,16 +430,28 @@ class DiTFlow(ConformerFlow):
         workers.run(jobs)
         return workers
 
+    def graph_sets(self) -> list[GraphedSolver | GraphedEncoder]:
+        """The solve's and the encoder's CUDA graphs (none without `enable_cuda_graphs`)."""
+        return [graphs for graphs in (self.graphs, self._bucketed_encoder)
+                if isinstance(graphs, GraphedSolver | GraphedEncoder)]
+
+    def pause_graphs(self) -> None:
+        """Compile no block from now on, and capture graphs only inside their `capturing` (a warm-up
+        that goes on between serving calls: see graphs.py)."""
+        if isinstance(self.decoder.estimator, DiT):
+            self.decoder.estimator.seal_compilation()
+        for graphs in self.graph_sets():
+            graphs.pause()
+
     def seal_graphs(self) -> None:
         """From now on capture no graph and compile no block: shapes without one run eagerly (see
         graphs.py)."""
         if isinstance(self.decoder.estimator, DiT):
             self.decoder.estimator.seal_compilation()
-        for graphs in (self.graphs, self._bucketed_encoder):
-            if isinstance(graphs, GraphedSolver | GraphedEncoder):
-                graphs.seal()
-                logger.info("%s: %d graphs, %.2f GiB of static inputs and outputs", type(graphs).__name__,
-                            len(graphs.shapes), graphs.static_bytes / 2**30)
+        for graphs in self.graph_sets():
+            graphs.seal()
+            logger.info("%s: %d graphs, %.2f GiB of static inputs and outputs", type(graphs).__name__,
+                        len(graphs.shapes), graphs.static_bytes / 2**30)
 
     @property
     def _encoder_layout(self) -> EncoderLayout:

@@ -26,11 +26,12 @@ padding would be), so each row's audio is its own. Other calls run eagerly.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
@@ -232,7 +233,9 @@ class _ShapeGraphs(Generic[ShapeT, InputsT, OutputsT]):
 
     Once `seal`ed (after the warm-up), nothing more is captured: a capture takes the engine thread, and
     every stream waiting on it, for tens to hundreds of milliseconds. A shape without a graph then runs
-    through `eager` at the same (bucket) shape, and is logged once."""
+    through `eager` at the same (bucket) shape, and is logged once. While `pause`d (a warm-up that goes on
+    in steps between serving calls), shapes are captured only inside `capturing` (the steps), and one
+    without a graph yet runs eagerly without a word: a step may still capture it."""
 
     def __init__(self, device: torch.device,
                  eager: _EagerCalls[ShapeT, InputsT, OutputsT] | None = None) -> None:
@@ -244,7 +247,8 @@ class _ShapeGraphs(Generic[ShapeT, InputsT, OutputsT]):
         self._arena = _Arena(device)
         self._graphs: dict[ShapeT, _Graph[InputsT, OutputsT]] = {}
         self._eager = eager
-        self._sealed = False
+        self._capturing = True  # a shape's graph is captured at its first use
+        self._sealed = False  # the warm-up is over: shapes without a graph are logged
         self._uncaptured: set[ShapeT] = set()
 
     @property
@@ -259,13 +263,27 @@ class _ShapeGraphs(Generic[ShapeT, InputsT, OutputsT]):
 
     def seal(self) -> None:
         """Capture nothing more (see the class docstring)."""
+        self._capturing = False
         self._sealed = True
 
+    def pause(self) -> None:
+        """Capture only inside `capturing` from now on (see the class docstring)."""
+        self._capturing = False
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """Capture shapes at their first use while inside (a paused warm-up's step)."""
+        before, self._capturing = self._capturing, True
+        try:
+            yield
+        finally:
+            self._capturing = before
+
     def covers(self, shape: ShapeT) -> bool:
-        """Whether `shape` runs from a graph (captured, or to be captured before `seal`)."""
-        if shape in self._graphs or not self._sealed:
+        """Whether `shape` runs from a graph (captured, or to be captured now: see the class docstring)."""
+        if shape in self._graphs or self._capturing:
             return True
-        if shape not in self._uncaptured:
+        if self._sealed and shape not in self._uncaptured:
             self._uncaptured.add(shape)
             logger.warning("%s %s has no CUDA graph (the warm-up did not meet it): it runs eagerly",
                            type(self).__name__, shape)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +23,15 @@ from typing import Literal
 
 import torch
 
-from engines.config import PRE_LOOKAHEAD, TOKEN_MEL_RATIO, HiFTConfig, ModelPaths, configs_for_models_dir
-from engines.token2wav.base import ChunkJob, LaunchedChunks, SpeakerState, Token2Wav, Token2WavStream
+from engines.config import TOKEN_MEL_RATIO, HiFTConfig, ModelPaths, configs_for_models_dir
+from engines.token2wav.base import (
+    ChunkJob,
+    LaunchedChunks,
+    SpeakerState,
+    Token2Wav,
+    Token2WavStream,
+    WarmupSteps,
+)
 from engines.token2wav.block_compile import BlockCompileWorkers, idle_workers_for_cold_start
 from engines.token2wav.dit_cache import CacheRule
 from engines.token2wav.flow_base import FlowModel, FlowSpeaker, FlowStream
@@ -34,6 +40,7 @@ from engines.token2wav.graphs import FINAL_CHUNK_FRAMES, GraphedVocoder
 from engines.token2wav.hift import HiFTGenerator, load_hift
 from engines.token2wav.hift_stream import HiFTStream, launch_vocode_streams
 from engines.token2wav.stream_memory import stream_state_bytes
+from engines.token2wav.torch_warmup import Phases, staged_warmup
 from engines.voice import VoicePrompt
 
 logger = logging.getLogger(__name__)
@@ -235,23 +242,26 @@ class TorchToken2Wav(Token2Wav):
         return audio
 
     def warmup(self, speaker: SpeakerState, batches: Iterable[int] = WARMUP_BATCHES) -> None:
-        """Before traffic: for each batch size, that many streams of `speaker` run the chunks of
-        `graph_hops` and one steady-state hop in step, then a final chunk; then the encoder's graphs of
-        every chunk-token bucket at the history buckets those streams reached, the solve graphs of every
-        chunk-frames bucket at the most cached state they reached, and HiFT's graphs of final chunks, are
-        captured. That compiles and captures the shapes the schedule produces (for voices with prompts
-        up to this one's bucket) and runs every kernel once.
-        The encoder's and the solve's shared graph buffers are first sized for every shape the warm-up will
-        capture (so no graph is captured twice on a grown buffer); largest batches first all the same.
-        On a cold start (a kept DiT block with no variant saved yet) the block's shape classes these
-        chunks meet are first compiled side by side in worker processes (block_compile.py; started
-        earlier by `prepare_warmup`, or here).
-        Afterwards no graph is captured: a shape the warm-up did not meet (a longer prompt, several
-        voices in one batch) runs eagerly, logged, rather than stalling every stream for a capture."""
+        """All of `staged_warmup` at once."""
+        for _ in self.staged_warmup(speaker, batches):
+            pass
+
+    def staged_warmup(self, speaker: SpeakerState, batches: Iterable[int] = WARMUP_BATCHES) -> WarmupSteps:
+        """For each batch size, that many streams of `speaker` run the chunks of `graph_hops` and one
+        steady-state hop in step, then a final chunk; then the solve, encoder and final-chunk vocoder
+        graphs those passes do not meet but serving does are captured (torch_warmup.py). That compiles
+        and captures the shapes the schedule produces (for voices with prompts up to this one's bucket)
+        and runs every kernel once; with CUDA graphs, the first stage (until the first `yield`) does what
+        new streams need at once, and each step after it a bounded piece of the rest.
+        First the graphs' shared buffers are sized for every shape the warm-up will capture (so no graph
+        is captured twice on a grown buffer). On a cold start (a kept DiT block with no variant saved
+        yet) the block's shape classes these chunks meet are first compiled side by side in worker
+        processes (block_compile.py; started earlier by `prepare_warmup`, or here).
+        Once done no graph is captured: a shape the warm-up did not meet (a longer prompt, several voices
+        in one batch) runs eagerly, logged, rather than stalling every stream for a capture."""
         hops = schedule_hops(self.graph_hops)
-        tokens = torch.zeros(sum(hops) + PRE_LOOKAHEAD, dtype=torch.int64)
         batches = sorted(batches, reverse=True)
-        phases = _Phases(self.device)
+        phases = Phases(self.device)
         workers = self._block_workers
         self._block_workers = None
         if workers is None:
@@ -261,36 +271,8 @@ class TorchToken2Wav(Token2Wav):
             phases.end("compile workers (the wait for them)")
         voice = _dit_speaker(speaker)
         if isinstance(self.flow, DiTFlow) and voice is not None:
-            self.flow.reserve_encoder_graphs(batches, hops, voice.encoder.num_tokens)
-            self.flow.reserve_solve_graphs(batches, hops, voice.prompt_frames)
-        for batch in batches:
-            streams = [self.open_stream(speaker) for _ in range(batch)]
-            start = 0
-            for hop in hops:
-                piece = tokens[start : start + hop + PRE_LOOKAHEAD]
-                self.run_chunks([ChunkJob(stream, piece, last=False) for stream in streams])
-                start += hop
-            self.run_chunks([ChunkJob(stream, tokens[start:], last=True) for stream in streams])
-        phases.end("chunk pass")
-        if isinstance(self.flow, DiTFlow):
-            self.flow.capture_solve_graphs(batches)
-            self.flow.capture_encoder_graphs(batches)
-            self.flow.seal_graphs()
-            if self.flow.graphs is not None:
-                phases.end("solve and encoder graphs")
-        vocoder = self.vocoder_graphs
-        if vocoder is not None:
-            # Final chunks of any length: after a first chunk's frames (a segment shorter than one
-            # chunk, no cache), or after the cached frames of a later one.
-            first_final = TOKEN_MEL_RATIO * (self.graph_hops[0] + PRE_LOOKAHEAD - 1)
-            uncached = vocoder.final_bucket(first_final, 0) or first_final
-            shapes = (vocoder.final_shapes(0, max_frames=uncached)
-                      + vocoder.final_shapes(self.hift.cfg.source_cache_samples))
-            # Largest first across both lists, as within each (see GraphedVocoder.final_shapes).
-            vocoder.capture(sorted(shapes, key=lambda shape: shape.batch * shape.frames, reverse=True))
-            vocoder.seal()
-            phases.end("final-chunk vocoder graphs")
-        logger.info("%s warm-up on %s: %s", self.name, self.device, phases)
+            self.flow.reserve_graphs(batches, hops, voice)
+        yield from staged_warmup(self, speaker, batches, hops, phases)
 
     def release_warmup(self) -> None:
         """Stop the compile workers no warm-up took: idle ones spawned for a cold start, or ones
@@ -344,23 +326,3 @@ def _dit_speaker(speaker: SpeakerState) -> DiTSpeaker | None:
     if isinstance(speaker, TorchSpeaker) and isinstance(speaker.flow, DiTSpeaker):
         return speaker.flow
     return None
-
-
-class _Phases:
-    """Seconds of a sequence of steps on `device`, each from the end of the one before: what a warm-up
-    spent where. A step ends once the device has done its work (captures queue work they do not wait for)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._mark = time.perf_counter()
-        self._seconds: list[tuple[str, float]] = []
-
-    def end(self, name: str) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        now = time.perf_counter()
-        self._seconds.append((name, now - self._mark))
-        self._mark = now
-
-    def __str__(self) -> str:
-        return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self._seconds)

@@ -387,8 +387,7 @@ def test_on_cuda_the_workers_compile_every_class_of_the_chunk_pass(tmp_path: Pat
     assert workers is idle and workers.wait() == len(HOPS) + 1
     assert block.variants == 0  # saved by the workers; the flow's block loads them when it meets them
     # As TorchToken2Wav.warmup: the graphs' buffers sized first (outside inference mode).
-    flow.reserve_encoder_graphs(batches, HOPS, speaker.encoder.num_tokens)
-    flow.reserve_solve_graphs(batches, HOPS, speaker.prompt_frames)
+    flow.reserve_graphs(batches, HOPS, speaker)
     run_in_step(flow, speaker, batches)
     assert block.compiled == 0 and block.variants > 0
     assert idle_workers_for_cold_start(kept, TRIMMING, torch.float16, cuda, len(HOPS) + 1) is None

@@ -15,6 +15,7 @@ import re
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -284,17 +285,6 @@ def test_the_warm_up_solves_only_shapes_within_the_cap() -> None:
     assert any(shape.batch == 1 and shape.own_frames > 0 for shape in solver.runs)
 
 
-@dataclass
-class CapturingSolver:
-    """The part of GraphedSolver that `capture_solve_graphs` reads: the shapes met, and what it captures."""
-
-    shapes: list[SolveShape]
-    captured: list[SolveShape] = dataclasses.field(default_factory=list)
-
-    def capture(self, shapes: Iterator[SolveShape]) -> None:
-        self.captured.extend(shapes)
-
-
 def test_solve_graphs_cover_every_chunk_length_cached_and_short_last_chunks_before(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -304,14 +294,14 @@ def test_solve_graphs_cover_every_chunk_length_cached_and_short_last_chunks_befo
     flow = DiTFlow(CONFIGS.dit_flow).eval()
     met = [SolveShape(64, 30, 0, 256, 30), SolveShape(64, 50, 32, 256, 82),
            SolveShape(64, 100, 100, 256, 100), SolveShape(32, 400, 200, 256, 200)]
-    solver = CapturingSolver(list(met))
-    monkeypatch.setattr(DiTFlow, "graphs", property(lambda self: solver))
-    flow.capture_solve_graphs([64, 32])
+    # What `later_graph_shapes` reads of a GraphedSolver: the shapes met (no encoder graphs here).
+    monkeypatch.setattr(DiTFlow, "graphs", property(lambda self: SimpleNamespace(shapes=met)))
+    later = flow.later_graph_shapes([64, 32])
     cached = {SolveShape(b, f, 200, 256, 200) for b in (64, 32) for f in Buckets().frames}
     after_first = {SolveShape(b, f, 32, 256, min(82, 32 + f)) for b in (64, 32) for f in (30, 50)}
     after_second = {SolveShape(b, f, 100, 256, 100) for b in (64, 32) for f in (30, 50, 100)}
-    assert set(solver.captured) == cached | after_first | after_second
-    assert solver.captured[0] == SolveShape(64, 400, 200, 256, 200)  # the largest first
+    assert set(later) == cached | after_first | after_second and len(later) == len(set(later))
+    assert later[0] == SolveShape(64, 400, 200, 256, 200)  # the largest first
 
 
 def seeded_backend(device: str, graphs: bool) -> tuple[TorchToken2Wav, list[SpeakerState]]:
@@ -404,10 +394,11 @@ def test_warmup_runs_the_schedule_and_leaves_no_stream_open(monkeypatch: pytest.
         return opened[-1]
 
     monkeypatch.setattr(backend, "open_stream", recording_open)
-    with caplog.at_level("INFO", logger="engines.token2wav.torch_backend"):
+    with caplog.at_level("INFO", logger="engines.token2wav.torch_warmup"):
         backend.warmup(speaker, batches=(1, 3))
     assert len(opened) == 4 and all(stream.nbytes == 0 for stream in opened)
-    assert re.fullmatch(r"torch warm-up on cpu: chunk pass [\d.]+ s", caplog.records[-1].getMessage())
+    assert re.fullmatch(r"torch warm-up on cpu: chunk pass at 3 [\d.]+ s, chunk passes [\d.]+ s",
+                        caplog.records[-1].getMessage())
 
 
 def test_inverse_stft_equals_torch_istft() -> None:
@@ -594,6 +585,41 @@ def test_warm_up_captures_the_final_chunk_graphs(
     assert set(vocoder.shapes) == captured
     for e, g in zip(eager, graphed, strict=True):
         torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_staged_warm_up_serves_between_its_steps_and_ends_with_every_graph(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The first stage captures every chunk of the largest batch and a first chunk at every other batch
+    size; calls between steps capture nothing (shapes not captured yet run eagerly, quietly) and give the
+    audio the graphs give later; the steps then capture what a warm-up in one go does, and seal."""
+    backend, voices = seeded_backend("cuda", graphs=True)
+    whole, whole_voices = seeded_backend("cuda", graphs=True)
+    whole.warmup(whole_voices[0], batches=(4, 2, 1))
+    flow, vocoder = backend.flow, backend.vocoder_graphs
+    assert isinstance(flow, DiTFlow) and flow.graphs is not None and vocoder is not None
+    steps = backend.staged_warmup(voices[0], batches=(4, 2, 1))
+    next(steps)
+    first_stage = set(flow.graphs.shapes)
+    assert {s.batch for s in first_stage if s.own_frames == 0} == {4, 2}  # flow graphs from 2 rows up
+    assert {s.batch for s in first_stage if s.own_frames > 0} == {4}
+    assert {s.batch for s in vocoder.shapes if not s.cached} == {4, 2, 1}
+    graphs = [flow.graphs, *flow.graph_sets()[1:], vocoder]
+    counts = [len(g.shapes) for g in graphs]
+    with caplog.at_level(logging.WARNING, logger="engines.token2wav.graphs"):
+        between = run_plans(backend, voices, plans())
+    assert [len(g.shapes) for g in graphs] == counts
+    assert not [r for r in caplog.records if "has no CUDA graph" in r.getMessage()]
+    taken = sum(1 for _ in steps)
+    assert taken > 0
+    for mine, theirs in zip(graphs, [whole.flow.graphs, *whole.flow.graph_sets()[1:], whole.vocoder_graphs],
+                            strict=True):
+        assert theirs is not None and set(mine.shapes) == set(theirs.shapes)
+    after = run_plans(backend, voices, plans())
+    for b, a in zip(between, after, strict=True):
+        torch.testing.assert_close(b, a, atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.gpu

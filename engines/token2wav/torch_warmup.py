@@ -1,0 +1,175 @@
+"""The PyTorch token2wav warm-up in steps (`TorchToken2Wav.staged_warmup`): a first stage before traffic,
+then steps that the engine thread runs between serving calls.
+
+A whole warm-up captures ~250 CUDA graphs (encoder, solve and HiFT graphs for every chunk of the schedule
+at every batch size, and the final chunks' shapes): ~30 s of an H100 restart, each capture tens to
+hundreds of milliseconds of host time (docs/benchmarks.md, twentieth session), while serving needs few of
+them at once. The first stage runs, largest shapes first:
+- every chunk of the largest batch through the schedule, and that batch's later solve and encoder graphs
+  (`DiTFlow.later_graph_shapes`): the graphs' memory pools reach their peak before traffic (final-chunk
+  vocoder graphs are bounded by the largest chunk graph), so that memory admission, measured once the
+  first stage is done, sees it;
+- a first chunk at every other batch size: a new stream's first audio never runs eagerly.
+Then graphs are captured only inside a step (`pause`). Each step is one chunk call of another batch
+size's streams through the schedule (smallest batches first: traffic ramps up), or one capture of a later
+solve, encoder or final-chunk vocoder graph. Until its step has come, a shape runs eagerly at its
+bucket's shape (a later chunk, which has its predecessor's audio as slack); a call that arrives during a
+step waits for it. The last step seals the graphs. Without CUDA graphs all of it is the first stage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from engines.config import PRE_LOOKAHEAD, TOKEN_MEL_RATIO
+from engines.token2wav.base import ChunkJob, SpeakerState, WarmupSteps
+from engines.token2wav.flow_dit import DiTFlow
+from engines.token2wav.graphs import GraphedEncoder, GraphedSolver, GraphedVocoder
+
+if TYPE_CHECKING:
+    from engines.token2wav.torch_backend import TorchToken2Wav
+
+logger = logging.getLogger(__name__)
+
+GraphSet = GraphedSolver | GraphedEncoder | GraphedVocoder
+_DONE = object()  # what `next` returns for an exhausted part of the steps
+
+
+def staged_warmup(t2w: TorchToken2Wav, speaker: SpeakerState, batches: Sequence[int],
+                  hops: Sequence[int], phases: Phases) -> WarmupSteps:
+    """The warm-up of `t2w` with `speaker`'s streams at each of `batches` through chunks of `hops` tokens
+    and a last one: the first stage until the first `yield`, then one step per `yield` (see the module
+    docstring). The graphs' buffers must be sized first (`DiTFlow.reserve_graphs`); `phases` goes on
+    timing the caller's first-stage work."""
+    tokens = torch.zeros(sum(hops) + PRE_LOOKAHEAD, dtype=torch.int64)
+    largest, *others = sorted(batches, reverse=True)
+    graph_sets = _graph_sets(t2w)
+    _run_all(_chunk_pass(t2w, speaker, largest, hops, tokens))
+    phases.end(f"chunk pass at {largest}")
+    if not graph_sets:
+        for batch in others:
+            _run_all(_chunk_pass(t2w, speaker, batch, hops, tokens))
+        phases.end("chunk passes")
+        logger.info("%s warm-up on %s: %s", t2w.name, t2w.device, phases)
+        yield
+        return
+    _run_all(_later_flow_captures(t2w.flow, [largest]))
+    phases.end(f"later graphs at {largest}")
+    for batch in others:
+        _run_all(_chunk_pass(t2w, speaker, batch, hops[:1], tokens, last=False))
+    phases.end("first chunks")
+    if isinstance(t2w.flow, DiTFlow):
+        t2w.flow.pause_graphs()
+    for graphs in graph_sets:
+        graphs.pause()
+    logger.info("%s warm-up on %s, first stage: %s", t2w.name, t2w.device, phases)
+    yield
+    began, worked, steps = time.perf_counter(), 0.0, 0
+    later: list[WarmupSteps] = [_chunk_pass(t2w, speaker, batch, hops, tokens) for batch in sorted(others)]
+    later.append(_later_flow_captures(t2w.flow, others))
+    if t2w.vocoder_graphs is not None:
+        later.append(_final_vocoder_captures(t2w, t2w.vocoder_graphs))
+    try:
+        for part in later:
+            while True:
+                resumed = time.perf_counter()
+                with contextlib.ExitStack() as capturing:
+                    for graphs in graph_sets:
+                        capturing.enter_context(graphs.capturing())
+                    done = next(part, _DONE) is _DONE
+                worked += time.perf_counter() - resumed
+                if done:
+                    break
+                steps += 1
+                yield
+    finally:  # closed mid-way (the engine stops): the pass in progress closes its streams
+        for part in later:
+            part.close()
+    if isinstance(t2w.flow, DiTFlow):
+        t2w.flow.seal_graphs()
+    for graphs in graph_sets:
+        graphs.seal()
+    logger.info("%s warm-up on %s finished between calls: %d steps, %.1f s of work in %.1f s", t2w.name,
+                t2w.device, steps, worked, time.perf_counter() - began)
+
+
+def _graph_sets(t2w: TorchToken2Wav) -> list[GraphSet]:
+    sets: list[GraphSet] = list(t2w.flow.graph_sets()) if isinstance(t2w.flow, DiTFlow) else []
+    if t2w.vocoder_graphs is not None:
+        sets.append(t2w.vocoder_graphs)
+    return sets
+
+
+def _chunk_pass(t2w: TorchToken2Wav, speaker: SpeakerState, batch: int, hops: Sequence[int],
+                tokens: torch.Tensor, last: bool = True) -> WarmupSteps:
+    """`batch` streams of `speaker` in step through chunks of `hops` tokens, then (`last`) a final chunk
+    of the lookahead alone: one `yield` after each call. The streams close at the end, or when the pass
+    is closed early."""
+    streams = [t2w.open_stream(speaker) for _ in range(batch)]
+    try:
+        start = 0
+        for hop in hops:
+            piece = tokens[start : start + hop + PRE_LOOKAHEAD]
+            t2w.run_chunks([ChunkJob(stream, piece, last=False) for stream in streams])
+            start += hop
+            yield
+        if last:
+            t2w.run_chunks([ChunkJob(stream, tokens[start:], last=True) for stream in streams])
+            yield
+    finally:
+        for stream in streams:
+            stream.close()
+
+
+def _run_all(steps: Iterator[None]) -> None:
+    for _ in steps:
+        pass
+
+
+def _later_flow_captures(flow: object, batches: Sequence[int]) -> WarmupSteps:
+    """Capture the solve and encoder graphs at `batches` rows that chunk passes do not meet, one per
+    `yield` (the shapes follow from what the passes before met)."""
+    if isinstance(flow, DiTFlow):
+        for shape in flow.later_graph_shapes(batches):
+            flow.capture_graph(shape)
+            yield
+
+
+def _final_vocoder_captures(t2w: TorchToken2Wav, vocoder: GraphedVocoder) -> WarmupSteps:
+    """Capture the final-chunk vocoder graphs, one per `yield`, largest first: final chunks of any
+    length, after a first chunk's frames (a segment shorter than one chunk, no cache) or after the
+    cached frames of a later one."""
+    first_final = TOKEN_MEL_RATIO * (t2w.graph_hops[0] + PRE_LOOKAHEAD - 1)
+    uncached = vocoder.final_bucket(first_final, 0) or first_final
+    shapes = (vocoder.final_shapes(0, max_frames=uncached)
+              + vocoder.final_shapes(vocoder.hift.cfg.source_cache_samples))
+    # Largest first across both lists, as within each (see GraphedVocoder.final_shapes).
+    for shape in sorted(shapes, key=lambda shape: shape.batch * shape.frames, reverse=True):
+        vocoder.capture([shape])
+        yield
+
+
+class Phases:
+    """Seconds of a sequence of steps on `device`, each from the end of the one before: what a warm-up
+    spent where. A step ends once the device has done its work (captures queue work they do not wait for)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._mark = time.perf_counter()
+        self._seconds: list[tuple[str, float]] = []
+
+    def end(self, name: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self._seconds.append((name, now - self._mark))
+        self._mark = now
+
+    def __str__(self) -> str:
+        return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self._seconds)

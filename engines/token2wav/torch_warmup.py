@@ -69,8 +69,9 @@ def staged_warmup(t2w: TorchToken2Wav, speaker: SpeakerState, batches: Sequence[
     for graphs in graph_sets:
         graphs.pause()
     logger.info("%s warm-up on %s, first stage: %s", t2w.name, t2w.device, phases)
+    free_before = _free_gib(t2w.device)
     yield
-    began, worked, steps = time.perf_counter(), 0.0, 0
+    began, worked, longest, steps = time.perf_counter(), 0.0, 0.0, 0
     later: list[WarmupSteps] = [_chunk_pass(t2w, speaker, batch, hops, tokens) for batch in sorted(others)]
     later.append(_later_flow_captures(t2w.flow, others))
     if t2w.vocoder_graphs is not None:
@@ -83,7 +84,8 @@ def staged_warmup(t2w: TorchToken2Wav, speaker: SpeakerState, batches: Sequence[
                     for graphs in graph_sets:
                         capturing.enter_context(graphs.capturing())
                     done = next(part, _DONE) is _DONE
-                worked += time.perf_counter() - resumed
+                took = time.perf_counter() - resumed
+                worked, longest = worked + took, max(longest, took)
                 if done:
                     break
                 steps += 1
@@ -95,8 +97,20 @@ def staged_warmup(t2w: TorchToken2Wav, speaker: SpeakerState, batches: Sequence[
         t2w.flow.seal_graphs()
     for graphs in graph_sets:
         graphs.seal()
-    logger.info("%s warm-up on %s finished between calls: %d steps, %.1f s of work in %.1f s", t2w.name,
-                t2w.device, steps, worked, time.perf_counter() - began)
+    # The device memory the steps took is not in memory admission's budget (measured after the first
+    # stage): this says how much of its margin they used.
+    logger.info("%s warm-up on %s finished between calls: %d steps, %.1f s of work in %.1f s, the longest "
+                "%.0f ms; device memory free %.2f GiB (%.2f GiB after the first stage)", t2w.name,
+                t2w.device, steps, worked, time.perf_counter() - began, 1000 * longest, _free_gib(t2w.device),
+                free_before)
+
+
+def _free_gib(device: torch.device) -> float:
+    """Free device memory in GiB once the allocator's unused cached blocks are handed back (as memory
+    admission measures it: realtime/memory_budget.py)."""
+    with torch.cuda.device(device):
+        torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0] / 2**30
 
 
 def _graph_sets(t2w: TorchToken2Wav) -> list[GraphSet]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,10 +75,14 @@ def _load_text(paths: ModelPaths, max_text_chars: int) -> TextFrontend:
                         tokenizer_cache=host_cache_dir(paths.root))
 
 
-def load_engines(config: ServiceConfig) -> LoadedEngines:
+LLMsChosen = Callable[[tuple[LLMEngine, ...]], None]
+
+
+def load_engines(config: ServiceConfig, on_llms: LLMsChosen | None = None) -> LoadedEngines:
     """The engines over `config.models_dir` on the devices of `config.device_plan`, backends picked by
     engines/*/auto.py (blocking: call it off the event loop). RuntimeError says why a backend asked for
-    by name cannot run."""
+    by name cannot run. `on_llms` is handed the LLM engines (constructed, not started) before token2wav
+    loads, from this thread: a caller may start building them meanwhile."""
     plan = config.device_plan
     started = time.perf_counter()
     paths = ModelPaths(config.models_dir)
@@ -107,6 +112,8 @@ def load_engines(config: ServiceConfig) -> LoadedEngines:
             select_llm(config.models_dir, config.llm_backend, device, max_slots=slots, precompiled=cache)
             for device in plan.llm_devices
         )
+        if on_llms is not None:
+            on_llms(llms)
         token2wav_loads = [
             pool.submit(_load_token2wav, config, device, cache,
                         torch.device(device).type == "cuda" and preload_compile_workers(

@@ -49,7 +49,7 @@ from engines.voice_encoder import VoiceError
 from realtime.access import OPERATOR
 from realtime.admission import AdmissionPolicy, Load, Refuse
 from realtime.config import ServiceConfig
-from realtime.engine_loader import LoadedEngines, load_engines
+from realtime.engine_loader import LLMsChosen, LoadedEngines, load_engines
 from realtime.memory_budget import MemoryBudgets, device_budgets, log_budgets, track_gpu_memory
 from realtime.metrics import Metrics
 from realtime.placement import WorkerLoad, least_loaded, split_capacity
@@ -60,7 +60,7 @@ from realtime.session import PreparedVoice, Segment, ServiceError, Session, Spee
 from realtime.tasks import together
 from realtime.token2wav_worker import Token2WavWorker
 from realtime.voices import VoiceInfo, VoiceQuota, VoiceRegistry
-from realtime.warm_up import compile_beside_llm, warmup_batches
+from realtime.warm_up import compile_beside_llm, prepare_warmups, warm_up, warmup_batches
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class Runtime:
     def __init__(
         self,
         config: ServiceConfig,
-        loader: Callable[[ServiceConfig], LoadedEngines] = load_engines,
+        loader: Callable[[ServiceConfig, LLMsChosen | None], LoadedEngines] = load_engines,
     ) -> None:
         self.config = config
         limits = config.limits
@@ -114,6 +114,8 @@ class Runtime:
         self.metrics = Metrics()
         self._loader = loader
         self._engines: LoadedEngines | None = None
+        self._llm_build: asyncio.Task[list[None]] | None = None  # the LLM engines' start, once begun
+        self._llms_built: tuple[LLMEngine, ...] = ()  # the engines it starts
         self._workers: list[Token2WavWorker] = []
         self._placed: list[int] = []  # per token2wav worker: sessions placed on it and not yet closed
         self._capacity: list[int] = []  # per token2wav worker: the most sessions it takes
@@ -144,7 +146,24 @@ class Runtime:
         """Load and start the engines, load the voices and prepare each one for synthesis. Once only."""
         if self._engines is not None:
             raise RuntimeError("a Runtime starts once")
-        engines = await asyncio.to_thread(self._loader, self.config)
+        loop = asyncio.get_running_loop()
+
+        def build_early(llms: tuple[LLMEngine, ...]) -> None:  # on the loader's thread
+            # An LLM with a fixed cache builds while token2wav loads (a restart ~4 s sooner); one that
+            # sizes its cache by the free memory waits for what token2wav takes (warm_up.py).
+            if not any(llm.sizes_cache_by_free_memory for llm in llms):
+                loop.call_soon_threadsafe(self._build_llms, llms)
+
+        try:
+            engines = await asyncio.to_thread(self._loader, self.config, build_early)
+        except BaseException:  # an LLM build begun meanwhile is waited for, and what it started stops
+            if self._llm_build is not None:
+                self._llm_build.cancel()
+                with contextlib.suppress(BaseException):
+                    await self._llm_build
+                for llm in self._llms_built:
+                    await llm.stop()
+            raise
         capacities = split_capacity(self.config.max_streams, len(engines.token2wavs))
         workers = [
             Token2WavWorker(
@@ -174,6 +193,13 @@ class Runtime:
                 logger.exception("stopping what a failed start began failed too")
             raise
 
+    def _build_llms(self, llms: Sequence[LLMEngine]) -> asyncio.Task[list[None]]:
+        """The LLM engines' start: begun on the first call (while token2wav loads, or now)."""
+        if self._llm_build is None:
+            self._llms_built = tuple(llms)
+            self._llm_build = asyncio.ensure_future(together(*(llm.start() for llm in llms)))
+        return self._llm_build
+
     async def _start_engines(self, engines: LoadedEngines) -> None:
         """`start`'s part after the token2wav workers run: build the LLM engines, prepare the voices and
         warm up (on shared GPUs one after the other), then accept streams."""
@@ -193,27 +219,30 @@ class Runtime:
             if early:
                 warmed_up = await self._prepare_voices()
                 if warmed_up:
-                    await self._prepare_warmups(early)
-            await together(*(llm.start() for llm in engines.llms))
+                    await prepare_warmups(self._warmup_plans(), early)
+            await self._build_llms(engines.llms)
             for device in engines.plan.shared_gpus:
                 with torch.cuda.device(device):
                     torch.cuda.empty_cache()  # the LLM warm-up's cached blocks, for token2wav's stream
             if not early:
                 warmed_up = await self._prepare_voices()
             if warmed_up:
-                await self._warm_up(self._prepared["default"])
+                await warm_up(self._warmup_plans(), self.config.warmup_between_calls)
         else:
             # Separate devices (or none): the LLM engines build (weights, compiled kernels, CUDA graphs)
             # while the token2wav workers prepare the voices and warm up; one side's file reads and
             # device work overlap the other's Python, and engines/cuda_graphs.py keeps the two sides'
             # captures apart.
             async def voices_then_warm_up() -> bool:
-                warm_up = await self._prepare_voices()
-                if warm_up:
-                    await self._warm_up(self._prepared["default"])
-                return warm_up
+                due = await self._prepare_voices()
+                if due:
+                    await warm_up(self._warmup_plans(), self.config.warmup_between_calls)
+                return due
 
-            *_, warmed_up = await together(*(llm.start() for llm in engines.llms), voices_then_warm_up())
+            async def build_llms() -> None:
+                await self._build_llms(engines.llms)
+
+            _, warmed_up = await together(build_llms(), voices_then_warm_up())
         if warmed_up:
             # From now on the process compiles nothing: a shape the warm-up did not meet (a voice with a
             # longer prompt, say) runs uncompiled rather than stalling every stream of an engine thread.
@@ -261,43 +290,21 @@ class Runtime:
 
     def _compile_beside_llm(self, engines: LoadedEngines) -> set[int]:
         """The token2wav workers whose cold-start compiling may run while the LLM builds
-        (`warm_up.compile_beside_llm`, on each shared GPU's free memory now)."""
+        (`warm_up.compile_beside_llm`, on each shared GPU's free memory now: less the LLM's so far where
+        it builds already, without emptying the allocator's cache, which no capture may overlap)."""
         free = {}
         for device in engines.plan.shared_gpus:
-            with torch.cuda.device(device):
-                torch.cuda.empty_cache()  # blocks the loading cached: free for the LLM all the same
+            if self._llm_build is None:
+                with torch.cuda.device(device):
+                    torch.cuda.empty_cache()  # blocks the loading cached: free for the LLM all the same
             free[device] = torch.cuda.mem_get_info(device)[0]
         return compile_beside_llm(engines.llms, engines.plan.token2wav_devices, free)
 
-    async def _prepare_warmups(self, workers: set[int]) -> None:
-        """Let the token2wav workers of these indices start what their warm-up with the default voice has
-        other processes do meanwhile (`Token2Wav.prepare_warmup`)."""
-        await asyncio.gather(*(
-            worker.prepare_warmup(prepared.speaker, batches)
-            for index, (worker, prepared, batches) in enumerate(
-                zip(self._workers, self._prepared["default"], self._warmup_plans(), strict=True))
-            if index in workers
-        ))
-
-    def _warmup_plans(self) -> list[list[int]]:
-        """Per token2wav worker, the batch sizes its warm-up runs (`warmup_batches`)."""
-        return [warmup_batches(self.config.token2wav_batch, capacity) for capacity in self._capacity]
-
-    async def _warm_up(self, voice: list[PreparedVoice]) -> None:
-        """Run the schedule's chunk shapes at every batch size a CUDA token2wav worker can meet
-        (`warmup_batches`), on every one at once (each has its own thread and GPU), so that the first
-        requests do not pay for CUDA-graph capture or compilation."""
-        started = time.perf_counter()
-        plans = self._warmup_plans()
-        between_calls = self.config.warmup_between_calls
-        await asyncio.gather(*(
-            worker.warmup(prepared.speaker, batches, between_calls)
-            for worker, prepared, batches in zip(self._workers, voice, plans, strict=True)
-            if worker.device.type == "cuda"
-        ))
-        rest = " (first stage; the rest between calls)" if between_calls else ""
-        logger.info("token2wav warmed up for batches %s in %.1f s%s", max(plans, key=len),
-                    time.perf_counter() - started, rest)
+    def _warmup_plans(self) -> list[tuple[Token2WavWorker, SpeakerState, list[int]]]:
+        """Per token2wav worker, the default voice's speaker and the batch sizes its warm-up runs."""
+        voice, batch = self._prepared["default"], self.config.token2wav_batch
+        return [(worker, prepared.speaker, warmup_batches(batch, capacity))
+                for worker, prepared, capacity in zip(self._workers, voice, self._capacity, strict=True)]
 
     async def stop(self, drain_timeout_s: float) -> None:
         """Refuse new streams, let running ones finish for up to `drain_timeout_s`, cancel the rest."""

@@ -3,10 +3,14 @@ compiling may run while the LLM engines build (realtime/runtime.py carries it ou
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Mapping, Sequence
 
 from engines.llm.base import LLMEngine
+from engines.token2wav.base import SpeakerState
+from realtime.token2wav_worker import Token2WavWorker
 
 logger = logging.getLogger(__name__)
 
@@ -65,3 +69,27 @@ def preload_compile_workers(llms: Sequence[LLMEngine], llm_devices: Sequence[str
         return False
     return not any(llm.sizes_cache_by_free_memory and llm_device == device
                    for llm, llm_device in zip(llms, llm_devices, strict=True))
+
+
+WarmupPlan = tuple[Token2WavWorker, SpeakerState, list[int]]  # a worker, its voice, its batch sizes
+
+
+async def prepare_warmups(plans: Sequence[WarmupPlan], indices: set[int]) -> None:
+    """Let the token2wav workers at `indices` of `plans` start what their warm-up has other processes do
+    meanwhile (`Token2Wav.prepare_warmup`: a cold start's compiling)."""
+    await asyncio.gather(*(worker.prepare_warmup(speaker, batches)
+                           for index, (worker, speaker, batches) in enumerate(plans) if index in indices))
+
+
+async def warm_up(plans: Sequence[WarmupPlan], between_calls: bool) -> None:
+    """Run the schedule's chunk shapes at the planned batch sizes (`warmup_batches`) on every CUDA token2wav
+    worker at once (each has its own thread and GPU), so that the first requests do not pay for CUDA-graph
+    capture or compilation; `between_calls`: the warm-up's first stage only, the rest runs between calls
+    (`Token2WavWorker.warmup`)."""
+    started = time.perf_counter()
+    await asyncio.gather(*(worker.warmup(speaker, batches, between_calls)
+                           for worker, speaker, batches in plans if worker.device.type == "cuda"))
+    rest = " (first stage; the rest between calls)" if between_calls else ""
+    largest = max((batches for _, _, batches in plans), key=len)
+    seconds = time.perf_counter() - started
+    logger.info("token2wav warmed up for batches %s in %.1f s%s", largest, seconds, rest)

@@ -14,7 +14,7 @@ from engines.llm.auto import select_llm
 from engines.llm.base import SamplingParams
 from realtime.admission import AdmissionPolicy, Admit, Load, Refuse
 from realtime.config import ServiceConfig
-from realtime.engine_loader import LoadedEngines, load_engines
+from realtime.engine_loader import LLMsChosen, LoadedEngines, load_engines
 from realtime.runtime import Runtime
 from realtime.session import ServiceError, Session, SpeechRequest
 
@@ -38,7 +38,7 @@ def test_invalid_limits_are_refused():
         AdmissionPolicy(max_streams=0, max_llm_waiting=0, max_token2wav_queue=1)
 
 
-def one_slot_one_waiting(config: ServiceConfig) -> LoadedEngines:
+def one_slot_one_waiting(config: ServiceConfig, on_llms: LLMsChosen | None = None) -> LoadedEngines:
     """The engines of `config` with an LLM that decodes one request and queues one more."""
     loaded = load_engines(config)
     llm = select_llm(config.models_dir, "torch", "cpu", max_slots=1, max_waiting=1)

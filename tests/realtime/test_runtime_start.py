@@ -1,6 +1,7 @@
 """A start that fails part-way ends what it began (realtime/runtime.py, realtime/tasks.py): the service's
 own process exits then, but an embedding application lives on and must not keep the threads, engines
-and compile processes of a runtime it never got."""
+and compile processes of a runtime it never got. An LLM engine with a fixed cache builds while token2wav
+loads."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from typing import Any
 
 import pytest
 
+from engines.llm.base import LLMEngine
 from engines.llm.torch_engine import TorchLLMEngine
 from engines.token2wav.torch_backend import TorchToken2Wav
 from realtime.config import ServiceConfig
+from realtime.engine_loader import LLMsChosen, LoadedEngines, load_engines
 from realtime.runtime import Runtime
 from realtime.tasks import together
 
@@ -90,3 +93,48 @@ async def test_together_cancels_and_awaits_the_others_when_one_fails(
         return number
 
     assert await together(value(1), value(2)) == [1, 2]
+
+
+def loader_waiting_for_the_llm(started: threading.Event, fail: bool = False) -> Any:
+    """`load_engines` whose token2wav part waits until the LLM engine has started (so a start that only
+    began building the LLM after loading would never get there), then fails if `fail`."""
+    def load(config: ServiceConfig, on_llms: LLMsChosen | None = None) -> LoadedEngines:
+        def chosen(llms: tuple[LLMEngine, ...]) -> None:
+            for llm in llms:
+                start = llm.start
+
+                async def recorded(start: Any = start) -> None:
+                    await start()
+                    started.set()
+
+                llm.start = recorded  # type: ignore[method-assign]
+            assert on_llms is not None
+            on_llms(llms)
+            assert started.wait(timeout=120), "the LLM engine did not build while token2wav loaded"
+            if fail:
+                raise RuntimeError("the token2wav weights are unreadable")
+
+        return load_engines(config, chosen)
+
+    return load
+
+
+async def test_the_llm_engine_builds_while_token2wav_loads(tiny_models: Path) -> None:
+    started = threading.Event()
+    runtime = Runtime(ServiceConfig(models_dir=tiny_models, device="cpu", max_streams=2),
+                      loader=loader_waiting_for_the_llm(started))
+    try:
+        await runtime.start()
+        assert runtime.ready and started.is_set()
+    finally:
+        await runtime.stop(drain_timeout_s=0.0)
+
+
+async def test_a_load_that_fails_stops_the_llm_engine_it_began_building(tiny_models: Path) -> None:
+    before = engine_threads()
+    runtime = Runtime(ServiceConfig(models_dir=tiny_models, device="cpu", max_streams=2),
+                      loader=loader_waiting_for_the_llm(threading.Event(), fail=True))
+    with pytest.raises(RuntimeError, match="weights are unreadable"):
+        await runtime.start()
+    await asyncio.sleep(0.2)
+    assert {thread for thread in engine_threads() - before if thread.is_alive()} == set()

@@ -16,6 +16,7 @@ from realtime.warm_up import (
     COMPILE_BESIDE_LLM_MIN_FREE_BYTES,
     compile_beside_llm,
     preload_compile_workers,
+    prepare_warmups,
     warmup_batches,
 )
 
@@ -72,9 +73,9 @@ def test_compiling_runs_beside_the_llm_build_only_where_it_cannot_starve_it(
 async def test_the_runtime_hands_the_early_start_to_the_workers_it_names(
     tiny_models: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`Runtime._prepare_warmups` gives the default voice and warm-up batches to exactly the token2wav
-    workers the policy named, by index (the plan named a GPU `cuda` where its worker's device was
-    `cuda:0`, and no worker was ever picked)."""
+    """`prepare_warmups` gives the default voice and warm-up batches of the runtime's plans to exactly the
+    token2wav workers the policy named, by index (the plan named a GPU `cuda` where its worker's device
+    was `cuda:0`, and no worker was ever picked)."""
     runtime = Runtime(ServiceConfig(models_dir=tiny_models, device="cpu", max_streams=2,
                                     token2wav_devices=("cpu", "cpu")))
     await runtime.start()
@@ -85,10 +86,11 @@ async def test_the_runtime_hands_the_early_start_to_the_workers_it_names(
                 called.append((index, list(batches)))
 
             monkeypatch.setattr(worker, "prepare_warmup", record)
-        await runtime._prepare_warmups({1})
-        assert called == [(1, runtime._warmup_plans()[1])]
+        plans = runtime._warmup_plans()
+        await prepare_warmups(plans, {1})
+        assert called == [(1, plans[1][2])]
         called.clear()
-        await runtime._prepare_warmups(set())
+        await prepare_warmups(plans, set())
         assert called == []
     finally:
         await runtime.stop(drain_timeout_s=1.0)

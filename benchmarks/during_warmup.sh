@@ -18,11 +18,15 @@ python3 -m realtime serve --models "$MODELS" --device "${DEVICE:-cuda}" --max-st
     --max-connections-per-client 640 --rate-burst 640 --rate-limit 640 >"$DEST/serve.log" 2>&1 &
 server=$!
 trap 'kill "$server" 2>/dev/null; wait "$server" || true' EXIT
-python3 - "$PORT" <<'EOF'
-import sys, time, httpx
-port = int(sys.argv[1])
+python3 - "$PORT" "$server" <<'EOF'
+import os, sys, time, httpx
+port, server = int(sys.argv[1]), int(sys.argv[2])
 deadline = time.monotonic() + 900
 while time.monotonic() < deadline:
+    try:
+        os.kill(server, 0)
+    except ProcessLookupError:
+        sys.exit("the server exited before it was ready (serve.log says why)")
     try:
         if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
             break

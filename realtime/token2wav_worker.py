@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _DONE = object()  # what `next` returns for exhausted warm-up steps
+# While streams are open on a thread, at most one warm-up step per this many seconds runs there.
+WARMUP_STEP_GAP_S = 1.0
 
 
 @dataclass
@@ -87,6 +89,7 @@ class _Lane:
         self._pending: list[_ChunkTask] = []  # chunks taken from the inbox, not yet run (this thread's)
         # The rest of a staged warm-up (Token2Wav.staged_warmup), a step whenever nothing is queued.
         self._warmup_steps: WarmupSteps | None = None
+        self._last_step = -math.inf  # when the last warm-up step ended (time.monotonic)
         self.failure: BaseException | None = None  # what ended the thread, if something did
 
     def start(self) -> None:
@@ -121,7 +124,7 @@ class _Lane:
             self._end_warmup_steps()
 
     def warm_up_between_calls(self, steps: WarmupSteps) -> None:
-        """Run `steps` (the rest of a staged warm-up), one whenever nothing is queued. On this thread."""
+        """Run `steps` (the rest of a staged warm-up) when nothing is queued (`_receive`). On this thread."""
         self._warmup_steps = steps
         if self._metrics is not None:
             self._metrics.token2wav_warmups_running.inc()
@@ -136,8 +139,9 @@ class _Lane:
         except Exception:
             logger.exception("token2wav warm-up step failed; the shapes it did not reach run eagerly")
             more = False
+        self._last_step = time.monotonic()
         if self._metrics is not None:
-            self._metrics.token2wav_warmup_step_seconds.observe(time.monotonic() - started)
+            self._metrics.token2wav_warmup_step_seconds.observe(self._last_step - started)
         if not more:
             self._end_warmup_steps()
 
@@ -187,13 +191,18 @@ class _Lane:
                 return
 
     def _receive(self, hold_until: float | None) -> list[_ChunkTask | _Call | None]:
-        """Everything in the inbox: with no chunk pending, block for the first item (or, with nothing there
-        and warm-up steps left, run one and return none); while holding (`hold_until`), wait for one
-        until then; else take only what is there."""
+        """Everything in the inbox: with no chunk pending, block for the first item (or, with warm-up steps
+        left, run one once nothing came (beside open streams: nothing for `WARMUP_STEP_GAP_S` since the
+        last) and return none); while holding (`hold_until`), wait for one until then; else take only
+        what is there."""
         items: list[_ChunkTask | _Call | None] = []
         if not self._pending and self._warmup_steps is not None:
+            # Back to back while no stream is open; beside open streams one step per gap at most: a step
+            # delays their next chunks and, holding the GIL, the LLM's steps (docs/benchmarks.md,
+            # twentieth session), but must not wait for a lull that steady traffic never leaves.
+            wait = 0.0 if not self.open_streams else self._last_step + WARMUP_STEP_GAP_S - time.monotonic()
             try:
-                items.append(self.inbox.get_nowait())
+                items.append(self.inbox.get(timeout=wait) if wait > 0 else self.inbox.get_nowait())
             except queue.Empty:
                 self._warmup_step()
                 return items
@@ -384,7 +393,8 @@ class Token2WavWorker:
     async def warmup(self, speaker: SpeakerState, batches: Sequence[int],
                      between_calls: bool = False) -> None:
         """The backend's warm-up. `between_calls`: return after its first stage (`Token2Wav.staged_warmup`)
-        and run the rest on the first thread, a step whenever it has nothing queued."""
+        and run the rest on the first thread when it has nothing queued (beside open streams at most one
+        step per `WARMUP_STEP_GAP_S`)."""
         lane = self._lanes[0]
 
         def first_stage() -> None:

@@ -1,8 +1,8 @@
 """A token2wav worker runs the rest of a staged warm-up (Token2Wav.staged_warmup) between its calls: the
-calls are served meanwhile, a step runs only when nothing is queued, and a stop or a failed step ends the
-steps and releases what they hold. On the real tiny engines (CPU); the steps' own work is a stand-in
-that records when it runs (the graph captures they do on a GPU are tested in
-tests/engines/test_token2wav_batching.py)."""
+calls are served meanwhile, a step runs only when nothing is queued (beside open streams one per gap at
+most), and a stop or a failed step ends the steps and releases what they hold. On the real tiny engines
+(CPU); the steps' own work is a stand-in that records when it runs (the graph captures they do on a GPU
+are tested in tests/engines/test_token2wav_batching.py)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ class RecordingWarmup:
     def __init__(self, backend: TorchToken2Wav, steps: int, fail_at: int | None = None) -> None:
         self.backend, self.steps, self.fail_at = backend, steps, fail_at
         self.events: list[str] = []
+        self.step_times: list[float] = []
         self.threads: set[str] = set()
         self.held_open = False
 
@@ -46,6 +47,7 @@ class RecordingWarmup:
                     raise RuntimeError("a capture failed")
                 self.threads.add(threading.current_thread().name)
                 self.events.append("step")
+                self.step_times.append(time.monotonic())
                 time.sleep(STEP_S)
                 yield
         finally:
@@ -97,18 +99,43 @@ async def test_calls_are_served_while_the_warm_up_goes_on_between_them(tiny_mode
     try:
         await worker.warmup(speaker, [4, 1], between_calls=True)
         assert recording.events[0] == "first stage" and warming(metrics) == 1
-        stream = await worker.open_stream(speaker)
         await asyncio.sleep(10 * STEP_S)  # steps run while nothing is queued
+        stream = await worker.open_stream(speaker)
         submitted = len(recording.events)
         assert submitted > 1
         audio = await worker.synthesize(stream, list(range(18)), last=True, due=float("-inf"))
         assert audio.size > 0
         assert calls[0] - submitted <= 1  # at most the step under way came before the call
         assert recording.held_open and "ended" not in recording.events  # steps remain
+        worker.close_stream(stream)
         await until_warm(metrics)
         assert recording.events.count("step") == 400 and recording.events[-1] == "ended"
         assert recording.threads == {"token2wav-0"}
         assert not recording.held_open
+    finally:
+        await asyncio.to_thread(worker.stop)
+
+
+async def test_beside_open_streams_steps_come_one_per_gap(tiny_models: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a stream is open on the thread, a step runs only once `WARMUP_STEP_GAP_S` has passed since the
+    last (so its chunks and the LLM's steps are not held up step after step); once none is open, the
+    steps run back to back again."""
+    import realtime.token2wav_worker as worker_module
+
+    gap = 0.2
+    monkeypatch.setattr(worker_module, "WARMUP_STEP_GAP_S", gap)
+    worker, _, recording, speaker, _ = await started_worker(tiny_models, warmup=100_000)
+    try:
+        stream = await worker.open_stream(speaker)  # before the steps start: none runs back to back
+        await worker.warmup(speaker, [1], between_calls=True)
+        await asyncio.sleep(5 * gap)
+        beside = list(recording.step_times)
+        assert 1 <= len(beside) <= 6
+        assert all(later - earlier >= gap - 0.02 for earlier, later in zip(beside, beside[1:], strict=False))
+        worker.close_stream(stream)
+        await asyncio.sleep(gap)
+        assert len(recording.step_times) > len(beside) + 10
     finally:
         await asyncio.to_thread(worker.stop)
 
@@ -137,6 +164,7 @@ async def test_a_failed_step_ends_the_warm_up_and_the_worker_serves_on(
         stream = await worker.open_stream(speaker)
         audio = await worker.synthesize(stream, list(range(18)), last=True, due=float("-inf"))
         assert audio.size > 0 and worker.alive
+        worker.close_stream(stream)
     finally:
         await asyncio.to_thread(worker.stop)
 

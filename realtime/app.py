@@ -146,8 +146,8 @@ def create_app(config: ServiceConfig, runtime: Runtime | None = None) -> Starlet
         return JSONResponse({"status": "ok"})
 
     async def readyz(request: Request) -> Response:
-        if runtime.ready:
-            return JSONResponse({"status": "ready"})
+        if runtime.ready:  # warming_up: shapes not captured yet run eagerly (slower) until it ends
+            return JSONResponse({"status": "ready", "warming_up": runtime.warming_up})
         return JSONResponse({"status": "draining" if runtime.draining else "starting"}, status_code=503)
 
     async def metrics(request: Request) -> Response:

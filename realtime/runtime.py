@@ -50,7 +50,13 @@ from realtime.access import OPERATOR
 from realtime.admission import AdmissionPolicy, Load, Refuse
 from realtime.config import ServiceConfig
 from realtime.engine_loader import LLMsChosen, LoadedEngines, load_engines
-from realtime.memory_budget import MemoryBudgets, device_budgets, log_budgets, track_gpu_memory
+from realtime.memory_budget import (
+    MemoryBudgets,
+    device_budgets,
+    log_budgets,
+    track_gpu_memory,
+    usable_device_bytes,
+)
 from realtime.metrics import Metrics
 from realtime.placement import WorkerLoad, least_loaded, split_capacity
 from realtime.prompts import PromptCache, choose_mode
@@ -164,20 +170,15 @@ class Runtime:
                 for llm in self._llms_built:
                     await llm.stop()
             raise
-        capacities = split_capacity(self.config.max_streams, len(engines.token2wavs))
+        config = self.config
+        capacities = split_capacity(config.max_streams, len(engines.token2wavs))
         workers = [
-            Token2WavWorker(
-                backend,
-                self.config.token2wav_batch,
-                capacity=2 * capacity,
-                threads=self.config.token2wav_workers,
-                metrics=self.metrics,
-                hold=self.config.first_chunk_hold,
-                max_call_tokens=self.config.token2wav_call_tokens,
-                urgent_calls=self.config.urgent_chunk_calls,
-                llm_steps=lambda: _llm_steps(engines.llms),
-                name="token2wav" if len(engines.token2wavs) == 1 else f"token2wav{index}",
-            )
+            Token2WavWorker(backend, config.token2wav_batch, capacity=2 * capacity,
+                            threads=config.token2wav_workers, metrics=self.metrics,
+                            hold=config.first_chunk_hold, max_call_tokens=config.token2wav_call_tokens,
+                            urgent_calls=config.urgent_chunk_calls,
+                            llm_steps=lambda: _llm_steps(engines.llms),
+                            name="token2wav" if len(engines.token2wavs) == 1 else f"token2wav{index}")
             for index, (backend, capacity) in enumerate(zip(engines.token2wavs, capacities, strict=True))
         ]
         for worker in workers:
@@ -215,7 +216,10 @@ class Runtime:
             # (docs/benchmarks.md, 2026-11-24 start-up). Where the policy allows (warm_up.py), the
             # voices come first (a few small calls) and what the token2wav warm-up has other processes
             # do (a cold start's compiling) runs while the LLM builds.
-            early = self._compile_beside_llm(engines)
+            # Free now; less the LLM's so far where it builds already (no emptied cache beside its captures).
+            free = {device: usable_device_bytes(torch.device(device), empty_cache=self._llm_build is None)
+                    for device in engines.plan.shared_gpus}
+            early = compile_beside_llm(engines.llms, engines.plan.token2wav_devices, free)
             if early:
                 warmed_up = await self._prepare_voices()
                 if warmed_up:
@@ -288,18 +292,6 @@ class Runtime:
             await self._prepare(info.voice_id, self.voices.get(info.voice_id))
         return "default" in self._prepared and any(worker.device.type == "cuda" for worker in self._workers)
 
-    def _compile_beside_llm(self, engines: LoadedEngines) -> set[int]:
-        """The token2wav workers whose cold-start compiling may run while the LLM builds
-        (`warm_up.compile_beside_llm`, on each shared GPU's free memory now: less the LLM's so far where
-        it builds already, without emptying the allocator's cache, which no capture may overlap)."""
-        free = {}
-        for device in engines.plan.shared_gpus:
-            if self._llm_build is None:
-                with torch.cuda.device(device):
-                    torch.cuda.empty_cache()  # blocks the loading cached: free for the LLM all the same
-            free[device] = torch.cuda.mem_get_info(device)[0]
-        return compile_beside_llm(engines.llms, engines.plan.token2wav_devices, free)
-
     def _warmup_plans(self) -> list[tuple[Token2WavWorker, SpeakerState, list[int]]]:
         """Per token2wav worker, the default voice's speaker and the batch sizes its warm-up runs."""
         voice, batch = self._prepared["default"], self.config.token2wav_batch
@@ -339,6 +331,11 @@ class Runtime:
     @property
     def ready(self) -> bool:
         return self._accepting and not self._draining
+
+    @property
+    def warming_up(self) -> bool:
+        """Ready, while a token2wav warm-up still runs between calls (`--warm-up-between-calls`)."""
+        return any(worker.warming_up for worker in self._workers)
 
     @property
     def draining(self) -> bool:

@@ -123,6 +123,10 @@ class _Lane:
         finally:
             self._end_warmup_steps()
 
+    @property
+    def warming_up(self) -> bool:
+        return self._warmup_steps is not None
+
     def warm_up_between_calls(self, steps: WarmupSteps) -> None:
         """Run `steps` (the rest of a staged warm-up) when nothing is queued (`_receive`). On this thread."""
         self._warmup_steps = steps
@@ -363,6 +367,11 @@ class Token2WavWorker:
     def open_streams(self) -> int:
         """Streams opened and not yet closed on the worker threads."""
         return sum(lane.open_streams for lane in self._lanes)
+
+    @property
+    def warming_up(self) -> bool:
+        """Whether a warm-up still runs between calls (`warmup(between_calls=True)`)."""
+        return any(lane.warming_up for lane in self._lanes)
 
     @property
     def queue_depth(self) -> int:

@@ -12,7 +12,7 @@ async def test_health_and_readiness(live_server):
     async with httpx.AsyncClient(base_url=live_server.http_url) as http:
         assert (await http.get("/healthz")).json() == {"status": "ok"}
         ready = await http.get("/readyz")
-        assert ready.status_code == 200 and ready.json() == {"status": "ready"}
+        assert ready.status_code == 200 and ready.json() == {"status": "ready", "warming_up": False}
 
 
 async def test_metrics_count_latency_and_errors(live_server):

@@ -98,7 +98,7 @@ async def test_calls_are_served_while_the_warm_up_goes_on_between_them(tiny_mode
     backend.launch_chunks = recording_calls  # type: ignore[method-assign]
     try:
         await worker.warmup(speaker, [4, 1], between_calls=True)
-        assert recording.events[0] == "first stage" and warming(metrics) == 1
+        assert recording.events[0] == "first stage" and warming(metrics) == 1 and worker.warming_up
         await asyncio.sleep(10 * STEP_S)  # steps run while nothing is queued
         stream = await worker.open_stream(speaker)
         submitted = len(recording.events)
@@ -111,7 +111,7 @@ async def test_calls_are_served_while_the_warm_up_goes_on_between_them(tiny_mode
         await until_warm(metrics)
         assert recording.events.count("step") == 400 and recording.events[-1] == "ended"
         assert recording.threads == {"token2wav-0"}
-        assert not recording.held_open
+        assert not recording.held_open and not worker.warming_up
     finally:
         await asyncio.to_thread(worker.stop)
 

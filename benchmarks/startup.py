@@ -68,9 +68,9 @@ def one_start(models: Path, serve_args: list[str], log: Path, timeout_s: float,
     server = spawned_process(models, serve_args, log, ready_timeout_s=timeout_s, launcher=launcher,
                              stop_signal=signal.SIGINT)
     warm_s = None
-    with contextlib.suppress(RuntimeError), server as (port, _):
+    with contextlib.suppress(RuntimeError), server as (port, process):
         ready_s = time.time() - started
-        wait_until_warm(port, timeout_s)
+        wait_until_warm(port, timeout_s, process)
         warm_s = time.time() - started
     marks: dict[str, float] = {}
     durations: dict[str, float] = {}

@@ -34,6 +34,14 @@ _CAPTURING = threading.Lock()
 LOW_FREE_SHARE = 0.2
 
 
+def empty_cache() -> None:
+    """`torch.cuda.empty_cache()` between captures: PyTorch's allocator asserts when its cache is emptied
+    while any thread of the process captures a graph (on any device), so this waits for the capture under
+    way, if any, to end."""
+    with _CAPTURING:
+        torch.cuda.empty_cache()
+
+
 def capture_graph(fn: Callable[[], object], pool: Any, stream: torch.cuda.Stream,
                   warmup: Callable[[], object] | None = None) -> torch.cuda.CUDAGraph:
     """A CUDA graph of `fn` captured on `stream`, its intermediates in memory pool `pool` (None: a new

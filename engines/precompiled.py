@@ -164,7 +164,11 @@ class PrecompiledFunction:
         return self._failed
 
     def seal(self) -> None:
-        """Compile nothing more: inputs no variant serves run `fn` itself."""
+        """Compile nothing more: inputs no variant serves run `fn` itself. Variants other processes saved
+        meanwhile (a cold start's compile workers) are loaded first: a class the warm-up's first stage did
+        not meet may come later (engines/token2wav/torch_warmup.py)."""
+        if not self._failed:
+            self._load()
         self._sealed = True
 
     def __call__(self, *args: Any) -> Any:
@@ -253,7 +257,7 @@ class PrecompiledFunction:
     def _load(self, args: tuple[Any, ...] | None = None) -> Any:
         """Load the variants saved in the folder since the last look (one that does not load is logged and
         left out); return the first new one whose guards accept `args`, if given."""
-        found = None
+        found, before = None, len(self._variants)
         for path in saved_variants(self.folder):
             if path.name in self._seen:
                 continue
@@ -269,7 +273,7 @@ class PrecompiledFunction:
             self._variants.append(variant)
             if found is None and args is not None and variant.guard_check(*args):  # type: ignore[attr-defined]
                 found = variant
-        if self._variants and args is None:
-            logger.info("%s: %d compiled variants loaded", self.folder.name, len(self._variants))
+        if len(self._variants) > before and args is None:
+            logger.info("%s: %d compiled variants loaded", self.folder.name, len(self._variants) - before)
         return found
 

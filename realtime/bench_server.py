@@ -67,12 +67,16 @@ def spawned_process(
 WARMING = re.compile(r"^tts_token2wav_warmups_running (\S+)$", re.MULTILINE)
 
 
-def wait_until_warm(port: int, timeout_s: float = 300.0) -> None:
+def wait_until_warm(port: int, timeout_s: float = 300.0,
+                    process: subprocess.Popen[bytes] | None = None) -> None:
     """Wait until the server on `port` has no token2wav warm-up left to run between calls (its /metrics'
     `tts_token2wav_warmups_running` is 0): a ready server may still be capturing graphs between calls,
-    which a benchmark of steady serving should not time. RuntimeError after `timeout_s`."""
+    which a benchmark of steady serving should not time. RuntimeError after `timeout_s`, or once the
+    server `process` (if given) has exited."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode} while warming up")
         with contextlib.suppress(httpx.HTTPError):
             found = WARMING.search(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text)
             if found is not None and float(found.group(1)) == 0:
@@ -85,6 +89,6 @@ def wait_until_warm(port: int, timeout_s: float = 300.0) -> None:
 def spawned_server(models: Path | None, extra: Sequence[str]) -> Iterator[str]:
     """A server subprocess on a free loopback port; yields its websocket URL once /readyz answers and its
     warm-up is finished (`wait_until_warm`)."""
-    with spawned_process(models, extra) as (port, _):
-        wait_until_warm(port)
+    with spawned_process(models, extra) as (port, process):
+        wait_until_warm(port, process=process)
         yield f"ws://127.0.0.1:{port}/v1/ws"

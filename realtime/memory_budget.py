@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engines.cuda_graphs import empty_cache
 from realtime.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -64,15 +65,13 @@ def device_budgets(devices: Sequence[torch.device], configured: int | None, marg
     ]
 
 
-def usable_device_bytes(device: torch.device, empty_cache: bool = True) -> int:
+def usable_device_bytes(device: torch.device) -> int:
     """What new tensors on `device` can still take: its free memory once the caching allocator has
     handed back the blocks it holds unused (its reserved-but-unallocated bytes; those it keeps per CUDA
-    stream would not serve the token2wav thread's stream, and the graphs' private pools stay). Without
-    `empty_cache` (a CUDA graph may be being captured in another thread: emptying the cache then fails
-    PyTorch's allocator), those blocks count as taken."""
-    if empty_cache:
-        with torch.cuda.device(device):
-            torch.cuda.empty_cache()
+    stream would not serve the token2wav thread's stream, and the graphs' private pools stay). Between
+    CUDA graph captures (engines/cuda_graphs.py: an LLM may be building, a warm-up stepping)."""
+    with torch.cuda.device(device):
+        empty_cache()
     return torch.cuda.mem_get_info(device)[0]
 
 

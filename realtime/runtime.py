@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from engines.config import ModelPaths
+from engines.cuda_graphs import empty_cache
 from engines.llm.base import (
     LLMEngine,
     LLMError,
@@ -50,6 +51,7 @@ from realtime.access import OPERATOR
 from realtime.admission import AdmissionPolicy, Load, Refuse
 from realtime.config import ServiceConfig
 from realtime.engine_loader import LLMsChosen, LoadedEngines, load_engines
+from realtime.llm_build import LLMBuild
 from realtime.memory_budget import (
     MemoryBudgets,
     device_budgets,
@@ -120,8 +122,7 @@ class Runtime:
         self.metrics = Metrics()
         self._loader = loader
         self._engines: LoadedEngines | None = None
-        self._llm_build: asyncio.Task[list[None]] | None = None  # the LLM engines' start, once begun
-        self._llms_built: tuple[LLMEngine, ...] = ()  # the engines it starts
+        self._llm_build: LLMBuild | None = None  # the LLM engines' start, from `start` on
         self._workers: list[Token2WavWorker] = []
         self._placed: list[int] = []  # per token2wav worker: sessions placed on it and not yet closed
         self._capacity: list[int] = []  # per token2wav worker: the most sessions it takes
@@ -152,23 +153,11 @@ class Runtime:
         """Load and start the engines, load the voices and prepare each one for synthesis. Once only."""
         if self._engines is not None:
             raise RuntimeError("a Runtime starts once")
-        loop = asyncio.get_running_loop()
-
-        def build_early(llms: tuple[LLMEngine, ...]) -> None:  # on the loader's thread
-            # An LLM with a fixed cache builds while token2wav loads (a restart ~4 s sooner); one that
-            # sizes its cache by the free memory waits for what token2wav takes (warm_up.py).
-            if not any(llm.sizes_cache_by_free_memory for llm in llms):
-                loop.call_soon_threadsafe(self._build_llms, llms)
-
-        try:
-            engines = await asyncio.to_thread(self._loader, self.config, build_early)
-        except BaseException:  # an LLM build begun meanwhile is waited for, and what it started stops
-            if self._llm_build is not None:
-                self._llm_build.cancel()
-                with contextlib.suppress(BaseException):
-                    await self._llm_build
-                for llm in self._llms_built:
-                    await llm.stop()
+        self._llm_build = build = LLMBuild(asyncio.get_running_loop())
+        try:  # an LLM with a fixed cache starts building while token2wav loads (LLMBuild.chosen)
+            engines = await asyncio.to_thread(self._loader, self.config, build.chosen)
+        except BaseException:
+            await build.end()
             raise
         config = self.config
         capacities = split_capacity(config.max_streams, len(engines.token2wavs))
@@ -194,16 +183,11 @@ class Runtime:
                 logger.exception("stopping what a failed start began failed too")
             raise
 
-    def _build_llms(self, llms: Sequence[LLMEngine]) -> asyncio.Task[list[None]]:
-        """The LLM engines' start: begun on the first call (while token2wav loads, or now)."""
-        if self._llm_build is None:
-            self._llms_built = tuple(llms)
-            self._llm_build = asyncio.ensure_future(together(*(llm.start() for llm in llms)))
-        return self._llm_build
-
     async def _start_engines(self, engines: LoadedEngines) -> None:
         """`start`'s part after the token2wav workers run: build the LLM engines, prepare the voices and
         warm up (on shared GPUs one after the other), then accept streams."""
+        assert self._llm_build is not None
+        llm_build = self._llm_build
         self._prompts = PromptCache(engines.text)
         self._memory_budgets = MemoryBudgets(len(self._workers))
         self._max_tokens = max(llm.max_context for llm in engines.llms)
@@ -216,18 +200,17 @@ class Runtime:
             # (docs/benchmarks.md, 2026-11-24 start-up). Where the policy allows (warm_up.py), the
             # voices come first (a few small calls) and what the token2wav warm-up has other processes
             # do (a cold start's compiling) runs while the LLM builds.
-            # Free now; less the LLM's so far where it builds already (no emptied cache beside its captures).
-            free = {device: usable_device_bytes(torch.device(device), empty_cache=self._llm_build is None)
-                    for device in engines.plan.shared_gpus}
+            # Free now: less the LLM's so far where it builds already.
+            free = {device: usable_device_bytes(torch.device(device)) for device in engines.plan.shared_gpus}
             early = compile_beside_llm(engines.llms, engines.plan.token2wav_devices, free)
             if early:
                 warmed_up = await self._prepare_voices()
                 if warmed_up:
                     await prepare_warmups(self._warmup_plans(), early)
-            await self._build_llms(engines.llms)
+            await llm_build.wait(engines.llms)
             for device in engines.plan.shared_gpus:
                 with torch.cuda.device(device):
-                    torch.cuda.empty_cache()  # the LLM warm-up's cached blocks, for token2wav's stream
+                    empty_cache()  # the LLM warm-up's cached blocks, for token2wav's stream
             if not early:
                 warmed_up = await self._prepare_voices()
             if warmed_up:
@@ -243,10 +226,7 @@ class Runtime:
                     await warm_up(self._warmup_plans(), self.config.warmup_between_calls)
                 return due
 
-            async def build_llms() -> None:
-                await self._build_llms(engines.llms)
-
-            _, warmed_up = await together(build_llms(), voices_then_warm_up())
+            _, warmed_up = await together(llm_build.wait(engines.llms), voices_then_warm_up())
         if warmed_up:
             # From now on the process compiles nothing: a shape the warm-up did not meet (a voice with a
             # longer prompt, say) runs uncompiled rather than stalling every stream of an engine thread.
@@ -314,6 +294,8 @@ class Runtime:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        if self._llm_build is not None:
+            await self._llm_build.end()  # a start still building them stops (a failed start's stop)
         if self._engines is not None:
             for llm in self._engines.llms:
                 await llm.stop()

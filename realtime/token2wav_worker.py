@@ -128,7 +128,9 @@ class _Lane:
         return self._warmup_steps is not None
 
     def warm_up_between_calls(self, steps: WarmupSteps) -> None:
-        """Run `steps` (the rest of a staged warm-up) when nothing is queued (`_receive`). On this thread."""
+        """Run `steps` (the rest of a staged warm-up) when nothing is queued (`_receive`), instead of the
+        rest of an earlier one. On this thread."""
+        self._end_warmup_steps()
         self._warmup_steps = steps
         if self._metrics is not None:
             self._metrics.token2wav_warmups_running.inc()
@@ -153,9 +155,13 @@ class _Lane:
         steps, self._warmup_steps = self._warmup_steps, None
         if steps is None:
             return
-        steps.close()  # left mid-way (a stop): what the step in progress holds (its streams) goes
-        if self._metrics is not None:
-            self._metrics.token2wav_warmups_running.dec()
+        try:
+            steps.close()  # left mid-way (a stop): what the step in progress holds (its streams) goes
+        except Exception:  # the service goes on without the rest of the warm-up
+            logger.exception("ending the token2wav warm-up's steps failed")
+        finally:
+            if self._metrics is not None:
+                self._metrics.token2wav_warmups_running.dec()
 
     def _fail_all(self, exc: BaseException) -> None:
         """Fail every chunk and call this dead lane still holds or is sent later (see `Token2WavWorker`)."""
@@ -205,6 +211,8 @@ class _Lane:
             # delays their next chunks and, holding the GIL, the LLM's steps (docs/benchmarks.md,
             # twentieth session), but must not wait for a lull that steady traffic never leaves.
             wait = 0.0 if not self.open_streams else self._last_step + WARMUP_STEP_GAP_S - time.monotonic()
+            if self.fresh:  # a new stream's first chunk is coming: it goes first
+                wait = max(wait, WARMUP_STEP_GAP_S)
             try:
                 items.append(self.inbox.get(timeout=wait) if wait > 0 else self.inbox.get_nowait())
             except queue.Empty:

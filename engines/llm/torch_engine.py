@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from engines.config import SPEECH_CODEBOOK, ModelPaths, configs_for_models_dir
+from engines.cuda_graphs import empty_cache
 from engines.llm.base import (
     Delivery,
     LLMEngine,
@@ -182,7 +183,7 @@ class TorchLLMEngine(LLMEngine):
         self._thread = None
         self._runner = None
         if self.config.torch_device.type == "cuda":
-            torch.cuda.empty_cache()
+            empty_cache()  # between captures: a token2wav warm-up may still be stepping
 
     def submit(self, request: LLMRequest) -> TokenStream:
         runner = self._runner

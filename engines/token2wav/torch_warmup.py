@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engines.config import PRE_LOOKAHEAD, TOKEN_MEL_RATIO
+from engines.cuda_graphs import empty_cache
 from engines.token2wav.base import ChunkJob, SpeakerState, WarmupSteps
 from engines.token2wav.flow_dit import DiTFlow
 from engines.token2wav.graphs import GraphedEncoder, GraphedSolver, GraphedVocoder
@@ -90,13 +91,13 @@ def staged_warmup(t2w: TorchToken2Wav, speaker: SpeakerState, batches: Sequence[
                     break
                 steps += 1
                 yield
-    finally:  # closed mid-way (the engine stops): the pass in progress closes its streams
+    finally:  # also when a step failed or the engine stops mid-way: nothing more is captured
         for part in later:
-            part.close()
-    if isinstance(t2w.flow, DiTFlow):
-        t2w.flow.seal_graphs()
-    for graphs in graph_sets:
-        graphs.seal()
+            part.close()  # the pass in progress closes its streams
+        if isinstance(t2w.flow, DiTFlow):
+            t2w.flow.seal_graphs()
+        for graphs in graph_sets:
+            graphs.seal()
     # The device memory the steps took is not in memory admission's budget (measured after the first
     # stage): this says how much of its margin they used.
     logger.info("%s warm-up on %s finished between calls: %d steps, %.1f s of work in %.1f s, the longest "
@@ -109,7 +110,7 @@ def _free_gib(device: torch.device) -> float:
     """Free device memory in GiB once the allocator's unused cached blocks are handed back (as memory
     admission measures it: realtime/memory_budget.py)."""
     with torch.cuda.device(device):
-        torch.cuda.empty_cache()
+        empty_cache()  # between captures: another engine's may be under way
     return torch.cuda.mem_get_info(device)[0] / 2**30
 
 

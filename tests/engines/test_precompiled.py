@@ -100,6 +100,24 @@ def test_after_seal_a_new_class_runs_uncompiled_and_is_logged_once(
     assert sum("run uncompiled" in record.getMessage() for record in caplog.records) == 1
 
 
+def test_sealing_loads_the_variants_other_processes_saved_first(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cold start's compile workers save classes the warm-up's first stage may not meet; sealing loads
+    them, so a class met only in a later warm-up step runs compiled, not uncompiled."""
+    folder = tmp_path / "norm"
+    function = PrecompiledFunction(scaled_norm, folder, scaled_norm)
+    worker = PrecompiledFunction(scaled_norm, folder, scaled_norm)  # as a compile worker's, in one process
+    worker(*inputs(4, 8, 16))
+    assert function.variants == 0
+    function.seal()
+    assert function.variants == 1
+    with caplog.at_level(logging.WARNING, logger="engines.precompiled"):
+        torch.testing.assert_close(function(*inputs(4, 8, 16)), scaled_norm(*inputs(4, 8, 16)))
+    assert function.compiled == 0
+    assert not [r for r in caplog.records if "run uncompiled" in r.getMessage()]
+
+
 def test_a_file_that_does_not_load_is_skipped_and_its_class_compiled_again(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

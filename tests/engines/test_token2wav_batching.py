@@ -614,6 +614,7 @@ def test_a_staged_warm_up_serves_between_its_steps_and_ends_with_every_graph(
     assert not [r for r in caplog.records if "has no CUDA graph" in r.getMessage()]
     taken = sum(1 for _ in steps)
     assert taken > 0
+    assert not flow.graphs.covers(SolveShape(4, 30, 0, 4096, 30))  # sealed: nothing more is captured
     for mine, theirs in zip(graphs, [whole.flow.graphs, *whole.flow.graph_sets()[1:], whole.vocoder_graphs],
                             strict=True):
         assert theirs is not None and set(mine.shapes) == set(theirs.shapes)

@@ -138,3 +138,35 @@ async def test_a_load_that_fails_stops_the_llm_engine_it_began_building(tiny_mod
         await runtime.start()
     await asyncio.sleep(0.2)
     assert {thread for thread in engine_threads() - before if thread.is_alive()} == set()
+
+
+async def test_a_start_failing_before_it_waits_for_the_llm_build_still_ends_it(
+    tiny_models: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The LLM engine builds from the loader's hand-over on; the start then fails before it waits for that
+    build (here: setting up the GPU memory metrics). The failed start waits for the build to end and stops
+    what it started: no LLM engine thread starts after the start has raised."""
+    import realtime.runtime as runtime_module
+
+    built: list[float] = []
+    build = TorchLLMEngine._build_runner
+
+    def slow_build(engine: TorchLLMEngine) -> Any:
+        time.sleep(1.0)
+        runner = build(engine)
+        built.append(time.monotonic())
+        return runner
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("the metrics could not be set up")
+
+    monkeypatch.setattr(TorchLLMEngine, "_build_runner", slow_build)
+    monkeypatch.setattr(runtime_module, "track_gpu_memory", broken)
+    before = engine_threads()
+    runtime = Runtime(ServiceConfig(models_dir=tiny_models, device="cpu", max_streams=2))
+    with pytest.raises(RuntimeError, match="metrics could not be set up"):
+        await runtime.start()
+    raised = time.monotonic()
+    assert len(built) == 1 and built[0] <= raised
+    await asyncio.sleep(1.5)
+    assert {thread for thread in engine_threads() - before if thread.is_alive()} == set()

@@ -4,8 +4,12 @@
 #
 #   bash benchmarks/on_device.sh bash benchmarks/during_warmup.sh [STREAMS]
 #
-# Reports land in $OUT (or bench-results/): during.json / during.log (the levels run at once after
-# ready), after.json / after.log (the same levels once the warm-up is done), serve.log.
+# Each phase runs the STREAMS levels (bursts), then streams arriving as a Poisson process for
+# ARRIVALS_S seconds (default 20) at RATE_CAPACITY/10 per second (`realtime bench --staggered 1
+# --capacity RATE_CAPACITY`, default 20: 2 a second): lone requests arriving at any moment of the
+# warm-up's rest, which beside open streams runs one step a second. Reports land in $OUT (or
+# bench-results/): during.json / during.log (right after ready), after.json / after.log (once the
+# warm-up is done), serve.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STREAMS=${1:-1,16,64}
@@ -38,6 +42,7 @@ else:
 EOF
 bench() {  # NAME
     python3 -m realtime bench --url "ws://127.0.0.1:$PORT/v1/ws" --streams "$STREAMS" --tokens 250 --no-search \
+        --staggered 1 --capacity "${RATE_CAPACITY:-20}" --staggered-s "${ARRIVALS_S:-20}" \
         --json "$DEST/$1.json" 2>&1 | tee "$DEST/$1.log"
 }
 bench during

@@ -277,7 +277,7 @@ class _ShapeGraphs(Generic[ShapeT, InputsT, OutputsT]):
         try:
             yield
         finally:
-            self._capturing = before
+            self._capturing = before and not self._sealed  # sealed inside stays sealed
 
     def covers(self, shape: ShapeT) -> bool:
         """Whether `shape` runs from a graph (captured, or to be captured now: see the class docstring)."""

@@ -683,7 +683,7 @@ def test_compiled_blocks_equal_eager(flow: DiTFlow, speakers: list[DiTSpeaker]) 
 
 
 def test_reserved_graph_buffers_are_inference_tensors() -> None:
-    """Buffers reserved outside inference mode (the warm-up's `reserve_*_graphs`) are of the kind the
+    """Buffers reserved outside inference mode (the warm-up's `reserve_graphs`) are of the kind the
     captures inside the chunk calls allocate: inference tensors. Views of ordinary ones reach the compiled
     DiT block as ordinary tensors, and its variants compiled on inference tensors no longer serve."""
     import engines.token2wav.graphs as graphs_module
@@ -692,7 +692,7 @@ def test_reserved_graph_buffers_are_inference_tensors() -> None:
         def __init__(self) -> None:  # the arena and graph table alone: no CUDA here
             self._arena = graphs_module._Arena(torch.device("cpu"))
             self._graphs = {}
-            self._sealed = False
+            self._capturing, self._sealed = True, False
 
         def _static_buffers(self, shape: int, view: graphs_module.TensorSource) -> None:
             view("in.x", (shape, 2), torch.float16)
@@ -706,3 +706,31 @@ def test_reserved_graph_buffers_are_inference_tensors() -> None:
     buffers.seal()
     buffers.reserve([9])  # sealed: nothing more is captured, so nothing grows
     assert buffers._arena.reserve("in.x", 10, torch.float16).numel() == 10
+
+
+def test_paused_graphs_capture_only_inside_a_step_and_sealed_ones_never(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The graph states of a staged warm-up (graphs.py): open, a shape's graph is captured at its first use;
+    paused, only inside `capturing` (a step), and a shape without a graph runs eagerly without a word (its
+    step may come); sealed, never again, even when sealed inside a step, and such a shape is logged once."""
+    import engines.token2wav.graphs as graphs_module
+
+    class States(graphs_module._ShapeGraphs[int, None, None]):
+        def __init__(self) -> None:  # the state alone: no CUDA here
+            self._graphs, self._uncaptured = {}, set()
+            self._capturing, self._sealed = True, False
+
+    graphs = States()
+    assert graphs.covers(3)
+    graphs.pause()
+    with caplog.at_level(logging.WARNING, logger="engines.token2wav.graphs"):
+        assert not graphs.covers(3)
+        assert not caplog.records
+        with graphs.capturing():
+            assert graphs.covers(3)
+        assert not graphs.covers(3)
+        with graphs.capturing():
+            graphs.seal()
+        assert not graphs.covers(3) and not graphs.covers(3)
+    assert sum("has no CUDA graph" in record.getMessage() for record in caplog.records) == 1

@@ -303,13 +303,17 @@ class DiTFlow(ConformerFlow):
         return shapes
 
     @torch.inference_mode()
-    def capture_graph(self, shape: SolveShape | EncodeShape) -> None:
-        """Capture the graph of one of `later_graph_shapes`."""
+    def capture_graph(self, shape: SolveShape | EncodeShape) -> bool:
+        """Capture the graph of a bucketed solve or encoder shape (`planned_solve_shapes`,
+        `later_graph_shapes`) unless it is captured already; whether it was captured now."""
         solver, encoder = self.graphs, self._bucketed_encoder
-        if isinstance(shape, SolveShape) and solver is not None:
+        if isinstance(shape, SolveShape) and solver is not None and not solver.has(shape):
             solver.capture([shape])
-        elif isinstance(shape, EncodeShape) and isinstance(encoder, GraphedEncoder):
+            return True
+        if isinstance(shape, EncodeShape) and isinstance(encoder, GraphedEncoder) and not encoder.has(shape):
             encoder.capture([shape])
+            return True
+        return False
 
     def encoder_capture_shapes(self, batches: Iterable[int], reached: int) -> list[EncodeShape]:
         """The encoder graphs of `later_graph_shapes` once streams reached `reached` history tokens: every

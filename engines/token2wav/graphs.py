@@ -279,6 +279,10 @@ class _ShapeGraphs(Generic[ShapeT, InputsT, OutputsT]):
         finally:
             self._capturing = before and not self._sealed  # sealed inside stays sealed
 
+    def has(self, shape: ShapeT) -> bool:
+        """Whether `shape`'s graph is captured."""
+        return shape in self._graphs
+
     def covers(self, shape: ShapeT) -> bool:
         """Whether `shape` runs from a graph (captured, or to be captured now: see the class docstring)."""
         if shape in self._graphs or self._capturing:

@@ -272,7 +272,7 @@ class TorchToken2Wav(Token2Wav):
         voice = _dit_speaker(speaker)
         if isinstance(self.flow, DiTFlow) and voice is not None:
             self.flow.reserve_graphs(batches, hops, voice)
-        yield from staged_warmup(self, speaker, batches, hops, phases)
+        yield from staged_warmup(self, speaker, voice, batches, hops, phases)
 
     def release_warmup(self) -> None:
         """Stop the compile workers no warm-up took: idle ones spawned for a cold start, or ones

@@ -10,11 +10,13 @@ them at once. The first stage runs, largest shapes first:
   vocoder graphs are bounded by the largest chunk graph), so that memory admission, measured once the
   first stage is done, sees it;
 - a first chunk at every other batch size: a new stream's first audio never runs eagerly.
-Then graphs are captured only inside a step (`pause`). Each step is one chunk call of another batch
-size's streams through the schedule (smallest batches first: traffic ramps up), or one capture of a later
-solve, encoder or final-chunk vocoder graph. Until its step has come, a shape runs eagerly at its
-bucket's shape (a later chunk, which has its predecessor's audio as slack); a call that arrives during a
-step waits for it. The last step seals the graphs. Without CUDA graphs all of it is the first stage.
+Then graphs are captured only inside a step (`pause`). For each other batch size (smallest first: traffic
+ramps up) the graphs its chunk pass meets and its later solve and encoder graphs are captured, one per
+step, then its streams run through the schedule, one chunk call per step (replaying them); then the
+final-chunk vocoder graphs, one per step; a step with nothing to capture is skipped. Until its step has
+come, a shape runs eagerly at its bucket's shape (a later chunk, which has its predecessor's audio as
+slack); a call that arrives during a step waits for it. The last step seals the graphs. Without CUDA
+graphs all of it is the first stage.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ import torch
 from engines.config import PRE_LOOKAHEAD, TOKEN_MEL_RATIO
 from engines.cuda_graphs import empty_cache
 from engines.token2wav.base import ChunkJob, SpeakerState, WarmupSteps
-from engines.token2wav.flow_dit import DiTFlow
-from engines.token2wav.graphs import GraphedEncoder, GraphedSolver, GraphedVocoder
+from engines.token2wav.batching import round_up
+from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker
+from engines.token2wav.graphs import GraphedEncoder, GraphedSolver, GraphedVocoder, VocodeShape
 
 if TYPE_CHECKING:
     from engines.token2wav.torch_backend import TorchToken2Wav
@@ -42,12 +45,12 @@ GraphSet = GraphedSolver | GraphedEncoder | GraphedVocoder
 _DONE = object()  # what `next` returns for an exhausted part of the steps
 
 
-def staged_warmup(t2w: TorchToken2Wav, speaker: SpeakerState, batches: Sequence[int],
-                  hops: Sequence[int], phases: Phases) -> WarmupSteps:
-    """The warm-up of `t2w` with `speaker`'s streams at each of `batches` through chunks of `hops` tokens
-    and a last one: the first stage until the first `yield`, then one step per `yield` (see the module
-    docstring). The graphs' buffers must be sized first (`DiTFlow.reserve_graphs`); `phases` goes on
-    timing the caller's first-stage work."""
+def staged_warmup(t2w: TorchToken2Wav, speaker: SpeakerState, voice: DiTSpeaker | None,
+                  batches: Sequence[int], hops: Sequence[int], phases: Phases) -> WarmupSteps:
+    """The warm-up of `t2w` with `speaker`'s streams (`voice`: its DiT flow state, if any) at each of
+    `batches` through chunks of `hops` tokens and a last one: the first stage until the first `yield`,
+    then one step per `yield` (see the module docstring). The graphs' buffers must be sized first
+    (`DiTFlow.reserve_graphs`); `phases` goes on timing the caller's first-stage work."""
     tokens = torch.zeros(sum(hops) + PRE_LOOKAHEAD, dtype=torch.int64)
     largest, *others = sorted(batches, reverse=True)
     graph_sets = _graph_sets(t2w)
@@ -73,8 +76,10 @@ def staged_warmup(t2w: TorchToken2Wav, speaker: SpeakerState, batches: Sequence[
     free_before = _free_gib(t2w.device)
     yield
     began, worked, longest, steps = time.perf_counter(), 0.0, 0.0, 0
-    later: list[WarmupSteps] = [_chunk_pass(t2w, speaker, batch, hops, tokens) for batch in sorted(others)]
-    later.append(_later_flow_captures(t2w.flow, others))
+    later: list[WarmupSteps] = []
+    for batch in sorted(others):
+        later += [_graphs_of_pass(t2w, voice, batch, hops), _chunk_pass(t2w, speaker, batch, hops, tokens)]
+    later.append(_later_flow_captures(t2w.flow, others))  # what the passes' own captures left, if any
     if t2w.vocoder_graphs is not None:
         later.append(_final_vocoder_captures(t2w, t2w.vocoder_graphs))
     try:
@@ -149,11 +154,36 @@ def _run_all(steps: Iterator[None]) -> None:
 
 def _later_flow_captures(flow: object, batches: Sequence[int]) -> WarmupSteps:
     """Capture the solve and encoder graphs at `batches` rows that chunk passes do not meet, one per
-    `yield` (the shapes follow from what the passes before met)."""
+    `yield` (the shapes follow from what the passes before met; those captured already are skipped)."""
     if isinstance(flow, DiTFlow):
         for shape in flow.later_graph_shapes(batches):
-            flow.capture_graph(shape)
-            yield
+            if flow.capture_graph(shape):
+                yield
+
+
+def _graphs_of_pass(t2w: TorchToken2Wav, voice: DiTSpeaker | None, batch: int, hops: Sequence[int],
+                    ) -> WarmupSteps:
+    """Capture, one per `yield`, the graphs a chunk pass of `batch` streams meets (its planned solves, its
+    chunks' HiFT shapes) and the later solve and encoder graphs at that batch, before the pass: its calls
+    then replay them, rather than one step capturing a call's encoder, solve and HiFT graphs at once (the
+    longest steps, up to ~0.7 s on an H100, which a call arriving meanwhile waits for)."""
+    flow, vocoder = t2w.flow, t2w.vocoder_graphs
+    if isinstance(flow, DiTFlow) and voice is not None:
+        planned = flow.planned_solve_shapes([batch], hops, voice.prompt_frames)
+        solves = [shape for shapes in planned for shape in shapes if flow.buckets.shape(shape) == shape]
+        for planned_shape in [*solves, *flow.later_graph_shapes([batch])]:
+            if flow.capture_graph(planned_shape):
+                yield
+    rows = None if vocoder is None else round_up(batch, vocoder.batches)
+    if vocoder is not None and rows is not None:
+        cfg = vocoder.hift.cfg  # the first chunk without HiFT's cache, the later ones after it
+        met = [(TOKEN_MEL_RATIO * hops[0], 0)] + [
+            (TOKEN_MEL_RATIO * hop + cfg.mel_cache_frames, cfg.source_cache_samples) for hop in hops[1:]]
+        for frames, cached in met:
+            chunk = VocodeShape(rows, frames, cached, padded=False)
+            if (frames, cached) in vocoder.chunks and not vocoder.has(chunk):
+                vocoder.capture([chunk])
+                yield
 
 
 def _final_vocoder_captures(t2w: TorchToken2Wav, vocoder: GraphedVocoder) -> WarmupSteps:
@@ -166,8 +196,9 @@ def _final_vocoder_captures(t2w: TorchToken2Wav, vocoder: GraphedVocoder) -> War
               + vocoder.final_shapes(vocoder.hift.cfg.source_cache_samples))
     # Largest first across both lists, as within each (see GraphedVocoder.final_shapes).
     for shape in sorted(shapes, key=lambda shape: shape.batch * shape.frames, reverse=True):
-        vocoder.capture([shape])
-        yield
+        if not vocoder.has(shape):
+            vocoder.capture([shape])
+            yield
 
 
 class Phases:

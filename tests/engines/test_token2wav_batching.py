@@ -734,3 +734,44 @@ def test_paused_graphs_capture_only_inside_a_step_and_sealed_ones_never(
             graphs.seal()
         assert not graphs.covers(3) and not graphs.covers(3)
     assert sum("has no CUDA graph" in record.getMessage() for record in caplog.records) == 1
+
+
+def test_a_staged_warm_up_captures_a_pass_s_graphs_before_the_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before another batch size's chunk pass, the staged warm-up captures, one per step, the solves the
+    pass plans (at the batch's bucket), the later solve and encoder graphs there, and the HiFT shapes of
+    the pass's chunks that graphs serve (its first chunk without HiFT's cache, the later ones after it),
+    each once: the pass's own calls then replay them (engines/token2wav/torch_warmup.py)."""
+    import engines.token2wav.torch_warmup as torch_warmup
+    from engines.config import TOKEN_MEL_RATIO
+    from engines.token2wav.graphs import VocodeShape
+    from engines.token2wav.torch_backend import schedule_hops, vocoder_graph_chunks
+
+    flow = DiTFlow(CONFIGS.dit_flow).eval()
+    voice = flow.prepare_speaker(make_voice(1, 12))
+    later = EncodeShape(4, 5, 128)
+    captured: list[object] = []
+
+    def capture_flow_graph(self: DiTFlow, shape: object) -> bool:
+        if shape in captured:
+            return False
+        captured.append(shape)
+        return True
+
+    monkeypatch.setattr(DiTFlow, "later_graph_shapes", lambda self, batches: [later])
+    monkeypatch.setattr(DiTFlow, "capture_graph", capture_flow_graph)
+    hift, graph_hops = CONFIGS.hift, (4, 10)
+    vocoded: list[VocodeShape] = []
+    vocoder = SimpleNamespace(hift=SimpleNamespace(cfg=hift), batches=(1, 2, 4, 8),
+                              chunks=frozenset(vocoder_graph_chunks(hift, graph_hops)),
+                              has=lambda shape: shape in vocoded, capture=vocoded.extend)
+    t2w = SimpleNamespace(flow=flow, vocoder_graphs=vocoder)
+    hops = schedule_hops(graph_hops)
+    steps = sum(1 for _ in torch_warmup._graphs_of_pass(t2w, voice, 3, hops))  # type: ignore[arg-type]
+    planned = list(dict.fromkeys(shape for shapes in flow.planned_solve_shapes([3], hops, voice.prompt_frames)
+                                 for shape in shapes if flow.buckets.shape(shape) == shape))
+    assert planned and all(shape.batch == 4 for shape in planned)
+    assert captured == [*planned, later]
+    cached = hift.mel_cache_frames
+    assert vocoded == [VocodeShape(4, TOKEN_MEL_RATIO * 4, 0, padded=False),
+                       VocodeShape(4, TOKEN_MEL_RATIO * 10 + cached, hift.source_cache_samples, padded=False)]
+    assert steps == len(captured) + len(vocoded)

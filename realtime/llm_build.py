@@ -35,7 +35,7 @@ class LLMBuild:
             self._loop.call_soon_threadsafe(self.begin, llms)
 
     def begin(self, llms: Sequence[LLMEngine]) -> asyncio.Task[list[None]] | None:
-        """The engines' start, begun on the first call (on the loop); None once `end`ed."""
+        """The engines' start, begun on the first call (on the loop); None if `end`ed before it began."""
         if self._task is None and not self._ended:
             self._llms = tuple(llms)
             self._task = asyncio.ensure_future(together(*(llm.start() for llm in llms)))
@@ -50,11 +50,14 @@ class LLMBuild:
 
     async def end(self) -> None:
         """No start from now on: cancel one under way and wait for it (a build thread cannot be stopped;
-        its error, if it failed, is logged), then stop the engines it started."""
+        its error, if it failed, is logged), then stop the engines it started (a failure to stop one is
+        logged: the others stop all the same). A cancellation of the caller meanwhile is raised after."""
         self._ended = True
         task = self._task
         if task is None:
             return
+        caller = asyncio.current_task()
+        cancelled_before = caller.cancelling() if caller is not None else 0
         if not task.done():
             task.cancel()
         try:
@@ -64,4 +67,9 @@ class LLMBuild:
         except Exception:
             logger.exception("the LLM engines' start failed")
         for llm in self._llms:
-            await llm.stop()
+            try:
+                await llm.stop()
+            except Exception:
+                logger.exception("the %s LLM engine did not stop cleanly", llm.name)
+        if caller is not None and caller.cancelling() > cancelled_before:
+            raise asyncio.CancelledError

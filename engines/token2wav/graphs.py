@@ -272,8 +272,8 @@ class _ShapeGraphs(Generic[ShapeT, InputsT, OutputsT]):
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
-        """Capture shapes at their first use while inside (a paused warm-up's step)."""
-        before, self._capturing = self._capturing, True
+        """Capture shapes at their first use while inside (a paused warm-up's step; sealed graphs never)."""
+        before, self._capturing = self._capturing, not self._sealed
         try:
             yield
         finally:

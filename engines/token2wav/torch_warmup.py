@@ -97,12 +97,14 @@ def staged_warmup(t2w: TorchToken2Wav, speaker: SpeakerState, voice: DiTSpeaker 
                 steps += 1
                 yield
     finally:  # also when a step failed or the engine stops mid-way: nothing more is captured
-        for part in later:
-            part.close()  # the pass in progress closes its streams
-        if isinstance(t2w.flow, DiTFlow):
-            t2w.flow.seal_graphs()
-        for graphs in graph_sets:
-            graphs.seal()
+        try:
+            for part in later:
+                part.close()  # the pass in progress closes its streams
+        finally:
+            if isinstance(t2w.flow, DiTFlow):
+                t2w.flow.seal_graphs()
+            for graphs in graph_sets:
+                graphs.seal()
     # The device memory the steps took is not in memory admission's budget (measured after the first
     # stage): this says how much of its margin they used.
     logger.info("%s warm-up on %s finished between calls: %d steps, %.1f s of work in %.1f s, the longest "
@@ -175,15 +177,23 @@ def _graphs_of_pass(t2w: TorchToken2Wav, voice: DiTSpeaker | None, batch: int, h
             if flow.capture_graph(planned_shape):
                 yield
     rows = None if vocoder is None else round_up(batch, vocoder.batches)
-    if vocoder is not None and rows is not None:
-        cfg = vocoder.hift.cfg  # the first chunk without HiFT's cache, the later ones after it
-        met = [(TOKEN_MEL_RATIO * hops[0], 0)] + [
-            (TOKEN_MEL_RATIO * hop + cfg.mel_cache_frames, cfg.source_cache_samples) for hop in hops[1:]]
-        for frames, cached in met:
-            chunk = VocodeShape(rows, frames, cached, padded=False)
-            if (frames, cached) in vocoder.chunks and not vocoder.has(chunk):
-                vocoder.capture([chunk])
-                yield
+    if vocoder is None or rows is None:
+        return
+    # The later chunks after HiFT's cached frames (the first one's shape is the first stage's), then the
+    # last chunk, the lookahead alone, padded to its final-chunk bucket in parts of a row bucket each.
+    cfg = vocoder.hift.cfg
+    cached = cfg.source_cache_samples
+    shapes = [VocodeShape(rows, TOKEN_MEL_RATIO * hop + cfg.mel_cache_frames, cached, padded=False)
+              for hop in hops[1:]]
+    shapes = [shape for shape in shapes if (shape.frames, shape.cached) in vocoder.chunks]
+    final = vocoder.final_bucket(TOKEN_MEL_RATIO * PRE_LOOKAHEAD + cfg.mel_cache_frames, cached)
+    if final is not None:
+        shapes += [VocodeShape(part, final, cached, padded=True)
+                   for part in dict.fromkeys(vocoder.finals.parts(batch, final) or [])]
+    for shape in shapes:
+        if not vocoder.has(shape):
+            vocoder.capture([shape])
+            yield
 
 
 def _final_vocoder_captures(t2w: TorchToken2Wav, vocoder: GraphedVocoder) -> WarmupSteps:

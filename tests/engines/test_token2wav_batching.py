@@ -733,7 +733,13 @@ def test_paused_graphs_capture_only_inside_a_step_and_sealed_ones_never(
         with graphs.capturing():
             graphs.seal()
         assert not graphs.covers(3) and not graphs.covers(3)
+        with graphs.capturing():
+            assert not graphs.covers(3)  # sealed graphs capture nothing, even inside a step
     assert sum("has no CUDA graph" in record.getMessage() for record in caplog.records) == 1
+    opened = States()  # sealed inside a step while still open (before any pause): sealed after it
+    with opened.capturing():
+        opened.seal()
+    assert not opened.covers(3)
 
 
 def test_a_staged_warm_up_captures_a_pass_s_graphs_before_the_pass(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -743,7 +749,7 @@ def test_a_staged_warm_up_captures_a_pass_s_graphs_before_the_pass(monkeypatch: 
     each once: the pass's own calls then replay them (engines/token2wav/torch_warmup.py)."""
     import engines.token2wav.torch_warmup as torch_warmup
     from engines.config import TOKEN_MEL_RATIO
-    from engines.token2wav.graphs import VocodeShape
+    from engines.token2wav.graphs import FINAL_CHUNK_FRAMES, FinalChunkBuckets, VocodeShape
     from engines.token2wav.torch_backend import schedule_hops, vocoder_graph_chunks
 
     flow = DiTFlow(CONFIGS.dit_flow).eval()
@@ -761,8 +767,11 @@ def test_a_staged_warm_up_captures_a_pass_s_graphs_before_the_pass(monkeypatch: 
     monkeypatch.setattr(DiTFlow, "capture_graph", capture_flow_graph)
     hift, graph_hops = CONFIGS.hift, (4, 10)
     vocoded: list[VocodeShape] = []
-    vocoder = SimpleNamespace(hift=SimpleNamespace(cfg=hift), batches=(1, 2, 4, 8),
-                              chunks=frozenset(vocoder_graph_chunks(hift, graph_hops)),
+    chunks = frozenset(vocoder_graph_chunks(hift, graph_hops))
+    finals = FinalChunkBuckets(FINAL_CHUNK_FRAMES, (1, 2, 4, 8), 8 * 400)
+    vocoder = SimpleNamespace(hift=SimpleNamespace(cfg=hift), batches=(1, 2, 4, 8), chunks=chunks,
+                              finals=finals, final_bucket=lambda frames, cached: None
+                              if (frames, cached) in chunks else finals.bucket(frames),
                               has=lambda shape: shape in vocoded, capture=vocoded.extend)
     t2w = SimpleNamespace(flow=flow, vocoder_graphs=vocoder)
     hops = schedule_hops(graph_hops)
@@ -771,7 +780,11 @@ def test_a_staged_warm_up_captures_a_pass_s_graphs_before_the_pass(monkeypatch: 
                                  for shape in shapes if flow.buckets.shape(shape) == shape))
     assert planned and all(shape.batch == 4 for shape in planned)
     assert captured == [*planned, later]
-    cached = hift.mel_cache_frames
-    assert vocoded == [VocodeShape(4, TOKEN_MEL_RATIO * 4, 0, padded=False),
-                       VocodeShape(4, TOKEN_MEL_RATIO * 10 + cached, hift.source_cache_samples, padded=False)]
+    # The pass's later chunk after HiFT's cache (its first chunk's shape is the first stage's), then its
+    # last chunk, the lookahead alone after the cache, padded to a final-chunk bucket in row buckets.
+    cache = hift.source_cache_samples
+    last = TOKEN_MEL_RATIO * PRE_LOOKAHEAD + hift.mel_cache_frames
+    assert vocoded == [VocodeShape(4, TOKEN_MEL_RATIO * 10 + hift.mel_cache_frames, cache, padded=False),
+                       VocodeShape(2, 16, cache, padded=True), VocodeShape(1, 16, cache, padded=True)]
+    assert last <= 16 and vocoder.final_bucket(last, cache) == 16
     assert steps == len(captured) + len(vocoded)

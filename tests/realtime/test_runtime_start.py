@@ -170,3 +170,33 @@ async def test_a_start_failing_before_it_waits_for_the_llm_build_still_ends_it(
     assert len(built) == 1 and built[0] <= raised
     await asyncio.sleep(1.5)
     assert {thread for thread in engine_threads() - before if thread.is_alive()} == set()
+
+
+async def test_ending_a_build_waits_for_it_then_raises_the_callers_cancellation(
+    tiny_models: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`LLMBuild.end` while the engine still builds: the build thread is waited for and what it made
+    discarded, no engine thread runs after; a cancellation of `end`'s caller meanwhile is raised then, not
+    swallowed (a stop under a timeout must still time out)."""
+    from engines.llm.auto import select_llm
+    from realtime.llm_build import LLMBuild
+
+    build = TorchLLMEngine._build_runner
+
+    def slow_build(engine: TorchLLMEngine) -> Any:
+        time.sleep(1.0)
+        return build(engine)
+
+    monkeypatch.setattr(TorchLLMEngine, "_build_runner", slow_build)
+    before = engine_threads()
+    llm = select_llm(tiny_models, "torch", "cpu", max_slots=1)
+    starting = LLMBuild(asyncio.get_running_loop())
+    starting.begin([llm])
+    ending = asyncio.ensure_future(starting.end())
+    await asyncio.sleep(0.2)
+    ending.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await ending
+    await asyncio.sleep(0.2)
+    assert {thread for thread in engine_threads() - before if thread.is_alive()} == set()
+    assert starting.begin([llm]) is not None and starting.begin([llm]).cancelled()  # type: ignore[union-attr]

@@ -68,7 +68,7 @@ from realtime.session import PreparedVoice, Segment, ServiceError, Session, Spee
 from realtime.tasks import together
 from realtime.token2wav_worker import Token2WavWorker
 from realtime.voices import VoiceInfo, VoiceQuota, VoiceRegistry
-from realtime.warm_up import compile_beside_llm, prepare_warmups, warm_up, warmup_batches
+from realtime.warm_up import WarmupPlan, compile_beside_llm, prepare_warmups, warm_up, warmup_batches
 
 logger = logging.getLogger(__name__)
 
@@ -272,7 +272,7 @@ class Runtime:
             await self._prepare(info.voice_id, self.voices.get(info.voice_id))
         return "default" in self._prepared and any(worker.device.type == "cuda" for worker in self._workers)
 
-    def _warmup_plans(self) -> list[tuple[Token2WavWorker, SpeakerState, list[int]]]:
+    def _warmup_plans(self) -> list[WarmupPlan]:
         """Per token2wav worker, the default voice's speaker and the batch sizes its warm-up runs."""
         voice, batch = self._prepared["default"], self.config.token2wav_batch
         return [(worker, prepared.speaker, warmup_batches(batch, capacity))
@@ -294,11 +294,8 @@ class Runtime:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        if self._llm_build is not None:
-            await self._llm_build.end()  # a start still building them stops (a failed start's stop)
-        if self._engines is not None:
-            for llm in self._engines.llms:
-                await llm.stop()
+        if self._llm_build is not None:  # the engines it started stop; one still building is waited for
+            await self._llm_build.end()
         for worker in self._workers:
             await asyncio.to_thread(worker.stop)
 

@@ -69,9 +69,9 @@ def staged_warmup(t2w: TorchToken2Wav, speaker: SpeakerState, voice: DiTSpeaker 
         _run_all(_chunk_pass(t2w, speaker, batch, hops[:1], tokens, last=False))
     phases.end("first chunks")
     if isinstance(t2w.flow, DiTFlow):
-        t2w.flow.pause_graphs()
-    for graphs in graph_sets:
-        graphs.pause()
+        t2w.flow.pause_graphs()  # its graph sets, and the DiT block's compiling sealed
+    if t2w.vocoder_graphs is not None:
+        t2w.vocoder_graphs.pause()
     logger.info("%s warm-up on %s, first stage: %s", t2w.name, t2w.device, phases)
     free_before = _free_gib(t2w.device)
     yield
@@ -103,8 +103,8 @@ def staged_warmup(t2w: TorchToken2Wav, speaker: SpeakerState, voice: DiTSpeaker 
         finally:
             if isinstance(t2w.flow, DiTFlow):
                 t2w.flow.seal_graphs()
-            for graphs in graph_sets:
-                graphs.seal()
+            if t2w.vocoder_graphs is not None:
+                t2w.vocoder_graphs.seal()
     # The device memory the steps took is not in memory admission's budget (measured after the first
     # stage): this says how much of its margin they used.
     logger.info("%s warm-up on %s finished between calls: %d steps, %.1f s of work in %.1f s, the longest "

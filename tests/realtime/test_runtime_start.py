@@ -23,6 +23,21 @@ from realtime.runtime import Runtime
 from realtime.tasks import together
 
 
+def slow_llm_builds(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """PyTorch LLM engines build 1 s slower from now on; when each build ended (time.monotonic)."""
+    built: list[float] = []
+    build = TorchLLMEngine._build_runner
+
+    def slow_build(engine: TorchLLMEngine) -> Any:
+        time.sleep(1.0)
+        runner = build(engine)
+        built.append(time.monotonic())
+        return runner
+
+    monkeypatch.setattr(TorchLLMEngine, "_build_runner", slow_build)
+    return built
+
+
 def engine_threads() -> set[threading.Thread]:
     return {thread for thread in threading.enumerate() if thread.name.startswith(("token2wav", "llm-engine"))}
 
@@ -36,19 +51,11 @@ async def test_a_start_that_fails_stops_its_workers_and_engines(
     was closed (its idle compile processes end). The runtime cannot be started again."""
     closed: list[str] = []
     monkeypatch.setattr(TorchToken2Wav, "close", lambda backend: closed.append(str(backend.device)))
-    built: list[float] = []
-    build = TorchLLMEngine._build_runner
-
-    def slow_build(engine: TorchLLMEngine) -> Any:
-        time.sleep(1.0)
-        runner = build(engine)
-        built.append(time.monotonic())
-        return runner
+    built = slow_llm_builds(monkeypatch)
 
     async def unreadable(runtime: Runtime) -> bool:
         raise RuntimeError("the voices folder is unreadable")
 
-    monkeypatch.setattr(TorchLLMEngine, "_build_runner", slow_build)
     monkeypatch.setattr(Runtime, "_prepare_voices", unreadable)
     before = engine_threads()
     runtime = Runtime(ServiceConfig(models_dir=tiny_models, device="cpu", max_streams=2,
@@ -148,19 +155,11 @@ async def test_a_start_failing_before_it_waits_for_the_llm_build_still_ends_it(
     what it started: no LLM engine thread starts after the start has raised."""
     import realtime.runtime as runtime_module
 
-    built: list[float] = []
-    build = TorchLLMEngine._build_runner
-
-    def slow_build(engine: TorchLLMEngine) -> Any:
-        time.sleep(1.0)
-        runner = build(engine)
-        built.append(time.monotonic())
-        return runner
+    built = slow_llm_builds(monkeypatch)
 
     def broken(*args: object) -> None:
         raise RuntimeError("the metrics could not be set up")
 
-    monkeypatch.setattr(TorchLLMEngine, "_build_runner", slow_build)
     monkeypatch.setattr(runtime_module, "track_gpu_memory", broken)
     before = engine_threads()
     runtime = Runtime(ServiceConfig(models_dir=tiny_models, device="cpu", max_streams=2))
@@ -181,13 +180,7 @@ async def test_ending_a_build_waits_for_it_then_raises_the_callers_cancellation(
     from engines.llm.auto import select_llm
     from realtime.llm_build import LLMBuild
 
-    build = TorchLLMEngine._build_runner
-
-    def slow_build(engine: TorchLLMEngine) -> Any:
-        time.sleep(1.0)
-        return build(engine)
-
-    monkeypatch.setattr(TorchLLMEngine, "_build_runner", slow_build)
+    slow_llm_builds(monkeypatch)
     before = engine_threads()
     llm = select_llm(tiny_models, "torch", "cpu", max_slots=1)
     starting = LLMBuild(asyncio.get_running_loop())

@@ -6,7 +6,7 @@ comes and again.
   for whatever the libraries build per shape (cuDNN's execution plans); `--no-cudnn` runs the
   convolutions without cuDNN (PyTorch's own kernels) to tell its share.
 - `--padded-graphs`: as the service runs them now, rows right-padded to a bucket of lengths and run
-  from the masked CUDA graphs (graphs.GraphedVocoder), captured first as the warm-up does (the capture
+  from the masked CUDA graphs (vocoder_graphs.GraphedVocoder), captured first as the warm-up does (the capture
   is timed: it is start-up time); shapes beyond the graphs' rows × frames run eagerly at the bucket.
 
     bash benchmarks/on_device.sh python3 benchmarks/hift_eager.py --models /tmp/m \
@@ -28,9 +28,9 @@ import torch
 
 from engines.compilation import use_tf32_matmuls
 from engines.config import ModelPaths, configs_for_models_dir
-from engines.token2wav.graphs import GraphedVocoder
 from engines.token2wav.hift import HiFTGenerator, load_hift
 from engines.token2wav.torch_backend import GRAPH_HOPS, VOCODER_GRAPH_BATCHES, vocoder_graph_chunks
+from engines.token2wav.vocoder_graphs import GraphedVocoder
 from engines.transfer import upload
 
 Call = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], object]

@@ -537,11 +537,12 @@ class DiTFlow(ConformerFlow):
         return out.mu[:real, :, : stride * tokens]
 
     def _encoder(self, exact: EncodeShape) -> tuple[EncoderRunner, EncodeShape]:
-        """The bucketed encoder at the bucket holding `exact`, or an eager one at `exact`."""
-        if self._bucketed_encoder is not None:
-            shape = self.buckets.encode_shape(exact, self.cfg.encoder.up_stride)
-            if shape is not None:
-                return self._bucketed_encoder, shape
+        """The bucketed encoder at the bucket holding `exact` (or at a captured graph's shape holding it:
+        `ShapeGraphs.stand_in`), or an eager one at `exact`."""
+        encoder = self._bucketed_encoder
+        shape = None if encoder is None else self.buckets.encode_shape(exact, self.cfg.encoder.up_stride)
+        if encoder is not None and shape is not None:
+            return encoder, encoder.stand_in(shape) if isinstance(encoder, GraphedEncoder) else shape
         return EagerEncoder(self._encode_inputs, self._encoder_layout), exact
 
     def _encode_inputs(self, inputs: EncoderInputs) -> tuple[torch.Tensor, ConformerCache]:
@@ -578,11 +579,12 @@ class DiTFlow(ConformerFlow):
                 copy_words_(cache.frame_kv[:, i : i + 1, :, stride * (end - own) :], history.frame_kv)
 
     def _solver(self, exact: SolveShape) -> tuple[RaggedSolver, SolveShape]:
-        """The bucketed solver at the bucket holding `exact`, or the eager one at `exact`."""
-        if self._bucketed is not None:
-            shape = self.buckets.shape(exact)
-            if shape is not None:
-                return self._bucketed, shape
+        """The bucketed solver at the bucket holding `exact` (or at a captured graph's shape holding it:
+        `ShapeGraphs.stand_in`), or the eager one at `exact`."""
+        solver = self._bucketed
+        shape = None if solver is None else self.buckets.shape(exact)
+        if solver is not None and shape is not None:
+            return solver, solver.stand_in(shape) if isinstance(solver, GraphedSolver) else shape
         return EagerSolver(self.decoder, SolverLayout.of(self.cfg, self.dtype, self.device)), exact
 
     def _solve_batch(self, rows: Sequence[_Row], mu: torch.Tensor) -> list[torch.Tensor]:

@@ -132,7 +132,7 @@ def _emit_rows(streams: Sequence[HiFTStream], lasts: Sequence[bool], mel: Tensor
 
 
 class VocoderGraphs(Protocol):
-    """Runs `HiFTGenerator.vocode_with_noise` from CUDA graphs where it can (graphs.GraphedVocoder)."""
+    """Runs `HiFTGenerator.vocode_with_noise` from CUDA graphs where it can (vocoder_graphs)."""
 
     def final_bucket(self, frames: int, cached: int) -> int | None:
         """The mel frames (at least `frames`) that a final chunk of `frames` after `cached` source

@@ -36,11 +36,11 @@ from engines.token2wav.block_compile import BlockCompileWorkers, idle_workers_fo
 from engines.token2wav.dit_cache import CacheRule
 from engines.token2wav.flow_base import FlowModel, FlowSpeaker, FlowStream
 from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker, load_dit_flow
-from engines.token2wav.graphs import FINAL_CHUNK_FRAMES, GraphedVocoder
 from engines.token2wav.hift import HiFTGenerator, load_hift
 from engines.token2wav.hift_stream import HiFTStream, launch_vocode_streams
 from engines.token2wav.stream_memory import stream_state_bytes
 from engines.token2wav.torch_warmup import Phases, staged_warmup
+from engines.token2wav.vocoder_graphs import FINAL_CHUNK_FRAMES, GraphedVocoder
 from engines.voice import VoicePrompt
 
 logger = logging.getLogger(__name__)

@@ -34,7 +34,8 @@ from engines.cuda_graphs import empty_cache
 from engines.token2wav.base import ChunkJob, SpeakerState, WarmupSteps
 from engines.token2wav.batching import round_up
 from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker
-from engines.token2wav.graphs import GraphedEncoder, GraphedSolver, GraphedVocoder, VocodeShape
+from engines.token2wav.graphs import GraphedEncoder, GraphedSolver
+from engines.token2wav.vocoder_graphs import GraphedVocoder, VocodeShape
 
 if TYPE_CHECKING:
     from engines.token2wav.torch_backend import TorchToken2Wav

@@ -15,9 +15,9 @@ from weights import randomize
 
 from engines.checkpoints import CheckpointError, load_strict, read_manifest_tsv
 from engines.config import SAMPLES_PER_MEL_FRAME, HiFTConfig, ModelConfigs
-from engines.token2wav.graphs import FinalChunkBuckets, GraphedVocoder
 from engines.token2wav.hift import HiFTGenerator, canonical_hift_state, load_hift
 from engines.token2wav.hift_stream import HiFTStream, vocode_streams
+from engines.token2wav.vocoder_graphs import FinalChunkBuckets, GraphedVocoder
 
 MANIFEST = "cosyvoice2-0.5b.hift.pt.tsv"
 TINY = ModelConfigs.tiny().hift
@@ -331,7 +331,7 @@ def test_right_padded_rows_equal_each_row_alone(cached_frames: int) -> None:
 
 
 class PaddingVocoder:
-    """The bucket rule of graphs.GraphedVocoder for final chunks, run eagerly (CUDA graphs need a GPU;
+    """The bucket rule of vocoder_graphs.GraphedVocoder for final chunks, run eagerly (CUDA graphs need a GPU;
     they are checked against eager there): the stream batching of padded rows on the CPU."""
 
     def __init__(self, hift: HiFTGenerator, buckets: tuple[int, ...]) -> None:

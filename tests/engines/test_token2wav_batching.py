@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -225,6 +226,24 @@ def test_bucketed_shapes_with_stale_buffers_equal_each_stream_alone() -> None:
     assert len({s.kept_frames for s in solver.runs}) > 1
     assert {s.batch for s in solver.runs} >= {4, 8}
     assert len(solver.inputs) < len(solver.runs)  # buffers were reused
+
+
+def test_calls_padded_to_a_stand_in_holding_them_equal_each_stream_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every solve and encode at one larger shape holding them all (what `ShapeGraphs.stand_in` picks while
+    the warm-up has not reached a call's own bucket): first chunks in a shape with an own cache, rows,
+    frames, prompts, kept frames and histories all padded past their buckets, on reused garbage buffers."""
+    flow = DiTFlow(TRIMMING).eval()
+    randomize(flow, seed=0)
+    speakers = [flow.prepare_speaker(make_voice(1, 12)), flow.prepare_speaker(make_voice(2, 7))]
+    solver, encoder = PersistentSolver(flow), PersistentEncoder(flow)
+    flow.use_bucketed_solver(solver, Buckets(batch=(8,), frames=(80,), prompt_frames=(64,)), encoder)
+    holder, encoder_holder = SolveShape(8, 80, 64, 64, 64), EncodeShape(8, 40, 96)
+    monkeypatch.setattr(Buckets, "shape", lambda self, exact: holder)
+    monkeypatch.setattr(Buckets, "encode_shape", lambda self, exact, stride: encoder_holder)
+    assert_streams_match(flow, speakers, plans())
+    assert set(solver.runs) == {holder} and set(encoder.runs) == {encoder_holder}
 
 
 def test_a_solve_of_its_first_steps_leaves_those_steps_caches_as_the_whole_solve(
@@ -590,11 +609,12 @@ def test_warm_up_captures_the_final_chunk_graphs(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_staged_warm_up_serves_between_its_steps_and_ends_with_every_graph(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The first stage captures every chunk of the largest batch and a first chunk at every other batch
-    size; calls between steps capture nothing (shapes not captured yet run eagerly, quietly) and give the
-    audio the graphs give later; the steps then capture what a warm-up in one go does, and seal."""
+    size; calls between steps capture nothing (shapes not captured yet replay a larger graph holding them,
+    quietly) and give the audio the graphs give later; the steps then capture what a warm-up in one go
+    does, and seal."""
     backend, voices = seeded_backend("cuda", graphs=True)
     whole, whole_voices = seeded_backend("cuda", graphs=True)
     whole.warmup(whole_voices[0], batches=(4, 2, 1))
@@ -608,9 +628,18 @@ def test_a_staged_warm_up_serves_between_its_steps_and_ends_with_every_graph(
     assert {s.batch for s in vocoder.shapes if not s.cached} == {4, 2, 1}
     graphs = [flow.graphs, *flow.graph_sets()[1:], vocoder]
     counts = [len(g.shapes) for g in graphs]
+    stood_in: dict[str, list[bool]] = {}
+    for g in graphs:
+        def spy(shape: Any, own: Any = g.stand_in, kind: str = type(g).__name__) -> Any:
+            ran_at = own(shape)
+            stood_in.setdefault(kind, []).append(ran_at != shape)
+            return ran_at
+        monkeypatch.setattr(g, "stand_in", spy)
     with caplog.at_level(logging.WARNING, logger="engines.token2wav.graphs"):
         between = run_plans(backend, voices, plans())
     assert [len(g.shapes) for g in graphs] == counts
+    assert {kind: any(larger) for kind, larger in stood_in.items()} == dict.fromkeys(
+        ("GraphedSolver", "GraphedEncoder", "GraphedVocoder"), True)
     assert not [r for r in caplog.records if "has no CUDA graph" in r.getMessage()]
     taken = sum(1 for _ in steps)
     assert taken > 0
@@ -688,7 +717,7 @@ def test_reserved_graph_buffers_are_inference_tensors() -> None:
     DiT block as ordinary tensors, and its variants compiled on inference tensors no longer serve."""
     import engines.token2wav.graphs as graphs_module
 
-    class Buffers(graphs_module._ShapeGraphs[int, None, None]):
+    class Buffers(graphs_module.ShapeGraphs[int, None, None]):
         def __init__(self) -> None:  # the arena and graph table alone: no CUDA here
             self._arena = graphs_module._Arena(torch.device("cpu"))
             self._graphs = {}
@@ -716,7 +745,7 @@ def test_paused_graphs_capture_only_inside_a_step_and_sealed_ones_never(
     step may come); sealed, never again, even when sealed inside a step, and such a shape is logged once."""
     import engines.token2wav.graphs as graphs_module
 
-    class States(graphs_module._ShapeGraphs[int, None, None]):
+    class States(graphs_module.ShapeGraphs[int, None, None]):
         def __init__(self) -> None:  # the state alone: no CUDA here
             self._graphs, self._uncaptured = {}, set()
             self._capturing, self._sealed = True, False
@@ -742,6 +771,51 @@ def test_paused_graphs_capture_only_inside_a_step_and_sealed_ones_never(
     assert not opened.covers(3)
 
 
+def test_a_shape_without_a_graph_runs_in_the_least_padded_captured_graph_holding_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`ShapeGraphs.stand_in`: a captured shape, or any shape while captures are open, runs at itself; else
+    the captured shape of fewest rows, then least padding, that holds it in every dimension (HiFT: in rows
+    alone, never for padded final chunks); none: itself (eagerly). Sealed, each stand-in is logged once."""
+    import engines.token2wav.graphs as graphs_module
+    from engines.token2wav.vocoder_graphs import GraphedVocoder, VocodeShape
+
+    def states(kind: type, captured: list[object]) -> Any:
+        graphs = object.__new__(kind)  # the graph table and states alone: no CUDA here
+        graphs._graphs, graphs._uncaptured = dict.fromkeys(captured), set()
+        graphs._capturing, graphs._sealed = True, False
+        return graphs
+
+    small, large = SolveShape(16, 50, 100, 64, 100), SolveShape(64, 50, 100, 64, 100)
+    wide = SolveShape(16, 100, 200, 64, 200)
+    solver = states(graphs_module.GraphedSolver, [large, wide, small])
+    later = SolveShape(8, 50, 100, 64, 60)
+    assert solver.stand_in(later) == later  # open: its graph is captured now
+    solver.pause()
+    assert solver.stand_in(later) == small  # fewest rows
+    assert solver.stand_in(SolveShape(16, 100, 100, 64, 100)) == wide  # the only one holding its frames
+    assert solver.stand_in(SolveShape(32, 50, 0, 64, 30)) == large  # a first chunk: no own cache
+    assert solver.stand_in(small) == small
+    beyond = SolveShape(128, 50, 100, 64, 100)
+    assert solver.stand_in(beyond) == beyond  # nothing holds it: eagerly
+    with solver.capturing():
+        assert solver.stand_in(later) == later
+    encoder = states(graphs_module.GraphedEncoder, [EncodeShape(64, 25, 128), EncodeShape(16, 50, 64)])
+    encoder.pause()
+    assert encoder.stand_in(EncodeShape(8, 25, 64)) == EncodeShape(16, 50, 64)
+    assert encoder.stand_in(EncodeShape(8, 25, 100)) == EncodeShape(64, 25, 128)
+    chunk, final = VocodeShape(64, 58, 3840), VocodeShape(64, 64, 3840, padded=True)
+    vocoder = states(GraphedVocoder, [chunk, final])
+    vocoder.pause()
+    assert vocoder.stand_in(VocodeShape(16, 58, 3840)) == chunk
+    assert vocoder.stand_in(VocodeShape(16, 50, 3840)) == VocodeShape(16, 50, 3840)  # frames are the audio's
+    assert vocoder.stand_in(VocodeShape(8, 64, 3840, padded=True)) == VocodeShape(8, 64, 3840, padded=True)
+    solver.seal()
+    with caplog.at_level(logging.INFO, logger="engines.token2wav.graphs"):
+        assert solver.stand_in(later) == small and solver.stand_in(later) == small
+    assert sum("runs in" in record.getMessage() for record in caplog.records) == 1
+
+
 def test_a_staged_warm_up_captures_a_pass_s_graphs_before_the_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     """Before another batch size's chunk pass, the staged warm-up captures, one per step, the solves the
     pass plans (at the batch's bucket), the later solve and encoder graphs there, and the HiFT shapes of
@@ -749,8 +823,8 @@ def test_a_staged_warm_up_captures_a_pass_s_graphs_before_the_pass(monkeypatch: 
     each once: the pass's own calls then replay them (engines/token2wav/torch_warmup.py)."""
     import engines.token2wav.torch_warmup as torch_warmup
     from engines.config import TOKEN_MEL_RATIO
-    from engines.token2wav.graphs import FINAL_CHUNK_FRAMES, FinalChunkBuckets, VocodeShape
     from engines.token2wav.torch_backend import schedule_hops, vocoder_graph_chunks
+    from engines.token2wav.vocoder_graphs import FINAL_CHUNK_FRAMES, FinalChunkBuckets, VocodeShape
 
     flow = DiTFlow(CONFIGS.dit_flow).eval()
     voice = flow.prepare_speaker(make_voice(1, 12))

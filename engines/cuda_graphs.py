@@ -42,6 +42,16 @@ def empty_cache() -> None:
         torch.cuda.empty_cache()
 
 
+def free_bytes(device: torch.device) -> int:
+    """The device's free memory plus the blocks the caching allocator holds unused: about what is free
+    after `empty_cache`, measured without waiting for a capture under way, whose warm-up run may compile
+    for seconds (an LLM building beside a cold start held such a measure 8.3 s, docs/benchmarks.md,
+    twenty-first session). Unused blocks of graph pools count too: an estimate, for decisions with a
+    wide margin."""
+    unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return torch.cuda.mem_get_info(device)[0] + unused
+
+
 def capture_graph(fn: Callable[[], object], pool: Any, stream: torch.cuda.Stream,
                   warmup: Callable[[], object] | None = None) -> torch.cuda.CUDAGraph:
     """A CUDA graph of `fn` captured on `stream`, its intermediates in memory pool `pool` (None: a new

@@ -98,7 +98,7 @@ def log_budgets(budgets: Sequence[int | None], devices: Sequence[torch.device], 
                     "default voice %s (%d tokens)%s", index, device, limit, per_stream, max_tokens, fit)
 
 
-__all__ = ["MemoryBudgets", "device_budgets", "log_budgets", "track_gpu_memory", "usable_device_bytes"]
+__all__ = ["MemoryBudgets", "device_budgets", "log_budgets", "track_gpu_memory"]
 
 
 def track_gpu_memory(metrics: Metrics, devices: Sequence[str]) -> None:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from engines.config import ModelPaths
-from engines.cuda_graphs import empty_cache
+from engines.cuda_graphs import empty_cache, free_bytes
 from engines.llm.base import (
     LLMEngine,
     LLMError,
@@ -52,13 +52,7 @@ from realtime.admission import AdmissionPolicy, Load, Refuse
 from realtime.config import ServiceConfig
 from realtime.engine_loader import LLMsChosen, LoadedEngines, load_engines
 from realtime.llm_build import LLMBuild
-from realtime.memory_budget import (
-    MemoryBudgets,
-    device_budgets,
-    log_budgets,
-    track_gpu_memory,
-    usable_device_bytes,
-)
+from realtime.memory_budget import MemoryBudgets, device_budgets, log_budgets, track_gpu_memory
 from realtime.metrics import Metrics
 from realtime.placement import WorkerLoad, least_loaded, split_capacity
 from realtime.prompts import PromptCache, choose_mode
@@ -200,8 +194,8 @@ class Runtime:
             # (docs/benchmarks.md, 2026-11-24 start-up). Where the policy allows (warm_up.py), the
             # voices come first (a few small calls) and what the token2wav warm-up has other processes
             # do (a cold start's compiling) runs while the LLM builds.
-            # Free now: less the LLM's so far where it builds already.
-            free = {device: usable_device_bytes(torch.device(device)) for device in engines.plan.shared_gpus}
+            # Free now, less the LLM's so far where it builds already (without waiting for its capture).
+            free = {device: free_bytes(torch.device(device)) for device in engines.plan.shared_gpus}
             early = compile_beside_llm(engines.llms, engines.plan.token2wav_devices, free)
             if early:
                 warmed_up = await self._prepare_voices()

@@ -448,8 +448,8 @@ class DiTFlow(ConformerFlow):
             graphs.pause()
 
     def seal_graphs(self) -> None:
-        """From now on capture no graph and compile no block: shapes without one run eagerly (see
-        graphs.py)."""
+        """From now on capture no graph and compile no block: shapes without one run in a graph holding
+        them, else eagerly (see graphs.py)."""
         if isinstance(self.decoder.estimator, DiT):
             self.decoder.estimator.seal_compilation()
         for graphs in self.graph_sets():

@@ -223,10 +223,11 @@ class ShapeGraphs(Generic[ShapeT, InputsT, OutputsT]):
     share one memory pool and one arena of static inputs and outputs.
 
     Once `seal`ed (after the warm-up), nothing more is captured: a capture takes the engine thread, and
-    every stream waiting on it, for tens to hundreds of milliseconds. A shape without a graph then runs
-    through `eager` at the same (bucket) shape, and is logged once. While `pause`d (a warm-up that goes on
-    in steps between serving calls), shapes are captured only inside `capturing` (the steps), and one
-    without a graph yet runs eagerly without a word: a step may still capture it."""
+    every stream waiting on it, for tens to hundreds of milliseconds. A shape without a graph then runs in
+    a captured graph holding it (`stand_in`), else through `eager` at the same (bucket) shape, and is
+    logged once. While `pause`d (a warm-up that goes on in steps between serving calls), shapes are
+    captured only inside `capturing` (the steps), and one without a graph yet runs likewise without a
+    word: a step may still capture it."""
 
     def __init__(self, device: torch.device,
                  eager: _EagerCalls[ShapeT, InputsT, OutputsT] | None = None) -> None:
@@ -286,7 +287,7 @@ class ShapeGraphs(Generic[ShapeT, InputsT, OutputsT]):
 
     def stand_in(self, shape: ShapeT) -> ShapeT:
         """The shape to run a call of `shape` at: `shape` where a graph serves it (captured, or captured
-        now), else the captured shape of fewest rows, then least padding, that holds it (`_holds`), else
+        now), else the cheapest captured shape that holds it (`_holds`, `_padding_order`), else
         `shape` (eagerly). A larger graph computes the same rows (its padding is masked) for more device
         time, where an eager call at a shape met for the first time pays cuDNN's plans and every launch
         on the host: right after ready, 16 streams' later chunks took 214 ms a call eagerly, 203 ms of it
@@ -300,8 +301,8 @@ class ShapeGraphs(Generic[ShapeT, InputsT, OutputsT]):
         holder = min(holders, key=self._padding_order)
         if self._sealed and shape not in self._uncaptured:
             self._uncaptured.add(shape)
-            logger.info("%s %s has no CUDA graph (the warm-up did not meet it): it runs in %s's",
-                        type(self).__name__, shape, holder)
+            logger.warning("%s %s has no CUDA graph (the warm-up did not meet it): it runs in %s's, padded",
+                           type(self).__name__, shape, holder)
         return holder
 
     def _holds(self, captured: ShapeT, shape: ShapeT) -> bool:
@@ -309,7 +310,7 @@ class ShapeGraphs(Generic[ShapeT, InputsT, OutputsT]):
         return False
 
     def _padding_order(self, shape: ShapeT) -> tuple[int, ...]:
-        """Stand-ins by preference: fewest rows first (shapes lead with their rows), then least padding."""
+        """Stand-ins by preference, cheapest first: here by their dimensions in order (rows first)."""
         return dataclasses.astuple(cast(Any, shape))
 
     def capture(self, shapes: Iterable[ShapeT]) -> None:
@@ -398,6 +399,11 @@ class GraphedSolver(ShapeGraphs[SolveShape, RaggedInputs, RaggedOutputs]):
         # Every dimension is padded and masked: rows, chunk, own cache (left), prompts, kept frames.
         return all(big >= small for big, small in zip(dataclasses.astuple(captured),
                                                       dataclasses.astuple(shape), strict=True))
+
+    def _padding_order(self, shape: SolveShape) -> tuple[int, ...]:
+        # The DiT's attention: each chunk frame over prompt, own cache and chunk, per row.
+        attended = shape.prompt_frames + shape.own_frames + shape.frames
+        return shape.batch * shape.frames * attended, *dataclasses.astuple(shape)
 
     def _static_buffers(self, shape: SolveShape, view: TensorSource) -> None:
         self.layout.inputs(shape, view)
@@ -515,6 +521,10 @@ class GraphedEncoder(ShapeGraphs[EncodeShape, EncoderInputs, EncoderOutputs]):
         # Rows, tokens (right) and history (left) are padded and masked.
         return (captured.batch >= shape.batch and captured.tokens >= shape.tokens
                 and captured.history >= shape.history)
+
+    def _padding_order(self, shape: EncodeShape) -> tuple[int, ...]:
+        # Attention: each token over history and chunk, per row.
+        return shape.batch * shape.tokens * (shape.history + shape.tokens), *dataclasses.astuple(shape)
 
     def _static_buffers(self, shape: EncodeShape, view: TensorSource) -> None:
         self.layout.inputs(shape, view)

@@ -14,9 +14,9 @@ Then graphs are captured only inside a step (`pause`). For each other batch size
 ramps up) the graphs its chunk pass meets and its later solve and encoder graphs are captured, one per
 step, then its streams run through the schedule, one chunk call per step (replaying them); then the
 final-chunk vocoder graphs, one per step; a step with nothing to capture is skipped. Until its step has
-come, a shape runs eagerly at its bucket's shape (a later chunk, which has its predecessor's audio as
-slack); a call that arrives during a step waits for it. The last step seals the graphs. Without CUDA
-graphs all of it is the first stage.
+come, a shape runs in a captured graph holding it (`ShapeGraphs.stand_in`: the largest batch's, padded),
+eagerly where none does; a call that arrives during a step waits for it. The last step seals the
+graphs. Without CUDA graphs all of it is the first stage.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ pause and seal, stand-ins) are `graphs.ShapeGraphs`'.
 Batches pad to a bucket with rows nobody reads, and chunk lengths are exact for the lengths the chunk
 schedule produces. Final chunks, whose lengths are whatever a segment leaves, are right-padded to a bucket
 of lengths and masked inside HiFT (its convolutions see both ways: each layer's output is zeroed past each
-row's end, as its zero padding would be), so each row's audio is its own. Other calls run eagerly.
+row's end, as its zero padding would be), so each row's audio is its own. A chunk shape without its graph
+runs in one of more rows (`stand_in`); other calls run eagerly.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from engines.checkpoints import CheckpointError, load_strict, read_manifest_tsv
 from engines.config import SAMPLES_PER_MEL_FRAME, HiFTConfig, ModelConfigs
 from engines.token2wav.hift import HiFTGenerator, canonical_hift_state, load_hift
 from engines.token2wav.hift_stream import HiFTStream, vocode_streams
-from engines.token2wav.vocoder_graphs import FinalChunkBuckets, GraphedVocoder
+from engines.token2wav.vocoder_graphs import FinalChunkBuckets, GraphedVocoder, VocodeShape
 
 MANIFEST = "cosyvoice2-0.5b.hift.pt.tsv"
 TINY = ModelConfigs.tiny().hift
@@ -405,6 +405,35 @@ def test_padded_final_chunk_graphs_give_each_row_its_own_audio() -> None:
         # cuDNN picks its kernels (TF32 by default) by shape: ~1e-4 apart on samples ~0.05.
         torch.testing.assert_close(out.speech[row, : n * hop], want.speech[0], atol=5e-4, rtol=1e-3)
         assert not bool(out.speech[row, n * hop:].any())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_chunk_without_its_graph_runs_in_a_graph_of_more_rows() -> None:
+    """Paused (a staged warm-up), chunks of 1 and 3 rows whose graphs are not captured yet run in the
+    captured 4-row graph of their length and cache (its other rows hold an earlier call's values) and give
+    what an eager call gives each row."""
+    torch.manual_seed(3)
+    hift = HiFTGenerator(TINY).eval().cuda()
+    graphs = GraphedVocoder(hift, [(20, 0)], batches=(1, 2, 4))
+    hop, generator = SAMPLES_PER_MEL_FRAME, torch.Generator("cuda").manual_seed(5)
+
+    def chunk(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.randn(rows, 80, 20, device="cuda", generator=generator),
+                torch.randn(rows, 20 * hop, hift.num_harmonics, device="cuda", generator=generator))
+
+    with torch.inference_mode():
+        mel, noise = chunk(4)
+        graphs.vocode(mel, None, noise)  # captures the 4-row graph
+        graphs.pause()
+        for rows in (1, 3):
+            mel, noise = chunk(rows)
+            out = graphs.vocode(mel, None, noise)
+            for row in range(rows):
+                want = hift.vocode_with_noise(mel[row : row + 1], None, noise[row : row + 1])
+                # cuDNN picks its kernels (TF32 by default) by shape.
+                torch.testing.assert_close(out.speech[row], want.speech[0], atol=5e-4, rtol=1e-3)
+    assert graphs.shapes == [VocodeShape(4, 20, 0)]
 
 
 def test_final_chunk_graphs_stop_at_their_row_cap() -> None:

@@ -28,6 +28,7 @@ from starlette.staticfiles import StaticFiles
 
 from realtime.access import install_log_redaction, is_loopback
 from realtime.config import ServiceConfig
+from realtime.gc_pauses import GcPauses, start_objects_frozen
 from realtime.loop_lag import watch_event_loop
 from realtime.runtime import Runtime
 from realtime.session import ServiceError
@@ -109,6 +110,8 @@ def create_app(config: ServiceConfig, runtime: Runtime | None = None) -> Starlet
     webrtc = WebRTCGateway(runtime, config.webrtc, config.limits.pending_offers_per_client)
     sockets = ws.WebSocketHub()
     runtime.metrics.track_connections(lambda: len(sockets), lambda: len(webrtc))
+    gc_pauses = GcPauses()
+    runtime.metrics.track_gc(gc_pauses)
 
     async def drain(timeout_s: float) -> None:
         """Before the server stops: not ready, new work refused, running utterances on every transport
@@ -130,13 +133,15 @@ def create_app(config: ServiceConfig, runtime: Runtime | None = None) -> Starlet
         loop_lag = asyncio.create_task(watch_event_loop(runtime.metrics.event_loop_lag.observe),
                                        name="event-loop-lag")
         try:
-            await runtime.start()
-            try:
-                yield
-            finally:
-                logger.info("shutting down: draining streams for up to %.1f s", config.drain_timeout_s)
-                await webrtc.aclose()
-                await runtime.stop(config.drain_timeout_s)
+            with gc_pauses.watching():
+                await runtime.start()
+                try:
+                    with start_objects_frozen():  # collections walk only what serving makes
+                        yield
+                finally:
+                    logger.info("shutting down: draining streams for up to %.1f s", config.drain_timeout_s)
+                    await webrtc.aclose()
+                    await runtime.stop(config.drain_timeout_s)
         finally:
             loop_lag.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from engines.llm.base import LLMStats
+from realtime.gc_pauses import PAUSE_BUCKETS, GcPauses
 from realtime.placement import WorkerLoad
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
@@ -179,6 +181,11 @@ class Metrics:
         Gauge("tts_webrtc_sessions", "WebRTC sessions (peer connections) open",
               registry=self.registry).set_function(lambda: float(webrtc_sessions()))
 
+    def track_gc(self, pauses: GcPauses) -> None:
+        """Report Python's garbage collection pauses by generation (`realtime_gc_pause_seconds`), read
+        at every scrape: a collection stops every thread, the LLM's decode steps included."""
+        self.registry.register(_GcPauseCollector(pauses))
+
     def error(self, code: str) -> None:
         self.errors.labels(code=code).inc()
 
@@ -324,3 +331,22 @@ class _PlacementCollector(Collector):
             "autoscaler targets",
             value=1.0 - free / total if total else 1.0,
         )
+
+
+class _GcPauseCollector(Collector):
+    """`GcPauses`' counts as a histogram per generation, read when scraped."""
+
+    def __init__(self, pauses: GcPauses) -> None:
+        self._pauses = pauses
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(
+            "realtime_gc_pause_seconds",
+            "Python garbage collections by generation and how long each stopped every thread",
+            labels=["generation"])
+        for generation, (counts, seconds) in enumerate(zip(self._pauses.counts, self._pauses.seconds,
+                                                           strict=True)):
+            cumulative = list(itertools.accumulate(counts))
+            bounds = [*(str(bound) for bound in PAUSE_BUCKETS), "+Inf"]
+            family.add_metric([str(generation)], list(zip(bounds, cumulative, strict=True)), seconds)
+        yield family

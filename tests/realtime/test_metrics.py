@@ -3,6 +3,8 @@ GPU, the LLM engine's steps and the token2wav worker's batches."""
 
 from __future__ import annotations
 
+import gc
+import re
 from pathlib import Path
 
 import httpx
@@ -23,6 +25,7 @@ from realtime.bench import (
 )
 from realtime.bench import _outcomes as outcomes
 from realtime.bench_metrics import scrape
+from realtime.gc_pauses import GcPauses
 from realtime.metrics import Metrics
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -34,6 +37,35 @@ async def test_without_a_gpu_there_is_no_peak_memory(live_server: LiveServer) ->
         body = (await http.get("/metrics")).text
     assert "tts_active_streams" in body and "realtime_gpu_memory_peak_bytes" not in body
     assert "realtime_gpu_memory_peak_bytes" not in await scrape(live_server.http_url)
+
+
+async def test_collections_are_counted_by_generation_while_watching() -> None:
+    pauses = GcPauses()
+    callbacks = len(gc.callbacks)
+    with pauses.watching():
+        assert len(gc.callbacks) == callbacks + 1
+        gc.collect(0)
+        gc.collect(2)
+    gc.collect(2)  # not watching any more: not counted
+    assert sum(pauses.counts[0]) >= 1 and sum(pauses.counts[2]) == 1
+    assert pauses.seconds[2] > 0 and len(gc.callbacks) == callbacks
+
+
+async def test_a_service_freezes_its_start_s_objects_and_reports_collections(
+    tiny_models: Path, tmp_path: Path,
+) -> None:
+    """While a service runs, what its start made is out of garbage collection (gc.freeze) and /metrics
+    counts collections and their pauses by generation; at stop the objects are back and the callback gone."""
+    callbacks = len(gc.callbacks)
+    async with serve(service_config(tiny_models, tmp_path)) as server:
+        assert gc.get_freeze_count() > 0 and len(gc.callbacks) == callbacks + 1
+        gc.collect(2)
+        async with httpx.AsyncClient(base_url=server.http_url) as http:
+            metrics = (await http.get("/metrics")).text
+    counted = re.search(r'^realtime_gc_pause_seconds_count\{generation="2"\} (\S+)$', metrics, re.M)
+    assert counted is not None and float(counted.group(1)) >= 1
+    assert 'realtime_gc_pause_seconds_bucket{generation="0",le="+Inf"}' in metrics
+    assert gc.get_freeze_count() == 0 and len(gc.callbacks) == callbacks
 
 
 async def test_bench_reads_the_peak_read_at_each_scrape(tiny_models: Path, tmp_path: Path) -> None:

@@ -7,7 +7,8 @@ Dynamo and Inductor, the app): 0.1–0.2 s a full collection on the 2-core dev m
 start made is garbage a later collection should look for (modules, the models' wrappers, compiled code),
 so once ready they are frozen (`gc.freeze`, into the permanent generation) and collections walk only what
 serving made; at stop they go back (`gc.unfreeze`), so a process that starts several services (tests)
-can still collect them.
+can still collect them. Reference counting still frees a frozen object once unused; only a cycle among
+them (a voice prepared at start and deleted later, say) waits for the stop.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ class LLMBuild:
         self._task: asyncio.Task[list[None]] | None = None
         self._llms: tuple[LLMEngine, ...] = ()
         self._ended = False
+        self._raised = False  # its failure went to a `wait`er: `end` need not log it again
 
     def chosen(self, llms: tuple[LLMEngine, ...]) -> None:
         """`load_engines`' `on_llms`, on the loader's thread: engines with a fixed cache start building now,
@@ -46,12 +47,17 @@ class LLMBuild:
         task = self.begin(llms)
         if task is None:
             raise RuntimeError("the LLM engines' start was ended before it began")
-        await task
+        try:
+            await task
+        except Exception:
+            self._raised = task.done() and not task.cancelled()
+            raise
 
     async def end(self) -> None:
         """No start from now on: cancel one under way and wait for it (a build thread cannot be stopped;
-        its error, if it failed, is logged), then stop the engines it started (a failure to stop one is
-        logged: the others stop all the same). A cancellation of the caller meanwhile is raised after."""
+        its error, if it failed and no `wait` raised it, is logged), then stop the engines it started (a
+        failure to stop one is logged: the others stop all the same). A cancellation of the caller
+        meanwhile is raised after."""
         self._ended = True
         task = self._task
         if task is None:
@@ -65,7 +71,8 @@ class LLMBuild:
         except asyncio.CancelledError:
             pass
         except Exception:
-            logger.exception("the LLM engines' start failed")
+            if not self._raised:
+                logger.exception("the LLM engines' start failed")
         for llm in self._llms:
             try:
                 await llm.stop()

@@ -193,3 +193,31 @@ async def test_ending_a_build_waits_for_it_then_raises_the_callers_cancellation(
     await asyncio.sleep(0.2)
     assert {thread for thread in engine_threads() - before if thread.is_alive()} == set()
     assert starting.begin([llm]) is not None and starting.begin([llm]).cancelled()  # type: ignore[union-attr]
+
+
+async def test_a_failed_build_is_reported_once(
+    tiny_models: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A build that fails reaches the start through `wait`, which raises it; `end` then stops the engines
+    without logging the same failure again. One nobody waited for is logged by `end`."""
+    from engines.llm.auto import select_llm
+    from realtime.llm_build import LLMBuild
+
+    def broken(engine: TorchLLMEngine) -> Any:
+        raise RuntimeError("no room for the KV cache")
+
+    monkeypatch.setattr(TorchLLMEngine, "_build_runner", broken)
+    for waited in (True, False):
+        caplog.clear()
+        starting = LLMBuild(asyncio.get_running_loop())
+        llm = select_llm(tiny_models, "torch", "cpu", max_slots=1)
+        if waited:
+            with pytest.raises(RuntimeError, match="no room"):
+                await starting.wait([llm])
+        else:
+            starting.begin([llm])
+            await asyncio.sleep(0.5)
+        with caplog.at_level(logging.ERROR, logger="realtime.llm_build"):
+            await starting.end()
+        logged = [r for r in caplog.records if "start failed" in r.getMessage()]
+        assert len(logged) == (0 if waited else 1)

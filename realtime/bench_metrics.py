@@ -79,6 +79,8 @@ class ServerFigures:
     event_loop_lag_p99_ms: float = math.nan  # the upper bound of the bucket holding the 99th percentile
     llm_prefill_calls: int = 0  # batched prefill calls of the LLM
     llm_prefill_rows_per_call: float = math.nan  # prompt chunks per such call
+    text_ready_ms: float = math.nan  # mean time from admission to the text normalised and tokenised
+    llm_first_token_ms: float = math.nan  # mean time from an LLM submission to its first token on the host
 
     @staticmethod
     def between(before: dict[str, float], after: dict[str, float]) -> ServerFigures:
@@ -133,6 +135,8 @@ class ServerFigures:
             llm_prefill_calls=int(delta("tts_llm_prefill_calls_total")),
             llm_prefill_rows_per_call=mean("tts_llm_prefill_rows_total", "tts_llm_prefill_calls_total",
                                            scale=1.0),
+            text_ready_ms=histogram_mean("tts_text_prepare_seconds"),
+            llm_first_token_ms=mean("tts_llm_first_token_seconds_total", "tts_llm_first_tokens_total"),
         )
 
 

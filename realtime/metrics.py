@@ -35,6 +35,13 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.text_prepared = Histogram(
+            "tts_text_prepare_seconds",
+            "Time from an admitted request to its text normalised, cut and tokenised (the front-end's share "
+            "of the first chunk latency)",
+            buckets=HOST_SECONDS_BUCKETS,
+            registry=self.registry,
+        )
         self.first_chunk_tokens = Histogram(
             "tts_first_chunk_tokens_seconds",
             "Time from an admitted request to the speech tokens of its first chunk (the LLM's share of the "
@@ -265,6 +272,8 @@ class _LLMCollector(Collector):
             step_seconds=sum(s.step_seconds for s in engines),
             prefill_calls=sum(s.prefill_calls for s in engines),
             prefill_rows=sum(s.prefill_rows for s in engines),
+            first_tokens=sum(s.first_tokens for s in engines),
+            first_token_seconds=sum(s.first_token_seconds for s in engines),
         )
         yield GaugeMetricFamily("tts_llm_active_requests", "Requests holding an LLM slot", value=stats.active)
         yield GaugeMetricFamily("tts_llm_waiting_requests", "Requests waiting for an LLM slot",
@@ -286,6 +295,12 @@ class _LLMCollector(Collector):
         yield CounterMetricFamily("tts_llm_prefill_rows",
                                   "Prompt chunks the prefill calls read (per call: how a burst was grouped)",
                                   value=stats.prefill_rows)
+        yield CounterMetricFamily("tts_llm_first_tokens", "Requests whose first speech token was decoded",
+                                  value=stats.first_tokens)
+        yield CounterMetricFamily("tts_llm_first_token_seconds",
+                                  "Summed time from a request's submission to its first speech token on the "
+                                  "host (waiting for a slot, prefill, the first decode step)",
+                                  value=stats.first_token_seconds)
 
 
 class _PlacementCollector(Collector):

@@ -352,6 +352,7 @@ class Session:
         try:
             # Normalising and cutting the text may take a while: off the event loop, after admission.
             self._segments = list(await asyncio.to_thread(self._prepare_segments))
+            self._metrics.text_prepared.observe(self._clock() - self._created)
             if not self._segments:
                 raise ServiceError("empty_text", "text is empty or only whitespace")
             self._prepared.set()

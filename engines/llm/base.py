@@ -148,6 +148,8 @@ class LLMStats:
     step_seconds: float = 0.0  # wall time spent in those steps
     prefill_calls: int = 0  # batched prefill calls since the start (0 where the engine does not count them)
     prefill_rows: int = 0  # prompt chunks those calls prefilled (a burst's prompts in few calls: many rows)
+    first_tokens: int = 0  # requests whose first speech token reached the host (0: not counted)
+    first_token_seconds: float = 0.0  # their summed times from `submit` to that token on the host
 
 
 class TokenStream(AsyncIterator[list[int]], abc.ABC):

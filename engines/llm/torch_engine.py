@@ -80,6 +80,7 @@ class _Sequence:
     prompt: Tensor | None = None  # prompt embeddings while the prefill is incomplete
     prefilled: int = 0
     launched: int = 0  # tokens whose sampling was launched on the device
+    submitted: float = field(default_factory=time.perf_counter)  # when `submit` took it
     generated: int = 0  # tokens read back and accepted
     finished: bool = False  # tokens still in flight for it are dropped
 
@@ -149,6 +150,8 @@ class TorchLLMEngine(LLMEngine):
         self._step_seconds = 0.0
         self._prefill_calls = 0
         self._prefill_rows = 0
+        self._first_tokens = 0
+        self._first_token_seconds = 0.0
 
     @classmethod
     def from_models_dir(cls, models_dir: Path, device: str = "cuda", **options: Any) -> TorchLLMEngine:
@@ -210,6 +213,8 @@ class TorchLLMEngine(LLMEngine):
             step_seconds=self._step_seconds,
             prefill_calls=self._prefill_calls,
             prefill_rows=self._prefill_rows,
+            first_tokens=self._first_tokens,
+            first_token_seconds=self._first_token_seconds,
         )
 
     # -- event loop side -----------------------------------------------------------------------------
@@ -445,7 +450,10 @@ class TorchLLMEngine(LLMEngine):
     def _complete(self, launch: _Launch) -> None:
         """Wait for `launch`'s tokens and hand them to their sequences, first tokens first."""
         first_tokens, next_tokens = launch.readback.lists()
+        now = time.perf_counter()
         for seq, row in launch.first_tokens:
+            self._first_tokens += 1
+            self._first_token_seconds += now - seq.submitted
             self._accept(seq, first_tokens[row])
         for seq, slot in launch.next_tokens:
             self._accept(seq, next_tokens[slot])

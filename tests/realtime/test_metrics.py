@@ -105,6 +105,11 @@ async def test_a_bench_level_reports_the_engines_work(live_server: LiveServer) -
     assert figures.first_chunks_pending in ((0.0, 0.5) if figures.calls_with_first_chunks == 2 else (0.0,))
     assert "new streams' still to come" in format_level(level)[1]
     assert 0 < figures.first_tokens_ms < figures.first_chunk_ms
+    # The first chunk's timeline: text ready, then the engine's first token (timed from its submission,
+    # after the text), then the chunk's tokens.
+    assert 0 < figures.text_ready_ms < figures.first_tokens_ms
+    assert 0 < figures.llm_first_token_ms < figures.first_tokens_ms - figures.text_ready_ms
+    assert "text ready at" in format_level(level)[1]
     # Each stream's second chunk is a later chunk, ready on time or not (counted either way).
     assert figures.later_chunks >= 2
     assert figures.later_chunks_late + figures.later_chunks_tokens_late <= figures.later_chunks

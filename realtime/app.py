@@ -133,15 +133,15 @@ def create_app(config: ServiceConfig, runtime: Runtime | None = None) -> Starlet
         loop_lag = asyncio.create_task(watch_event_loop(runtime.metrics.event_loop_lag.observe),
                                        name="event-loop-lag")
         try:
-            with gc_pauses.watching():
-                await runtime.start()
-                try:
-                    with start_objects_frozen():  # collections walk only what serving makes
-                        yield
-                finally:
-                    logger.info("shutting down: draining streams for up to %.1f s", config.drain_timeout_s)
-                    await webrtc.aclose()
-                    await runtime.stop(config.drain_timeout_s)
+            await runtime.start()
+            try:
+                # Collections walk only what serving makes; the freeze's own collection is not a pause of it.
+                with start_objects_frozen(), gc_pauses.watching():
+                    yield
+            finally:
+                logger.info("shutting down: draining streams for up to %.1f s", config.drain_timeout_s)
+                await webrtc.aclose()
+                await runtime.stop(config.drain_timeout_s)
         finally:
             loop_lag.cancel()
             with contextlib.suppress(asyncio.CancelledError):

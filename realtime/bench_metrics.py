@@ -80,7 +80,9 @@ class ServerFigures:
     llm_prefill_calls: int = 0  # batched prefill calls of the LLM
     llm_prefill_rows_per_call: float = math.nan  # prompt chunks per such call
     text_ready_ms: float = math.nan  # mean time from admission to the text normalised and tokenised
-    llm_first_token_ms: float = math.nan  # mean time from an LLM submission to its first token on the host
+    # mean time from an LLM submission (every segment's, not only first chunks') to its first token on the
+    # host; NaN where the engine does not count it
+    llm_first_token_ms: float = math.nan
 
     @staticmethod
     def between(before: dict[str, float], after: dict[str, float]) -> ServerFigures:

@@ -37,13 +37,15 @@ class GcPauses:
     def __init__(self) -> None:
         self.counts = [[0] * (len(PAUSE_BUCKETS) + 1) for _ in range(GENERATIONS)]  # last: above all
         self.seconds = [0.0] * GENERATIONS
-        self._started = 0.0
+        self._started: float | None = None  # None: a "stop" without its "start" (added mid-collection)
 
     def _on_collection(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             self._started = time.perf_counter()
             return
-        pause = time.perf_counter() - self._started
+        if self._started is None:
+            return
+        pause, self._started = time.perf_counter() - self._started, None
         generation = min(int(info["generation"]), GENERATIONS - 1)
         self.counts[generation][bisect.bisect_left(PAUSE_BUCKETS, pause)] += 1
         self.seconds[generation] += pause
@@ -58,15 +60,24 @@ class GcPauses:
             gc.callbacks.remove(self._on_collection)
 
 
+# Services inside a freeze: the collector is the process's, so the first to enter freezes and the last to
+# leave unfreezes (several services in one process, as in tests, must not unfreeze each other's objects).
+_frozen_services = 0
+
+
 @contextlib.contextmanager
 def start_objects_frozen() -> Iterator[int]:
-    """Collect once, then freeze every object left (what the start made) until the block ends; yields
-    how many were frozen."""
-    gc.collect()
-    gc.freeze()
-    frozen = gc.get_freeze_count()
-    logger.info("%d objects from the start left out of garbage collection", frozen)
+    """Collect once, then freeze every object left (what the start made) until the block ends, unless
+    another service of the process froze already; yields how many objects are frozen."""
+    global _frozen_services
+    if _frozen_services == 0:
+        gc.collect()
+        gc.freeze()
+        logger.info("%d objects from the start left out of garbage collection", gc.get_freeze_count())
+    _frozen_services += 1
     try:
-        yield frozen
+        yield gc.get_freeze_count()
     finally:
-        gc.unfreeze()
+        _frozen_services -= 1
+        if _frozen_services == 0:
+            gc.unfreeze()

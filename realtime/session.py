@@ -352,9 +352,9 @@ class Session:
         try:
             # Normalising and cutting the text may take a while: off the event loop, after admission.
             self._segments = list(await asyncio.to_thread(self._prepare_segments))
-            self._metrics.text_prepared.observe(self._clock() - self._created)
             if not self._segments:
                 raise ServiceError("empty_text", "text is empty or only whitespace")
+            self._metrics.text_prepared.observe(self._clock() - self._created)
             self._prepared.set()
             for index, segment in enumerate(self._segments):
                 token_stream, self._upcoming = self._upcoming or self._submit(index), None

@@ -452,8 +452,9 @@ class TorchLLMEngine(LLMEngine):
         first_tokens, next_tokens = launch.readback.lists()
         now = time.perf_counter()
         for seq, row in launch.first_tokens:
-            self._first_tokens += 1
-            self._first_token_seconds += now - seq.submitted
+            if not seq.finished:  # not cancelled or failed while its token was in flight
+                self._first_tokens += 1
+                self._first_token_seconds += now - seq.submitted
             self._accept(seq, first_tokens[row])
         for seq, slot in launch.next_tokens:
             self._accept(seq, next_tokens[slot])

@@ -215,8 +215,9 @@ async def test_a_failed_build_is_reported_once(
             with pytest.raises(RuntimeError, match="no room"):
                 await starting.wait([llm])
         else:
-            starting.begin([llm])
-            await asyncio.sleep(0.5)
+            building = starting.begin([llm])
+            assert building is not None
+            await asyncio.wait([building])
         with caplog.at_level(logging.ERROR, logger="realtime.llm_build"):
             await starting.end()
         logged = [r for r in caplog.records if "start failed" in r.getMessage()]

@@ -229,7 +229,7 @@ class Runtime:
                         time.perf_counter() - started)
         else:  # what a cold start prepared for a warm-up (compile processes) goes
             await asyncio.gather(*(worker.release_warmup() for worker in self._workers))
-        self._limit_memory()
+        await self._limit_memory()
         self._voice_sync = asyncio.create_task(self._sync_voices(), name="voice-sync")
         self._accepting = True
         plan = engines.plan
@@ -237,13 +237,14 @@ class Runtime:
                     ",".join(plan.llm_devices), engines.token2wavs[0].name, ",".join(plan.token2wav_devices),
                     len(self._prepared))
 
-    def _limit_memory(self) -> None:
+    async def _limit_memory(self) -> None:
         """Set each token2wav worker's byte budget (`memory_budget.device_budgets`: measured now, after
-        the warm-up, unless configured) and log it with the default voice's bound per stream."""
+        the warm-up, unless configured) and log it with the default voice's bound per stream. Measured off
+        the event loop: emptying the allocator's cache waits for a warm-up step's capture under way."""
         config = self.config
         devices = [worker.device for worker in self._workers]
-        self._memory_budgets.limit(
-            device_budgets(devices, config.token2wav_memory_bytes, config.token2wav_memory_margin_bytes))
+        self._memory_budgets.limit(await asyncio.to_thread(
+            device_budgets, devices, config.token2wav_memory_bytes, config.token2wav_memory_margin_bytes))
         default = self._prepared.get("default")
         bounds: list[int | None] = ([self._stream_bytes(index, voice) for index, voice in enumerate(default)]
                                     if default is not None else [None] * len(devices))

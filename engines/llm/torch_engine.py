@@ -186,7 +186,8 @@ class TorchLLMEngine(LLMEngine):
         self._thread = None
         self._runner = None
         if self.config.torch_device.type == "cuda":
-            empty_cache()  # between captures: a token2wav warm-up may still be stepping
+            # Between captures (a token2wav warm-up may still be stepping): off the loop, it may wait.
+            await asyncio.to_thread(empty_cache)
 
     def submit(self, request: LLMRequest) -> TokenStream:
         runner = self._runner

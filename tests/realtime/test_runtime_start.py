@@ -222,3 +222,25 @@ async def test_a_failed_build_is_reported_once(
             await starting.end()
         logged = [r for r in caplog.records if "start failed" in r.getMessage()]
         assert len(logged) == (0 if waited else 1)
+
+
+async def test_the_memory_budget_is_read_off_the_event_loop(
+    tiny_models: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Admission's reading of free device memory at the end of the start empties the allocator's cache,
+    which waits for a warm-up step's CUDA graph capture under way: it runs in a thread, not on the loop."""
+    import realtime.runtime as runtime_module
+
+    read_on: list[int] = []
+
+    def budgets(devices: list[Any], configured: int | None, margin: int) -> list[int | None]:
+        read_on.append(threading.get_ident())
+        return [None] * len(devices)
+
+    monkeypatch.setattr(runtime_module, "device_budgets", budgets)
+    runtime = Runtime(ServiceConfig(models_dir=tiny_models, device="cpu", max_streams=2))
+    await runtime.start()
+    try:
+        assert read_on and read_on[0] != threading.get_ident()
+    finally:
+        await runtime.stop(drain_timeout_s=0.0)

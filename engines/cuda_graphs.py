@@ -42,9 +42,18 @@ def empty_cache() -> None:
         torch.cuda.empty_cache()
 
 
+def usable_bytes(device: torch.device) -> int:
+    """What new tensors on `device` can still take: its free memory once the caching allocator has handed
+    back the blocks it holds unused (`empty_cache`, so after a capture under way; the graphs' private
+    pools stay)."""
+    with torch.cuda.device(device):
+        empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
+
+
 def free_bytes(device: torch.device) -> int:
-    """The device's free memory plus the blocks the caching allocator holds unused: about what is free
-    after `empty_cache`, measured without waiting for a capture under way, whose warm-up run may compile
+    """The device's free memory plus the blocks the caching allocator holds unused: about `usable_bytes`,
+    measured without waiting for a capture under way, whose warm-up run may compile
     for seconds (an LLM building beside a cold start held such a measure 8.3 s, docs/benchmarks.md,
     twenty-first session). Unused blocks of graph pools count too: an estimate, for decisions with a
     wide margin."""

@@ -50,7 +50,7 @@ class LLMBuild:
         try:
             await task
         except Exception:
-            self._raised = task.done() and not task.cancelled()
+            self._raised = True
             raise
 
     async def end(self) -> None:

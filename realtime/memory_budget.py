@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engines.cuda_graphs import empty_cache
+from engines.cuda_graphs import usable_bytes
 from realtime.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -60,19 +60,9 @@ def device_budgets(devices: Sequence[torch.device], configured: int | None, marg
         return [configured] * len(devices)
     sharing = {device: devices.count(device) for device in devices}
     return [
-        None if device.type != "cuda" else max(0, usable_device_bytes(device) - margin) // sharing[device]
+        None if device.type != "cuda" else max(0, usable_bytes(device) - margin) // sharing[device]
         for device in devices
     ]
-
-
-def usable_device_bytes(device: torch.device) -> int:
-    """What new tensors on `device` can still take: its free memory once the caching allocator has
-    handed back the blocks it holds unused (its reserved-but-unallocated bytes; those it keeps per CUDA
-    stream would not serve the token2wav thread's stream, and the graphs' private pools stay). Between
-    CUDA graph captures (engines/cuda_graphs.py: an LLM may be building, a warm-up stepping)."""
-    with torch.cuda.device(device):
-        empty_cache()
-    return torch.cuda.mem_get_info(device)[0]
 
 
 def log_budgets(budgets: Sequence[int | None], devices: Sequence[torch.device], bounds: Sequence[int | None],

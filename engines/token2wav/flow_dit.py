@@ -307,12 +307,10 @@ class DiTFlow(ConformerFlow):
         """Capture the graph of a bucketed solve or encoder shape (`planned_solve_shapes`,
         `later_graph_shapes`) unless it is captured already; whether it was captured now."""
         solver, encoder = self.graphs, self._bucketed_encoder
-        if isinstance(shape, SolveShape) and solver is not None and not solver.has(shape):
-            solver.capture([shape])
-            return True
-        if isinstance(shape, EncodeShape) and isinstance(encoder, GraphedEncoder) and not encoder.has(shape):
-            encoder.capture([shape])
-            return True
+        if isinstance(shape, SolveShape) and solver is not None:
+            return solver.capture_missing(shape)
+        if isinstance(shape, EncodeShape) and isinstance(encoder, GraphedEncoder):
+            return encoder.capture_missing(shape)
         return False
 
     def encoder_capture_shapes(self, batches: Iterable[int], reached: int) -> list[EncodeShape]:

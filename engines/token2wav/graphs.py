@@ -271,10 +271,6 @@ class ShapeGraphs(Generic[ShapeT, InputsT, OutputsT]):
         finally:
             self._capturing = before and not self._sealed  # sealed inside stays sealed
 
-    def has(self, shape: ShapeT) -> bool:
-        """Whether `shape`'s graph is captured."""
-        return shape in self._graphs
-
     def covers(self, shape: ShapeT) -> bool:
         """Whether `shape` runs from a graph (captured, or to be captured now: see the class docstring)."""
         if shape in self._graphs or self._capturing:
@@ -317,6 +313,13 @@ class ShapeGraphs(Generic[ShapeT, InputsT, OutputsT]):
         """Capture the graphs of `shapes` ahead of their first use."""
         for shape in shapes:
             self._graph(shape)
+
+    def capture_missing(self, shape: ShapeT) -> bool:
+        """Capture `shape`'s graph unless it is captured already; whether it was captured now."""
+        if shape in self._graphs:
+            return False
+        self._graph(shape)
+        return True
 
     def buffers(self, shape: ShapeT) -> InputsT:
         if self._eager is not None and not self.covers(shape):

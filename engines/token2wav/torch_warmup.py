@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engines.config import PRE_LOOKAHEAD, TOKEN_MEL_RATIO
-from engines.cuda_graphs import empty_cache
+from engines.cuda_graphs import usable_bytes
 from engines.token2wav.base import ChunkJob, SpeakerState, WarmupSteps
 from engines.token2wav.batching import round_up
 from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker
@@ -115,11 +115,8 @@ def staged_warmup(t2w: TorchToken2Wav, speaker: SpeakerState, voice: DiTSpeaker 
 
 
 def _free_gib(device: torch.device) -> float:
-    """Free device memory in GiB once the allocator's unused cached blocks are handed back (as memory
-    admission measures it: realtime/memory_budget.py)."""
-    with torch.cuda.device(device):
-        empty_cache()  # between captures: another engine's may be under way
-    return torch.cuda.mem_get_info(device)[0] / 2**30
+    """`usable_bytes` in GiB, as memory admission measures it (realtime/memory_budget.py)."""
+    return usable_bytes(device) / 2**30
 
 
 def _graph_sets(t2w: TorchToken2Wav) -> list[GraphSet]:
@@ -192,8 +189,7 @@ def _graphs_of_pass(t2w: TorchToken2Wav, voice: DiTSpeaker | None, batch: int, h
         shapes += [VocodeShape(part, final, cached, padded=True)
                    for part in dict.fromkeys(vocoder.finals.parts(batch, final) or [])]
     for shape in shapes:
-        if not vocoder.has(shape):
-            vocoder.capture([shape])
+        if vocoder.capture_missing(shape):
             yield
 
 
@@ -207,8 +203,7 @@ def _final_vocoder_captures(t2w: TorchToken2Wav, vocoder: GraphedVocoder) -> War
               + vocoder.final_shapes(vocoder.hift.cfg.source_cache_samples))
     # Largest first across both lists, as within each (see GraphedVocoder.final_shapes).
     for shape in sorted(shapes, key=lambda shape: shape.batch * shape.frames, reverse=True):
-        if not vocoder.has(shape):
-            vocoder.capture([shape])
+        if vocoder.capture_missing(shape):
             yield
 
 

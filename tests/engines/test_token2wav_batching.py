@@ -843,12 +843,19 @@ def test_a_staged_warm_up_captures_a_pass_s_graphs_before_the_pass(monkeypatch: 
     monkeypatch.setattr(DiTFlow, "capture_graph", capture_flow_graph)
     hift, graph_hops = CONFIGS.hift, (4, 10)
     vocoded: list[VocodeShape] = []
+
+    def capture_vocoder_graph(shape: VocodeShape) -> bool:
+        if shape in vocoded:
+            return False
+        vocoded.append(shape)
+        return True
+
     chunks = frozenset(vocoder_graph_chunks(hift, graph_hops))
     finals = FinalChunkBuckets(FINAL_CHUNK_FRAMES, (1, 2, 4, 8), 8 * 400)
     vocoder = SimpleNamespace(hift=SimpleNamespace(cfg=hift), batches=(1, 2, 4, 8), chunks=chunks,
                               finals=finals, final_bucket=lambda frames, cached: None
                               if (frames, cached) in chunks else finals.bucket(frames),
-                              has=lambda shape: shape in vocoded, capture=vocoded.extend)
+                              capture_missing=capture_vocoder_graph)
     t2w = SimpleNamespace(flow=flow, vocoder_graphs=vocoder)
     hops = schedule_hops(graph_hops)
     steps = sum(1 for _ in torch_warmup._graphs_of_pass(t2w, voice, 3, hops))  # type: ignore[arg-type]

@@ -42,6 +42,11 @@ def engine_threads() -> set[threading.Thread]:
     return {thread for thread in threading.enumerate() if thread.name.startswith(("token2wav", "llm-engine"))}
 
 
+def engine_threads_left(before: set[threading.Thread]) -> set[threading.Thread]:
+    """Engine threads running now that were not running `before`."""
+    return {thread for thread in engine_threads() - before if thread.is_alive()}
+
+
 async def test_a_start_that_fails_stops_its_workers_and_engines(
     tiny_models: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -65,7 +70,7 @@ async def test_a_start_that_fails_stops_its_workers_and_engines(
     raised = time.monotonic()
     assert len(built) == 1 and built[0] <= raised
     await asyncio.sleep(0.2)
-    assert {thread for thread in engine_threads() - before if thread.is_alive()} == set()
+    assert engine_threads_left(before) == set()
     assert closed == ["cpu", "cpu"]
     with pytest.raises(RuntimeError, match="starts once"):
         await runtime.start()
@@ -144,7 +149,7 @@ async def test_a_load_that_fails_stops_the_llm_engine_it_began_building(tiny_mod
     with pytest.raises(RuntimeError, match="weights are unreadable"):
         await runtime.start()
     await asyncio.sleep(0.2)
-    assert {thread for thread in engine_threads() - before if thread.is_alive()} == set()
+    assert engine_threads_left(before) == set()
 
 
 async def test_a_start_failing_before_it_waits_for_the_llm_build_still_ends_it(
@@ -168,7 +173,7 @@ async def test_a_start_failing_before_it_waits_for_the_llm_build_still_ends_it(
     raised = time.monotonic()
     assert len(built) == 1 and built[0] <= raised
     await asyncio.sleep(1.5)
-    assert {thread for thread in engine_threads() - before if thread.is_alive()} == set()
+    assert engine_threads_left(before) == set()
 
 
 async def test_ending_a_build_waits_for_it_then_raises_the_callers_cancellation(
@@ -191,7 +196,7 @@ async def test_ending_a_build_waits_for_it_then_raises_the_callers_cancellation(
     with pytest.raises(asyncio.CancelledError):
         await ending
     await asyncio.sleep(0.2)
-    assert {thread for thread in engine_threads() - before if thread.is_alive()} == set()
+    assert engine_threads_left(before) == set()
     assert starting.begin([llm]) is not None and starting.begin([llm]).cancelled()  # type: ignore[union-attr]
 
 

@@ -156,7 +156,8 @@ def create_app(config: ServiceConfig, runtime: Runtime | None = None) -> Starlet
         return JSONResponse({"status": "draining" if runtime.draining else "starting"}, status_code=503)
 
     async def metrics(request: Request) -> Response:
-        return Response(runtime.metrics.render(), media_type=runtime.metrics.content_type)
+        names = request.query_params.getlist("name[]")
+        return Response(runtime.metrics.render(names), media_type=runtime.metrics.content_type)
 
     routes: list[BaseRoute] = [
         Route("/healthz", healthz),

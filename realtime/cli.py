@@ -117,6 +117,7 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         schedule=ScheduleKind(args.schedule),
         max_streams=args.max_streams,
         drain_timeout_s=args.drain_timeout,
+        gil_switch_s=getattr(args, "gil_switch_ms", ServiceConfig.gil_switch_s * 1000) / 1000,
         voice_sync_s=args.voice_sync,
         # The baseline the benchmark compares against (the design we replace): no batching across
         # requests, one LLM request at a time and batch-1 token2wav on a small pool of threads.
@@ -269,6 +270,7 @@ def serve(config: ServiceConfig) -> int:
         print(f"realtime serve: {exc}", file=sys.stderr)
         return 2
     _configure_allocator()
+    sys.setswitchinterval(config.gil_switch_s)
     app = create_app(config)
     uvicorn_config = server_config(app, config, host=config.host, port=config.port, log_level="info")
     server = DrainingServer(uvicorn_config, app.state.drain, config.drain_timeout_s)
@@ -317,6 +319,13 @@ def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=10.0,
         help="seconds running streams get to finish at shutdown",
+    )
+    parser.add_argument(
+        "--gil-switch-ms",
+        type=float,
+        default=ServiceConfig.gil_switch_s * 1000,
+        help="Python's GIL switch interval for this process (Python's own: 5): how long the event loop "
+             "may wait for the GIL while an engine thread runs Python (default: %(default)s)",
     )
     parser.add_argument(
         "--voice-sync",

@@ -242,6 +242,9 @@ class ServiceConfig:
         the GPU to token2wav instead of decoding seconds ahead of playback; off, every request decodes
         to its end at once (the benchmark's baseline, as CosyVoice's runtime does).
     drain_timeout_s: how long shutdown waits for running streams before cancelling them.
+    gil_switch_s: `sys.setswitchinterval` for the `serve` process: how long a thread that wants the GIL
+        waits before the thread holding it must let go. Python's 5 ms is long beside a 1.1 ms LLM step:
+        the event loop, the LLM thread and the token2wav thread hand the GIL over many times per chunk.
     voice_sync_s: how often the voices directory is re-read for voices other replicas sharing it added
         or deleted (a voice is also loaded on its first use, and a deleted one forgotten at its next).
     retry_after_s: the Retry-After a busy answer suggests.
@@ -285,6 +288,7 @@ class ServiceConfig:
     chunk_queue: int = 4
     llm_pacing: bool = True
     drain_timeout_s: float = 10.0
+    gil_switch_s: float = 0.0005
     voice_sync_s: float = 2.0
     retry_after_s: int = 1
     webrtc: WebRTCConfig = field(default_factory=WebRTCConfig)
@@ -335,6 +339,8 @@ class ServiceConfig:
             raise ValueError(f"voice_sync_s must be > 0, got {self.voice_sync_s}")
         if not self.drain_timeout_s > 0:
             raise ValueError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s}")
+        if not 0 < self.gil_switch_s <= 1:
+            raise ValueError(f"gil_switch_s must be in (0, 1] seconds, got {self.gil_switch_s}")
         # The speech tokenizer reads at most 30 s in one call.
         if not 1.0 < self.max_voice_upload_s <= 30.0:
             raise ValueError(f"max_voice_upload_s must be in (1, 30], got {self.max_voice_upload_s}")

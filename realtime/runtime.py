@@ -438,6 +438,7 @@ class Runtime:
                 pace_llm=self.config.llm_pacing,
                 schedule=self.config.schedule,
                 retry_after_s=self.config.retry_after_s,
+                prepare_on_loop=self._running().text.prepares_quickly(request.text),
             )
         except BaseException:  # not handed to a session: nothing else would give the bytes back
             self._memory_budgets.release(index, reserved)

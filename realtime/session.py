@@ -250,12 +250,16 @@ class Session:
         pace_llm: bool = True,
         schedule: ScheduleKind = ScheduleKind.EXPONENTIAL,
         retry_after_s: int = 1,
+        prepare_on_loop: bool = False,
     ) -> None:
         self.session_id = session_id
         self.request = request
         self._voice = voice
         self._prompt = prompt
         self._prepare_segments = segments
+        # Quick text (a fraction of a millisecond) is cut here: a worker thread's round trip through the
+        # GIL and the event loop costs more, and a burst of sessions queues behind those hops.
+        self._prepare_on_loop = prepare_on_loop
         self._segments: list[Segment] = []  # once prepared
         self._engines = engines
         self._metrics = metrics
@@ -351,7 +355,10 @@ class Session:
         started = self._clock()
         try:
             # Normalising and cutting the text may take a while: off the event loop, after admission.
-            self._segments = list(await asyncio.to_thread(self._prepare_segments))
+            if self._prepare_on_loop:
+                self._segments = list(self._prepare_segments())
+            else:
+                self._segments = list(await asyncio.to_thread(self._prepare_segments))
             if not self._segments:
                 raise ServiceError("empty_text", "text is empty or only whitespace")
             self._metrics.text_prepared.observe(self._clock() - self._created)

@@ -86,6 +86,16 @@ def test_prepare_normalises_and_rejects_empty_or_long_text(tokenizer_dir: Path) 
     assert info.value.code == "text_too_long"
 
 
+def test_short_text_without_digits_prepares_quickly(frontend: TextFrontend) -> None:
+    """Sessions cut such text on the event loop: no digits (the reference normaliser's wetext runs only on
+    those), and short; anything else goes to a worker thread."""
+    assert frontend.prepares_quickly("Thanks for calling, how can I help you today?")
+    assert frontend.prepares_quickly("谢谢您的来电。")
+    assert not frontend.prepares_quickly("Your order 1234 has shipped.")
+    assert not frontend.prepares_quickly("Table for ٤ at seven.")  # any Unicode digit
+    assert not frontend.prepares_quickly("word " * 60)
+
+
 def test_normalisation_hook_is_applied(tokenizer_dir: Path) -> None:
     def spell_ampersand(text: str) -> str:
         return collapse_whitespace(text.replace("&", " and "))

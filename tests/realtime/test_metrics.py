@@ -39,6 +39,21 @@ async def test_without_a_gpu_there_is_no_peak_memory(live_server: LiveServer) ->
     assert "realtime_gpu_memory_peak_bytes" not in await scrape(live_server.http_url)
 
 
+async def test_metrics_named_in_the_query_are_the_only_ones_rendered(live_server: LiveServer) -> None:
+    """Prometheus' `name[]` parameters: the bench's sampler polls two gauges four times a second without
+    the whole exposition's cost; names the service does not have give an empty body, not an error."""
+    async with httpx.AsyncClient(base_url=live_server.http_url) as http:
+        whole = await http.get("/metrics")
+        some = await http.get("/metrics", params={"name[]": ["tts_active_streams", "tts_llm_slots"]})
+        none = await http.get("/metrics", params={"name[]": "no_such_metric"})
+    families = set(re.findall(r"^# TYPE (\S+)", some.text, re.MULTILINE))
+    assert some.status_code == 200 and families == {"tts_active_streams", "tts_llm_slots"}
+    assert len(set(re.findall(r"^# TYPE (\S+)", whole.text, re.MULTILINE))) > 10
+    assert none.status_code == 200 and none.text == ""
+    sampled = await scrape(live_server.http_url, ["tts_active_streams"])
+    assert list(sampled) == ["tts_active_streams"]
+
+
 async def test_collections_are_counted_by_generation_while_watching() -> None:
     pauses = GcPauses()
     callbacks = len(gc.callbacks)

@@ -243,8 +243,8 @@ class ServiceConfig:
         to its end at once (the benchmark's baseline, as CosyVoice's runtime does).
     drain_timeout_s: how long shutdown waits for running streams before cancelling them.
     gil_switch_s: `sys.setswitchinterval` for the `serve` process: how long a thread that wants the GIL
-        waits before the thread holding it must let go. Python's 5 ms is long beside a 1.1 ms LLM step:
-        the event loop, the LLM thread and the token2wav thread hand the GIL over many times per chunk.
+        waits before the thread holding it must let go (the event loop, the LLM thread and the token2wav
+        thread share it). Python's 5 ms; 0.5 ms made every level slower (docs/benchmarks.md).
     voice_sync_s: how often the voices directory is re-read for voices other replicas sharing it added
         or deleted (a voice is also loaded on its first use, and a deleted one forgotten at its next).
     retry_after_s: the Retry-After a busy answer suggests.
@@ -288,7 +288,7 @@ class ServiceConfig:
     chunk_queue: int = 4
     llm_pacing: bool = True
     drain_timeout_s: float = 10.0
-    gil_switch_s: float = 0.0005
+    gil_switch_s: float = 0.005
     voice_sync_s: float = 2.0
     retry_after_s: int = 1
     webrtc: WebRTCConfig = field(default_factory=WebRTCConfig)

@@ -78,6 +78,15 @@ def _load_text(paths: ModelPaths, max_text_chars: int) -> TextFrontend:
 LLMsChosen = Callable[[tuple[LLMEngine, ...]], None]
 
 
+def import_compiler() -> None:
+    """Import Dynamo and Inductor from this one thread before the loaders run side by side. Their first
+    imports are circular (`torch._inductor.utils` imports `torch._dynamo`, whose guards import
+    `torch._inductor.utils`): the token2wav loader's `torch.compile` beside the LLM build's first
+    Dynamo-wrapped call once failed a cold start with Python's import `_DeadlockError`."""
+    import torch._dynamo  # noqa: F401
+    import torch._inductor  # noqa: F401
+
+
 def load_engines(config: ServiceConfig, on_llms: LLMsChosen | None = None) -> LoadedEngines:
     """The engines over `config.models_dir` on the devices of `config.device_plan`, backends picked by
     engines/*/auto.py (blocking: call it off the event loop). RuntimeError says why a backend asked for
@@ -102,6 +111,7 @@ def load_engines(config: ServiceConfig, on_llms: LLMsChosen | None = None) -> Lo
                 if torch.device(name).type == "cuda"]
         cache = None  # where compiled artifacts are kept (on GPUs; None: nowhere writable)
         if gpus:
+            import_compiler()
             use_tf32_matmuls()
             cache = keep_compiled_artifacts(compile_cache_dir(config.models_dir, gpus[0]))
             logger.info("compiled kernels cached in %s", cache or "Inductor's default folder")

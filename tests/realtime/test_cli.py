@@ -87,7 +87,7 @@ def test_scheduling_flags_reach_the_service_config(tmp_path):
         config("--token2wav-call-tokens", "-5")
     assert default.final_chunk_graphs
     assert not config("--no-final-chunk-graphs").final_chunk_graphs
-    assert default.gil_switch_s == 0.0005 and config("--gil-switch-ms", "5").gil_switch_s == 0.005
+    assert default.gil_switch_s == 0.005 and config("--gil-switch-ms", "0.5").gil_switch_s == 0.0005
     for bad in ("0", "-1", "nan", "2000"):
         with pytest.raises(ValueError, match="gil_switch_s"):
             config("--gil-switch-ms", bad)

@@ -21,8 +21,9 @@ thread captures.
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -61,6 +62,25 @@ def free_bytes(device: torch.device) -> int:
     return torch.cuda.mem_get_info(device)[0] + unused
 
 
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cycle collector off while inside (the whole process's; captures run one at a time).
+
+    A collection set off by an allocation inside a capture frees whatever cyclic garbage holds, on the
+    capturing thread: a CUDA graph among it is destroyed there (`cudaGraphDestroy`), which CUDA forbids
+    while the thread captures, and the capture fails at its next launch ("operation failed due to a
+    previous error during capture"; the GPU tests' warm-up after tests that left graphs in cycles,
+    docs/benchmarks.md, twenty-second session). `torch.cuda.graph` collects before every capture instead,
+    a full collection each time."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def capture_graph(fn: Callable[[], object], pool: Any, stream: torch.cuda.Stream,
                   warmup: Callable[[], object] | None = None) -> torch.cuda.CUDAGraph:
     """A CUDA graph of `fn` captured on `stream`, its intermediates in memory pool `pool` (None: a new
@@ -82,7 +102,7 @@ def capture_graph(fn: Callable[[], object], pool: Any, stream: torch.cuda.Stream
             torch.cuda.empty_cache()
         (fn if warmup is None else warmup)()
         stream.wait_stream(current)
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), collector_paused():
             if pool is None:
                 graph.capture_begin(capture_error_mode="thread_local")
             else:

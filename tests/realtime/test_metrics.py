@@ -133,6 +133,11 @@ async def test_a_bench_level_reports_the_engines_work(live_server: LiveServer) -
     assert 0 < figures.text_ready_ms < figures.first_tokens_ms
     assert 0 < figures.llm_first_token_ms < figures.first_tokens_ms - figures.text_ready_ms
     assert "text ready at" in format_level(level)[1]
+    # The clients' mean first audio beside the server's: at least the server's (the request's way in and
+    # the audio's way out are on top), within the clients' spread.
+    assert level.first_chunk_p50_ms <= level.first_chunk_p99_ms
+    assert figures.first_chunk_ms < level.first_chunk_mean_ms <= level.first_chunk_p99_ms
+    assert "(the clients' at" in format_level(level)[1]
     # Each stream's second chunk is a later chunk, ready on time or not (counted either way).
     assert figures.later_chunks >= 2
     assert figures.later_chunks_late + figures.later_chunks_tokens_late <= figures.later_chunks

@@ -64,7 +64,9 @@ def free_bytes(device: torch.device) -> int:
 
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
-    """Python's cycle collector off while inside (the whole process's; captures run one at a time).
+    """Python's automatic cycle collection off while inside (the whole process's; captures run one at a
+    time). An explicit `gc.collect()` still runs: Dynamo's after a compile, on another thread, which a
+    thread-local capture allows.
 
     A collection set off by an allocation inside a capture frees whatever cyclic garbage holds, on the
     capturing thread: a CUDA graph among it is destroyed there (`cudaGraphDestroy`), which CUDA forbids

@@ -90,6 +90,10 @@ class ReferenceNormalizer:
         text = "".join(self._wetext_window(window, language) for window in _windows(text))
         return _chinese_cleanups(text) if language == "zh" else self._spell_out_numbers(text)
 
+    def normalises_quickly(self, text: str) -> bool:
+        """Whether normalising `text` stays out of wetext and inflect (microseconds): it has no digit."""
+        return not _DIGIT.search(text)
+
     def _wetext_window(self, window: str, language: Language) -> str:
         """wetext over the runs of `window` between inline tags; whitespace around each run is kept."""
         if not _DIGIT.search(window):

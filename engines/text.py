@@ -15,6 +15,7 @@ takes it, ending in `<|endofprompt|>`.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import re
 from collections.abc import Callable, Iterable
@@ -45,8 +46,9 @@ DEFAULT_MAX_TEXT_CHARS = 8000
 # not read (engines/text.load_backend_tokenizer).
 TOKENIZER_BUILD = "qwen2-fast-eos-pad-specials/1"
 DEFAULT_MAX_INSTRUCTION_TOKENS = 256  # `<|endofprompt|>` included
-QUICK_TEXT_CHARS = 200  # `prepares_quickly`: at most ~0.4 ms of the 2-core dev machine (English text)
-_DIGIT = re.compile(r"\d")
+# `prepares_quickly`: at most ~0.4 ms of the 2-core dev machine's CPU for text within these bounds.
+QUICK_TEXT_CHARS = 200
+QUICK_TEXT_SENTENCES = 8  # cutting joins sentences one tokenizer call at a time
 
 # A sentence ends after terminal punctuation (plus closing quotes/brackets). ASCII terminals need
 # following whitespace (so "3.14" or "e.g.x" do not split); CJK terminals and newlines do not.
@@ -231,12 +233,22 @@ class TextFrontend:
                                                      f"{self.max_instruction_tokens}")
         return ids
 
-    def prepares_quickly(self, text: str) -> bool:
-        """Whether `split_segments(text)` and encoding its pieces take a fraction of a millisecond: a short
-        text without digits (digits are the only text the reference normaliser hands to wetext's
-        transducers, milliseconds a window). Such text is cheaper to prepare where it is than to hand to
-        a thread and back."""
-        return len(text) <= QUICK_TEXT_CHARS and not _DIGIT.search(text)
+    def prepares_quickly(self, text: str, max_tokens: int) -> bool:
+        """Whether `split_segments(text, max_tokens)` and encoding its pieces take a fraction of a
+        millisecond, cheaper than handing them to a thread and back: a short text of a few sentences that
+        makes one segment (no cut at clauses, words or characters, each a tokenizer call) and that the
+        normaliser passes as quick (`collapse_whitespace` always; a hook with `normalises_quickly`, such
+        as `ReferenceNormalizer`, when it says so; any other hook never)."""
+        if len(text) > QUICK_TEXT_CHARS or not self._normalises_quickly(text):
+            return False
+        sentence_ends = itertools.islice(_SENTENCE_END.finditer(text), QUICK_TEXT_SENTENCES, None)
+        return next(sentence_ends, None) is None and self.count(text) <= max_tokens
+
+    def _normalises_quickly(self, text: str) -> bool:
+        if self._normalize is collapse_whitespace:
+            return True
+        quick = getattr(self._normalize, "normalises_quickly", None)
+        return bool(quick(text)) if callable(quick) else False
 
     def prepare(self, text: str) -> str:
         """Text with the inline-tag rule applied (`engines.inline_tags.clean_tags`) and normalised, or

@@ -244,7 +244,7 @@ class ServiceConfig:
     drain_timeout_s: how long shutdown waits for running streams before cancelling them.
     gil_switch_s: `sys.setswitchinterval` for the `serve` process: how long a thread that wants the GIL
         waits before the thread holding it must let go (the event loop, the LLM thread and the token2wav
-        thread share it). Python's 5 ms; 0.5 ms made every level slower (docs/benchmarks.md).
+        thread share it). Python's 5 ms; 0.5 ms made 16 and 64 streams slower on an H100 (docs/benchmarks.md).
     voice_sync_s: how often the voices directory is re-read for voices other replicas sharing it added
         or deleted (a voice is also loaded on its first use, and a deleted one forgotten at its next).
     retry_after_s: the Retry-After a busy answer suggests.

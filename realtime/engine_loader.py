@@ -79,12 +79,14 @@ LLMsChosen = Callable[[tuple[LLMEngine, ...]], None]
 
 
 def import_compiler() -> None:
-    """Import Dynamo and Inductor from this one thread before the loaders run side by side. Their first
-    imports are circular (`torch._inductor.utils` imports `torch._dynamo`, whose guards import
-    `torch._inductor.utils`): the token2wav loader's `torch.compile` beside the LLM build's first
-    Dynamo-wrapped call once failed a cold start with Python's import `_DeadlockError`."""
+    """Import Dynamo and Inductor, and the compiler's own modules, from this one thread before the LLM
+    build and the token2wav load compile side by side. Their first imports are circular
+    (`torch._inductor.utils` imports `torch._dynamo`, whose guards import `torch._inductor.utils`): the
+    token2wav loader's `torch.compile` beside the LLM build's first Dynamo-wrapped call once failed a
+    cold start with Python's import `_DeadlockError`. Both threads would import these anyway (under the
+    GIL, one at a time): first here, the start is no longer."""
     import torch._dynamo  # noqa: F401
-    import torch._inductor  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401
 
 
 def load_engines(config: ServiceConfig, on_llms: LLMsChosen | None = None) -> LoadedEngines:

@@ -438,7 +438,7 @@ class Runtime:
                 pace_llm=self.config.llm_pacing,
                 schedule=self.config.schedule,
                 retry_after_s=self.config.retry_after_s,
-                prepare_on_loop=self._running().text.prepares_quickly(request.text),
+                prepare_on_loop=self._running().text.prepares_quickly(request.text, SEGMENT_TOKENS),
             )
         except BaseException:  # not handed to a session: nothing else would give the bytes back
             self._memory_budgets.release(index, reserved)
@@ -474,7 +474,8 @@ class Runtime:
 
     def _check_text(self, text: str) -> None:
         """The checks that cost nothing, made before admission; normalising and cutting the text (which
-        can take hundreds of milliseconds) happen after it, off the event loop (`_segments`)."""
+        can take hundreds of milliseconds) happen after it, off the event loop unless the text is quick
+        (`_segments`, `TextFrontend.prepares_quickly`)."""
         limit = self._running().text.max_text_chars
         if len(text) > limit:
             raise ServiceError("text_too_long", f"text has {len(text)} characters; the limit is {limit}", 400)
@@ -483,7 +484,7 @@ class Runtime:
 
     def _segments(self, text: str) -> list[Segment]:
         """`text` cut into LLM requests, or ServiceError (`text_too_long`, `empty_text`, ...). Blocking:
-        sessions call it on a worker thread."""
+        sessions call it on a worker thread, or on the loop for quick text (`prepares_quickly`)."""
         engines = self._running()
         try:
             pieces = engines.text.split_segments(text, SEGMENT_TOKENS)

@@ -5,13 +5,13 @@ Contract (transports code against this):
 - `Runtime.open_session(SpeechRequest) -> Session` (what transports call) makes the cheap checks and
   admits at once (`Runtime.speak`; raises `ServiceError`: `busy`, `voice_not_found`, `text_too_long`,
   ...), then returns once the text is normalised and cut into segments on a worker thread
-  (`Session.prepare`; seconds for long runs of numbers), raising the front end's refusal (`empty_text`,
-  ...) there. The `Session` is an async iterator of `AudioChunk`s: float32 mono PCM at 24000 Hz whose
-  concatenation is the utterance; the last one has `final=True`. Errors from then on (a length the
-  engine cannot hold, an engine failure) are raised from the iteration as `ServiceError`, so an HTTP
-  handler that wants a status code for them awaits the first chunk before answering. A `continuing`
-  session (a websocket context's next sentence) is not prepared first: all its errors come from the
-  iteration.
+  (`Session.prepare`; seconds for long runs of numbers; a quick text on the loop), raising the front
+  end's refusal (`empty_text`, ...) there. The `Session` is an async iterator of `AudioChunk`s: float32
+  mono PCM at 24000 Hz whose concatenation is the utterance; the last one has `final=True`. Errors from
+  then on (a length the engine cannot hold, an engine failure) are raised from the iteration as
+  `ServiceError`, so an HTTP handler that wants a status code for them awaits the first chunk before
+  answering. A `continuing` session (a websocket context's next sentence) is not prepared first: all
+  its errors come from the iteration.
 - Always end a session with `await session.aclose()` (or `async with session:`); that (or cancelling
   the task iterating it) stops synthesis within one chunk and frees the LLM slot and the token2wav
   stream at once. Synthesis starts at the first iteration (or at `session.start()`, to prepare audio
@@ -354,7 +354,8 @@ class Session:
     async def _produce(self) -> None:
         started = self._clock()
         try:
-            # Normalising and cutting the text may take a while: off the event loop, after admission.
+            # Normalising and cutting the text may take a while: off the event loop, after admission,
+            # unless it is quick (`TextFrontend.prepares_quickly`).
             if self._prepare_on_loop:
                 self._segments = list(self._prepare_segments())
             else:

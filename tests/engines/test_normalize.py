@@ -220,3 +220,12 @@ def test_inflect_is_imported_without_typeguard_and_spells_as_the_instrumented_on
     assert reports["ours"]["restored"] and not reports["ours"]["checked"]
     assert reports["usual"]["checked"]  # what the first assertion would miss if typeguard renamed its checks
     assert reports["ours"]["words"] == reports["usual"]["words"]
+
+
+def test_only_text_with_digits_goes_to_wetext(normalize: ReferenceNormalizer) -> None:
+    """What `normalises_quickly` promises (sessions cut such text on the event loop): text without a digit,
+    in any script, comes back from the cheap path; any Unicode digit may take wetext's."""
+    for quick in ("Thanks for calling, how can I help?", "谢谢您的来电。", "Café au lait, s'il vous plaît."):
+        assert normalize.normalises_quickly(quick) and normalize(quick) == quick
+    for digits in ("Table for 4.", "Room ٤ please.", "第3个"):
+        assert not normalize.normalises_quickly(digits)

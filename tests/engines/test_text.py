@@ -9,6 +9,7 @@ import pytest
 
 from engines.build.tokenizer import write_qwen2_tokenizer
 from engines.text import (
+    QUICK_TEXT_CHARS,
     SPECIAL_TOKENS,
     StreamingSentenceSplitter,
     TextError,
@@ -86,14 +87,31 @@ def test_prepare_normalises_and_rejects_empty_or_long_text(tokenizer_dir: Path) 
     assert info.value.code == "text_too_long"
 
 
-def test_short_text_without_digits_prepares_quickly(frontend: TextFrontend) -> None:
-    """Sessions cut such text on the event loop: no digits (the reference normaliser's wetext runs only on
-    those), and short; anything else goes to a worker thread."""
-    assert frontend.prepares_quickly("Thanks for calling, how can I help you today?")
-    assert frontend.prepares_quickly("谢谢您的来电。")
-    assert not frontend.prepares_quickly("Your order 1234 has shipped.")
-    assert not frontend.prepares_quickly("Table for ٤ at seven.")  # any Unicode digit
-    assert not frontend.prepares_quickly("word " * 60)
+def test_only_short_text_that_makes_one_segment_prepares_quickly(frontend: TextFrontend) -> None:
+    """Sessions cut such text on the event loop: a few sentences within one segment's tokens, with a
+    normaliser that says it is quick. Anything that would be cut finer (one tokenizer call per clause,
+    word or character: milliseconds for 200 characters without spaces) goes to a worker thread."""
+    assert frontend.prepares_quickly("Thanks for calling, how can I help you today?", 80)
+    assert frontend.prepares_quickly("谢谢您的来电。", 80)
+    assert frontend.prepares_quickly("x" * QUICK_TEXT_CHARS, 10_000)
+    assert not frontend.prepares_quickly("x" * (QUICK_TEXT_CHARS + 1), 10_000)
+    for slow in ("abcdefghij" * 20, "谢" * 199, "😀" * 200, "." * 200, "Yes. No. Maybe. " * 4):
+        assert not frontend.prepares_quickly(slow, 80), slow[:20]
+    assert not frontend.prepares_quickly("Thanks for calling, how can I help you today?", 5)
+
+
+def test_a_normalisation_hook_prepares_quickly_only_when_it_says_so(tokenizer_dir: Path) -> None:
+    class Declared:
+        def __call__(self, text: str) -> str:
+            return collapse_whitespace(text)
+
+        def normalises_quickly(self, text: str) -> bool:
+            return "#" not in text
+
+    assert not TextFrontend(tokenizer_dir, normalize=lambda text: text).prepares_quickly("Hi there.", 80)
+    declared = TextFrontend(tokenizer_dir, normalize=Declared())
+    assert declared.prepares_quickly("Hi there.", 80)
+    assert not declared.prepares_quickly("Hi #1 there.", 80)
 
 
 def test_normalisation_hook_is_applied(tokenizer_dir: Path) -> None:

@@ -178,11 +178,13 @@ async def test_malformed_values_are_refused_before_any_audio(live_server, raw, p
     assert error["type"] == "invalid_request_error"
 
 
-async def test_an_error_after_admission_is_a_status_not_an_empty_200(live_server):
+@pytest.mark.parametrize("text", ["<|endofprompt|>", "<|endofprompt|> " * 20],
+                         ids=["on_the_loop", "on_a_thread"])
+async def test_an_error_after_admission_is_a_status_not_an_empty_200(live_server, text):
     """Text the front end refuses only once admitted still gets its status: the headers wait for the
-    first audio."""
+    first audio. A short text is cut on the event loop, a longer one on a worker thread: the same answer."""
     async with httpx.AsyncClient(base_url=live_server.http_url) as http:
-        body = {"input": "<|endofprompt|>", "response_format": "pcm"}
+        body = {"input": text, "response_format": "pcm"}
         response = await http.post("/v1/audio/speech", json=body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["code"] == "empty_text"

@@ -177,7 +177,7 @@ async def test_a_session_cancelled_while_its_text_is_cut_gives_its_bytes_back(
 ) -> None:
     """`open_session` cancelled (a client gone) while the text is normalised and cut, after admission:
     no caller ever holds that session, so it closes itself, giving back its stream and its bytes. (A text
-    with digits: those are cut on a worker thread; quick text is cut on the loop, with no await to cancel.)"""
+    with digits: those are cut on a worker thread, which this test holds; quick text is cut on the loop.)"""
     cutting, go_on = threading.Event(), threading.Event()
     segments = Runtime._segments
 

@@ -128,6 +128,7 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         token2wav_memory_margin_gib=args.token2wav_memory_margin_gib,
         first_chunk_hold=FirstChunkHold(args.first_chunk_gap_ms / 1000, args.first_chunk_hold_ms / 1000),
         token2wav_call_tokens=args.token2wav_call_tokens or None,
+        llm_prefill_padding=args.llm_prefill_padding,
         render_hop=getattr(args, "render_hop", 0) or None,
         final_chunk_graphs=args.final_chunk_graphs,
         warmup_between_calls=args.warm_up_between_calls,
@@ -450,6 +451,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--token2wav-call-tokens", type=_non_negative_int, default=0,
                          help="the most speech tokens one token2wav call takes, so that an urgent chunk "
                               "never waits long behind a call (0: no limit beyond --batch chunks)")
+        sub.add_argument("--llm-prefill-padding", type=_non_negative_int, default=None, metavar="POSITIONS",
+                         help="PyTorch LLM: padded positions a prefill call may compute for rows beyond its "
+                              "prompts; past it the rest wait for the next step (default: no limit)")
         sub.add_argument("--final-chunk-graphs", action=argparse.BooleanOptionalAction, default=True,
                          help="vocode final chunks of any length from CUDA graphs padded to length buckets "
                               "(~100 more captures at start-up); off: eagerly at their own lengths")

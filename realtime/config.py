@@ -218,6 +218,8 @@ class ServiceConfig:
         its token2wav call (realtime/batch_policy.py).
     urgent_chunk_calls: a later chunk due within this many recent token2wav calls goes before waiting
         first chunks (0: first chunks always go first; realtime/batch_policy.py).
+    llm_prefill_padding: the PyTorch LLM's `prefill_padding_limit`: padded positions a prefill call may
+        compute for rows beyond its prompts before it leaves prompts for the next step (None: no limit).
     token2wav_call_tokens: the most speech tokens one token2wav call takes (None: up to
         `token2wav_batch` chunks whatever their size). A call is not interrupted, so this bounds how
         long an urgent chunk waits (realtime/batch_policy.py). Off by default: on an H100, 1600 (64
@@ -280,6 +282,7 @@ class ServiceConfig:
     token2wav_memory_margin_gib: float = 8.0
     first_chunk_hold: FirstChunkHold = field(default_factory=FirstChunkHold)
     token2wav_call_tokens: int | None = None
+    llm_prefill_padding: int | None = None
     urgent_chunk_calls: float = 2.0
     final_chunk_graphs: bool = True
     warmup_between_calls: bool = True
@@ -339,6 +342,8 @@ class ServiceConfig:
             raise ValueError(f"voice_sync_s must be > 0, got {self.voice_sync_s}")
         if not self.drain_timeout_s > 0:
             raise ValueError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s}")
+        if self.llm_prefill_padding is not None and self.llm_prefill_padding < 0:
+            raise ValueError(f"llm_prefill_padding must be 0 or more, got {self.llm_prefill_padding}")
         if not 0 < self.gil_switch_s <= 1:
             raise ValueError(f"gil_switch_s must be in (0, 1] seconds, got {self.gil_switch_s}")
         # The speech tokenizer reads at most 30 s in one call.

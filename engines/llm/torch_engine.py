@@ -388,7 +388,10 @@ class TorchLLMEngine(LLMEngine):
             if plan and self.config.prefill_shape(len(plan) + 1, longest) is None:
                 break
             plan.append((seq, end))
-        return plan
+        if not plan:
+            return plan
+        longest = max(end - seq.prefilled for seq, end in plan)  # the loop's may count a prompt left out
+        return plan[: self.config.prefill_prompts_taken(len(plan), longest)]
 
     def _launch_prefill(self) -> list[tuple[_Sequence, int]]:
         """Prefill the next chunks; the sequences whose prompt this completes, with their row."""

@@ -40,6 +40,10 @@ class TorchLLMConfig:
     # of these): a burst of 64 arrivals is prefilled in two calls rather than eight.
     prefill_tokens: int = 8192
     prefill_rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    # Padded positions a prefill call may compute for rows beyond its prompts (None: no limit). Past it the
+    # call takes the prompts of the next smaller row bucket and leaves the rest for the next step: a call
+    # of 17 prompts padded to 32 rows costs nearly what 32 prompts do once the matmuls are compute-bound.
+    prefill_padding_limit: int | None = None
     cuda_graphs: bool = True  # only used on CUDA
     fused_elementwise: bool = True  # only used on CUDA: rope and SwiGLU compiled into one kernel each
     # Only used on CUDA (bf16/fp16): decode steps attend through engines/llm/decode_attention.py's kernel
@@ -72,6 +76,9 @@ class TorchLLMConfig:
         for name in ("decode_buckets", "prefill_rows"):
             if not getattr(self, name) or min(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be positive sizes, got {getattr(self, name)}")
+        if self.prefill_padding_limit is not None and self.prefill_padding_limit < 0:
+            raise ValueError(f"TorchLLMConfig.prefill_padding_limit must be 0 or more, "
+                             f"got {self.prefill_padding_limit}")
         if self.prefill_lengths[-1] > self.prefill_tokens:
             raise ValueError(f"prefill_tokens {self.prefill_tokens} must hold one chunk of "
                              f"{self.prefill_lengths[-1]}")
@@ -119,6 +126,18 @@ class TorchLLMConfig:
         if needed <= self.prefill_graph_kv_len:
             return self.prefill_graph_kv_len
         return bucket(self.kv_lengths, needed)
+
+    def prefill_prompts_taken(self, prompts: int, longest: int) -> int:
+        """How many of `prompts` prompts in line (chunks of at most `longest` positions, a call's shape
+        for all of them existing) one prefill call takes: all, unless padding them up to the call's row
+        bucket computes more than `prefill_padding_limit` positions; then the largest row bucket below."""
+        shape = self.prefill_shape(prompts, longest)
+        if shape is None or self.prefill_padding_limit is None:
+            return prompts
+        rows, length = shape
+        if (rows - prompts) * length <= self.prefill_padding_limit:
+            return prompts
+        return max((r for r in self.prefill_rows if r <= prompts), default=prompts)
 
     def prefill_shape(self, rows: int, longest: int) -> tuple[int, int] | None:
         """The smallest prefill call shape for `rows` chunks of at most `longest` positions, if any."""

@@ -256,6 +256,37 @@ def test_prefill_calls_are_the_smallest_padded_shape_within_the_position_budget(
         TorchLLMConfig(prefill_chunk=512, prefill_tokens=256)
 
 
+def test_a_prefill_call_pads_rows_only_up_to_its_limit() -> None:
+    """Past `prefill_padding_limit` padded positions a call takes the prompts of the next smaller row
+    bucket; the rest wait for the next step. Without a limit every prompt in line goes at once."""
+    unlimited = TorchLLMConfig(prefill_chunk=512, prefill_tokens=8192)
+    assert unlimited.prefill_prompts_taken(17, 192) == 17  # one call of 32 rows
+    limited = dataclasses.replace(unlimited, prefill_padding_limit=1024)
+    assert limited.prefill_shape(17, 192) == (32, 192)
+    assert limited.prefill_prompts_taken(17, 192) == 16  # 15 padded rows of 192: 2880 positions
+    assert limited.prefill_prompts_taken(30, 192) == 30  # 2 padded rows: 384 positions
+    assert limited.prefill_prompts_taken(3, 192) == 3  # 1 padded row
+    assert limited.prefill_prompts_taken(16, 192) == 16  # no padding
+    exact = dataclasses.replace(unlimited, prefill_padding_limit=0)
+    assert [exact.prefill_prompts_taken(n, 64) for n in (1, 3, 5, 12, 31)] == [1, 2, 4, 8, 16]
+    with pytest.raises(ValueError, match="prefill_padding_limit"):
+        TorchLLMConfig(prefill_padding_limit=-1)
+
+
+async def test_prompts_left_for_the_next_prefill_call_sample_the_same_tokens() -> None:
+    """Prefilled in calls of exact row buckets (limit 0) or padded together: the same tokens per seed."""
+    results = []
+    for limit in (None, 0):
+        config = dataclasses.replace(CONFIG, max_slots=8, prefill_rows=(1, 2, 4, 8),
+                                     prefill_padding_limit=limit)
+        async with running(config) as engine:
+            streams = [engine.submit(request(f"r{i}", text_len=2 + i, fixed_length=12, seed=i))
+                       for i in range(7)]
+            results.append(await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 60))
+            assert engine.stats().prefill_rows == 7
+    assert results[0] == results[1]
+
+
 def test_prefill_graphs_attend_to_one_length_up_to_their_limit() -> None:
     config = TorchLLMConfig(max_context=2048, min_kv_bucket=256, prefill_graph_kv=512)
     assert config.prefill_graph_kv_len == 512

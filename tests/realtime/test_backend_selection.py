@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from engines.llm.torch_engine import TorchLLMEngine
 from engines.token2wav.torch_backend import TorchToken2Wav
 from realtime.cli import _config, build_parser
 from realtime.config import ServiceConfig
@@ -77,3 +78,17 @@ def test_dit_cache_rule_reaches_the_flow(tiny_models: Path) -> None:
         build_parser().parse_args(["serve", "--dit-cache-rule", "newest"])
     with pytest.raises(ValueError, match="dit_cache_rule must be one of"):
         config(tiny_models, dit_cache_rule="newest")
+
+
+def test_llm_prefill_padding_reaches_the_llm_engine(tiny_models: Path) -> None:
+    """`--llm-prefill-padding` (default: no limit) is the PyTorch LLM's `prefill_padding_limit`."""
+    default = _config(build_parser().parse_args(["serve", "--models", str(tiny_models)]))
+    assert default.llm_prefill_padding is None
+    args = build_parser().parse_args(["serve", "--models", str(tiny_models), "--llm-prefill-padding", "1024"])
+    engines = load_engines(dataclasses.replace(_config(args), device="cpu", max_streams=2))
+    (llm,) = engines.llms
+    assert isinstance(llm, TorchLLMEngine) and llm.config.prefill_padding_limit == 1024
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--llm-prefill-padding", "-1"])
+    with pytest.raises(ValueError, match="llm_prefill_padding"):
+        config(tiny_models, llm_prefill_padding=-1)

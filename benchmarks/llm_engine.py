@@ -129,8 +129,9 @@ def replay_ms(graph: torch.cuda.CUDAGraph, repeats: int = 50) -> float:
 
 
 def graph_times(engine: TorchLLMEngine) -> dict[str, float]:
-    """Replay time of a few captured decode graphs of an idle engine (their outputs are ignored; prefill
-    graphs are left alone: replaying one reads the input rows of an earlier call)."""
+    """Replay time of a few captured decode and prefill graphs of an idle engine (their outputs are
+    ignored). Prefill graphs replay with every row on the scratch slot and none ending its prompt, as at
+    their capture: they then write no live slot and sample nothing."""
     runner: Any = engine._runner
     if runner is None or not runner.decode_graphs:
         return {}
@@ -138,6 +139,13 @@ def graph_times(engine: TorchLLMEngine) -> dict[str, float]:
     for key in ((1, 256), (1, 512), (16, 512), (64, 512), (64, 1024), (128, 512), (128, 1024)):
         if key in runner.decode_graphs:
             times[f"decode{key}"] = replay_ms(runner.decode_graphs[key])
+    runner.prefill_rows[0].fill_(runner.scratch_slot)
+    runner.prefill_rows[3].zero_()
+    kv_len = engine.config.prefill_graph_kv_len
+    for rows, length in ((1, 192), (4, 192), (16, 192), (32, 192), (32, 256)):
+        graph = runner.prefill_graphs.get((rows, length, kv_len))
+        if graph is not None:
+            times[f"prefill{(rows, length, kv_len)}"] = replay_ms(graph)
     return times
 
 

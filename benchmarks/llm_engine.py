@@ -130,8 +130,8 @@ def replay_ms(graph: torch.cuda.CUDAGraph, repeats: int = 50) -> float:
 
 def graph_times(engine: TorchLLMEngine) -> dict[str, float]:
     """Replay time of a few captured decode and prefill graphs of an idle engine (their outputs are
-    ignored). Prefill graphs replay with every row on the scratch slot and none ending its prompt, as at
-    their capture: they then write no live slot and sample nothing."""
+    ignored). Prefill graphs replay with every row on the scratch slot from position 0, none ending its
+    prompt: they then write no live slot and sample nothing."""
     runner: Any = engine._runner
     if runner is None or not runner.decode_graphs:
         return {}
@@ -139,8 +139,8 @@ def graph_times(engine: TorchLLMEngine) -> dict[str, float]:
     for key in ((1, 256), (1, 512), (16, 512), (64, 512), (64, 1024), (128, 512), (128, 1024)):
         if key in runner.decode_graphs:
             times[f"decode{key}"] = replay_ms(runner.decode_graphs[key])
+    runner.prefill_rows[1:].zero_()  # from position 0, no prompt ending (an earlier call's may reach far)
     runner.prefill_rows[0].fill_(runner.scratch_slot)
-    runner.prefill_rows[3].zero_()
     kv_len = engine.config.prefill_graph_kv_len
     for rows, length in ((1, 192), (4, 192), (16, 192), (32, 192), (32, 256)):
         graph = runner.prefill_graphs.get((rows, length, kv_len))

@@ -384,14 +384,12 @@ class TorchLLMEngine(LLMEngine):
         longest = 0
         for seq in self._state.prefilling:
             end = min(seq.prompt_len, seq.prefilled + self.config.prefill_chunk)
-            longest = max(longest, end - seq.prefilled)
-            if plan and self.config.prefill_shape(len(plan) + 1, longest) is None:
+            widest = max(longest, end - seq.prefilled)
+            if plan and self.config.prefill_shape(len(plan) + 1, widest) is None:
                 break
             plan.append((seq, end))
-        if not plan:
-            return plan
-        longest = max(end - seq.prefilled for seq, end in plan)  # the loop's may count a prompt left out
-        return plan[: self.config.prefill_prompts_taken(len(plan), longest)]
+            longest = widest
+        return plan[: self.config.prefill_prompts_taken(len(plan), longest)] if plan else plan
 
     def _launch_prefill(self) -> list[tuple[_Sequence, int]]:
         """Prefill the next chunks; the sequences whose prompt this completes, with their row."""

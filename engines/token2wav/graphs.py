@@ -385,6 +385,12 @@ class ShapeGraphs(Generic[ShapeT, InputsT, OutputsT]):
         raise NotImplementedError
 
 
+def _every_dimension_holds(captured: SolveShape | EncodeShape, shape: SolveShape | EncodeShape) -> bool:
+    """Whether `captured` is at least `shape` in every dimension (shapes of one kind)."""
+    return all(big >= small for big, small in zip(dataclasses.astuple(captured), dataclasses.astuple(shape),
+                                                  strict=True))
+
+
 class GraphedSolver(ShapeGraphs[SolveShape, RaggedInputs, RaggedOutputs]):
     """The CFM solve from one CUDA graph per `SolveShape`."""
 
@@ -400,8 +406,7 @@ class GraphedSolver(ShapeGraphs[SolveShape, RaggedInputs, RaggedOutputs]):
 
     def _holds(self, captured: SolveShape, shape: SolveShape) -> bool:
         # Every dimension is padded and masked: rows, chunk, own cache (left), prompts, kept frames.
-        return all(big >= small for big, small in zip(dataclasses.astuple(captured),
-                                                      dataclasses.astuple(shape), strict=True))
+        return _every_dimension_holds(captured, shape)
 
     def _padding_order(self, shape: SolveShape) -> tuple[int, ...]:
         # The DiT's attention: each chunk frame over prompt, own cache and chunk, per row.
@@ -522,8 +527,7 @@ class GraphedEncoder(ShapeGraphs[EncodeShape, EncoderInputs, EncoderOutputs]):
 
     def _holds(self, captured: EncodeShape, shape: EncodeShape) -> bool:
         # Rows, tokens (right) and history (left) are padded and masked.
-        return (captured.batch >= shape.batch and captured.tokens >= shape.tokens
-                and captured.history >= shape.history)
+        return _every_dimension_holds(captured, shape)
 
     def _padding_order(self, shape: EncodeShape) -> tuple[int, ...]:
         # Attention: each token over history and chunk, per row.

@@ -54,6 +54,21 @@ async def test_metrics_named_in_the_query_are_the_only_ones_rendered(live_server
     assert list(sampled) == ["tts_active_streams"]
 
 
+async def test_name_filtered_metrics_match_prometheus_clients_own_exposition() -> None:
+    """The `name[]` convention as prometheus_client's own exposition app serves it, on the same registry."""
+    from prometheus_client import make_asgi_app
+
+    metrics = Metrics()
+    metrics.first_chunk_latency.observe(0.2)
+    metrics.audio_seconds.inc(3.0)
+    names = ["tts_first_chunk_latency_seconds_count", "tts_audio_seconds_total", "no_such_metric"]
+    transport = httpx.ASGITransport(app=make_asgi_app(registry=metrics.registry, disable_compression=True))
+    async with httpx.AsyncClient(transport=transport, base_url="http://prometheus") as http:
+        reference = await http.get("/", params={"name[]": names})
+    assert reference.status_code == 200 and "tts_audio_seconds_total 3.0" in reference.text
+    assert metrics.render(names).decode() == reference.text
+
+
 async def test_collections_are_counted_by_generation_while_watching() -> None:
     pauses = GcPauses()
     callbacks = len(gc.callbacks)

@@ -6,8 +6,8 @@
 Every request has a zero-shot prompt of 100-300 positions and a fixed output length (random weights
 never stop on their own). Reported: batch-1 first token and decode step, first-token latency when
 16 and 64 (`--bursts`) requests arrive at once, the decode step while they run, the replay time of
-single CUDA graphs (device time only, from CUDA events) and the first-audio estimate (first token + 17
-steps).
+single CUDA graphs (device time only, from CUDA events), the first-audio estimate (first token + 17
+steps) and, on CUDA, a lone request's first token step by step (`first_token_timeline`).
 """
 
 from __future__ import annotations
@@ -116,6 +116,56 @@ async def measure(engine: TorchLLMEngine, tokens: int, bursts: tuple[int, ...]) 
     return figures
 
 
+def first_token_timeline(loop: asyncio.AbstractEventLoop, engine: TorchLLMEngine,
+                         repeats: int = 5) -> dict[str, float]:
+    """Where a lone request's first token goes: host moments (ms after its submission, medians over
+    `repeats` requests) of the runner's calls on the engine thread, the prefill's device time, and the
+    token's arrival on the event loop."""
+    runner: Any = engine._runner
+    marks: list[tuple[str, float]] = []
+    device_ms: list[float] = []
+
+    def timed(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            marks.append((f"{name} called", time.perf_counter()))
+            result = method(*args, **kwargs)
+            marks.append((f"{name} returned", time.perf_counter()))
+            return result
+        return call
+
+    def timed_prefill(*args: Any, **kwargs: Any) -> Any:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = prefill(*args, **kwargs)
+        end.record()
+        end.synchronize()  # after the launch returned: the moments below include this wait
+        device_ms.append(start.elapsed_time(end))
+        return result
+
+    def timed_read_back(*args: Any, **kwargs: Any) -> Any:
+        readback = read_back(*args, **kwargs)
+        readback.lists = timed("read-back lists", readback.lists)
+        return readback
+
+    begin, prefill, read_back = runner.begin, timed("prefill", runner.prefill), runner.read_back
+    runner.begin, runner.prefill, runner.read_back = timed("begin", begin), timed_prefill, timed_read_back
+    timelines: list[dict[str, float]] = []
+    try:
+        for index in range(repeats):
+            marks.clear()
+            trace = loop.run_until_complete(run_burst(engine, 1, 2, first_index=200 + index))[0]
+            timeline: dict[str, float] = {}
+            for name, moment in marks:  # the first of each: the first token's step
+                timeline.setdefault(name, (moment - trace.submitted) * 1000)
+            timeline["token on the loop"] = trace.first_token_ms
+            timelines.append(timeline)
+    finally:
+        del runner.begin, runner.prefill, runner.read_back
+    figures = {name: statistics.median(t[name] for t in timelines if name in t) for name in timelines[0]}
+    figures["prefill device ms"] = statistics.median(device_ms)
+    return figures
+
+
 def replay_ms(graph: torch.cuda.CUDAGraph, repeats: int = 50) -> float:
     """Device time of one replay, from CUDA events around `repeats` back-to-back replays."""
     graph.replay()
@@ -206,6 +256,7 @@ def main() -> None:
     if args.profile is not None:
         profile_tables(loop, engine, 40, args.profile)
     if args.device.startswith("cuda"):
+        figures["first_token_timeline_ms"] = first_token_timeline(loop, engine)
         figures["graph_replay_ms"] = graph_times(engine)
     loop.run_until_complete(engine.stop())
     print(json.dumps(figures, indent=1))

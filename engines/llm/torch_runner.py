@@ -50,11 +50,10 @@ class TorchLLMConfig:
     decode_attention_kernel: bool = True
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     min_kv_bucket: int = 256  # attended cache lengths: doubling from here up to max_context
-    # Prefill calls attending to at most this many positions replay graphs, all captured at this one
-    # attended length (padding keys are masked by position, so a shorter prompt's call computes the
-    # same): half the captures of one graph per cache bucket, for ~0.14 s each at start-up. Longer
-    # prompts (rare: a voice prompt and its text fit 512) prefill eagerly, where launches hide behind
-    # the matmuls.
+    # Prefill calls of first chunks reaching at most this many positions replay graphs, all captured at
+    # this one cache length: one graph per shape, for ~0.14 s each at start-up. Longer prompts and their
+    # later chunks (rare: a voice prompt and its text fit 512) prefill eagerly, where launches hide
+    # behind the matmuls.
     prefill_graph_kv: int = 512
     prefill_length_step: int = 64  # prefill chunk lengths: multiples of this up to prefill_chunk
     ras_history: int = 32  # longest RAS window a request may ask for
@@ -345,11 +344,13 @@ class ModelRunner:
         for row, chunk in enumerate(chunks):
             self.prefill_input[row, : chunk.embeddings.shape[0]] = chunk.embeddings
         kv_len = self.config.prefill_kv_len(max(c.start + c.embeddings.shape[0] for c in chunks))
-        graph = self.prefill_graphs.get((rows, length, kv_len))
+        from_start = all(chunk.start == 0 for chunk in chunks)
+        # Graphs hold first chunks only (every prompt but one longer than `prefill_chunk` is one chunk).
+        graph = self.prefill_graphs.get((rows, length, kv_len)) if from_start else None
         if graph is not None:
             graph.replay()
         else:
-            self._prefill_step(rows, length, kv_len)
+            self._prefill_step(rows, length, kv_len, from_start=from_start)
 
     @torch.no_grad()
     def decode(self, size: int, kv_len: int) -> None:
@@ -369,11 +370,13 @@ class ModelRunner:
         if self.config.torch_device.type == "cuda":
             torch.cuda.synchronize(self.config.torch_device)
 
-    def _prefill_step(self, rows: int, length: int, kv_len: int, layers: int | None = None) -> None:
-        """One prefill call (`layers`: of the first layers only, a graph's warm-up; see Qwen2Model)."""
+    def _prefill_step(self, rows: int, length: int, kv_len: int, layers: int | None = None,
+                      from_start: bool = True) -> None:
+        """One prefill call (`layers`: of the first layers only, a graph's warm-up; see Qwen2Model);
+        `from_start`: every row's chunk starts its prompt (`CacheBatch.from_start`)."""
         slots, start, last, ends_prompt = self.prefill_rows[:, :rows]
         positions = start.unsqueeze(1) + torch.arange(length, device=start.device)
-        batch = CacheBatch(slots, positions, kv_len)
+        batch = CacheBatch(slots, positions, kv_len, from_start)
         hidden = self.model.backbone(self.prefill_input[:rows, :length], batch, self.cache, layers)
         logits = self.model.speech_logits(hidden[torch.arange(rows, device=start.device), last])
         tokens = self.sampling.sample(logits, slots)

@@ -2,15 +2,15 @@
 
     python3 benchmarks/load_profile.py --models /tmp/m --streams 64 128 --out load -- --device cuda
 
-Starts `realtime serve` (the arguments after --), runs one warm-up stream, then for each level attaches
-py-spy to the server (every thread, idle ones too: a thread waiting for the GIL or for the device shows
-where it waits), starts that many streams together as `realtime bench` does, and stops the sampling when
-they end. Per level it writes the raw stacks (`OUT/streams-N.prof.txt`), benchmarks/profile_summary.py's
-seconds per thread and function (`OUT/streams-N-profile.txt`), and prints the level's bench line. The
-question it answered first: why an LLM decode step took 6–8 ms while token2wav ran beside it (1.1 ms
-alone) — mostly waiting for the GIL (docs/benchmarks.md, ninth session). With `--gil` a second py-spy
-samples only the thread holding the GIL (`OUT/streams-N-gil.prof.txt`, `…-gil-profile.txt`): per
-thread, how long it held the GIL, and where.
+Starts `realtime serve` (the arguments after --), waits for its warm-up to end, runs one stream, then
+for each level attaches py-spy to the server (every thread, idle ones too: a thread waiting for the GIL
+or for the device shows where it waits), starts that many streams together as `realtime bench` does, and
+stops the sampling when they end. Per level it writes the raw stacks (`OUT/streams-N.prof.txt`),
+benchmarks/profile_summary.py's seconds per thread and function (`OUT/streams-N-profile.txt`), and
+prints the level's bench line. The question it answered first: why an LLM decode step took 6–8 ms while
+token2wav ran beside it (1.1 ms alone) — mostly waiting for the GIL (docs/benchmarks.md, ninth session).
+With `--gil` a second py-spy samples only the thread holding the GIL (`OUT/streams-N-gil.prof.txt`,
+`…-gil-profile.txt`): per thread, how long it held the GIL, and where.
 
 py-spy comes from benchmarks/wheels.sh's wheels (on_device.sh puts it on PATH); attaching needs the
 permission to trace the server (root, or a ptrace scope that allows it).
@@ -29,7 +29,7 @@ from pathlib import Path
 from profile_summary import py_spy_record, summarise
 
 from realtime.bench import format_level, run_level
-from realtime.bench_server import spawned_process
+from realtime.bench_server import spawned_process, wait_until_warm
 
 PROFILE_HZ = 100
 
@@ -87,6 +87,7 @@ def main() -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     with spawned_process(args.models, args.serve_args, args.out / "server.log") as (port, server):
+        wait_until_warm(port, process=server)  # as `realtime bench`: no graph captures during the levels
         asyncio.run(profile_levels(f"ws://127.0.0.1:{port}/v1/ws", server.pid, py_spy, args.streams,
                                    args.tokens, args.out, args.gil, args.tokens_spread))
     return 0

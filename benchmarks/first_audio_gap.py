@@ -1,0 +1,140 @@
+"""Where a burst's first audio goes between the clients and the server: per stream, from the client's
+`start` to the server's session (admission), to the server's first audio (synthesis), to the client's
+first audio frame (delivery), on one clock (CLOCK_MONOTONIC: `time.perf_counter` and `time.monotonic`
+read it in both processes on Linux).
+
+    python3 benchmarks/first_audio_gap.py --models /tmp/m --streams 16 64 -- --device cuda --max-streams 320
+
+The server is `realtime serve` (the arguments after --) in a child process whose sessions record when
+they were created and when their first audio was ready, kept in memory and written to a file once a
+second by a thread of their own (a write on the event loop would release the GIL at the moments
+measured). The client is `realtime bench`'s: sockets opened first, streams started together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import websockets
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+from realtime.bench import TEXTS  # noqa: E402
+from realtime.bench_server import spawned_process, wait_until_warm  # noqa: E402
+
+# Run as the server: wraps Session to record its moments, then starts the CLI.
+SERVER = """
+import sys, threading, time
+import realtime.session as session
+records, path = {}, sys.argv[1]
+created_init, emit = session.Session.__init__, session.Session._emit
+def init(self, *args, **kwargs):
+    created_init(self, *args, **kwargs)
+    records[self.session_id] = [self.request.sampling.seed, time.perf_counter(), None]
+async def first_emit(self, pcm, *args, **kwargs):
+    record = records.get(self.session_id)
+    if record is not None and record[2] is None and pcm.size:
+        record[2] = time.perf_counter()
+    await emit(self, pcm, *args, **kwargs)
+session.Session.__init__, session.Session._emit = init, first_emit
+def dump():
+    written = None
+    while True:
+        time.sleep(1.0)
+        done = [r for r in list(records.values()) if r[2] is not None]
+        if len(done) != written:
+            written = len(done)
+            with open(path, "w") as out:
+                out.write(repr(done))
+threading.Thread(target=dump, daemon=True).start()
+from realtime.cli import main
+# Started as spawned_process's launcher: the arguments end with `python -m realtime serve ...`.
+sys.argv = ["realtime", *sys.argv[sys.argv.index("realtime") + 1:]]
+main()
+"""
+
+
+async def burst(url: str, streams: int, seed_base: int) -> dict[int, tuple[float, float]]:
+    """Per seed: when its `start` went out and when its first audio frame came back."""
+    sockets = await asyncio.gather(*(websockets.connect(url, max_size=None) for _ in range(streams)))
+    moments: dict[int, tuple[float, float]] = {}
+
+    async def stream(index: int, ws: websockets.ClientConnection) -> None:
+        seed, context = seed_base + index, f"s{index}"
+        await ws.send(json.dumps({"type": "start", "context_id": context, "voice": "default",
+                                  "sample_rate": 24000, "encoding": "pcm_s16le", "fixed_length": 250,
+                                  "seed": seed}))
+        sent = time.perf_counter()
+        await ws.send(json.dumps({"type": "text", "context_id": context, "text": TEXTS[index % len(TEXTS)]}))
+        await ws.send(json.dumps({"type": "end", "context_id": context}))
+        async for frame in ws:
+            if isinstance(frame, bytes):
+                moments.setdefault(seed, (sent, time.perf_counter()))
+            elif json.loads(frame)["type"] in ("done", "error"):
+                break
+
+    try:
+        await asyncio.gather(*(stream(i, ws) for i, ws in enumerate(sockets)))
+    finally:
+        await asyncio.gather(*(ws.close() for ws in sockets))
+    return moments
+
+
+def report(streams: int, client: dict[int, tuple[float, float]], server: list[list[float]]) -> str:
+    by_seed: dict[int, tuple[float, float]] = {}
+    for seed, created, audio in sorted(server, key=lambda record: record[1]):
+        by_seed.setdefault(int(seed), (created, audio))  # a context's first text (its first session)
+    rows = [(sent, by_seed[seed][0], by_seed[seed][1], received)
+            for seed, (sent, received) in client.items() if seed in by_seed]
+    t0 = min(sent for sent, *_ in rows)
+    parts = {
+        "start → session": [created - sent for sent, created, _, _ in rows],
+        "session → server audio": [audio - created for _, created, audio, _ in rows],
+        "server audio → client": [received - audio for _, _, audio, received in rows],
+        "start → client audio": [received - sent for sent, _, _, received in rows],
+        "session created (after first start)": [created - t0 for _, created, _, _ in rows],
+        "server audio (after first start)": [audio - t0 for _, _, audio, _ in rows],
+    }
+    lines = [f"{streams} streams ({len(rows)} matched): ms p50 / mean / max"]
+    for name, values in parts.items():
+        ms = [v * 1000 for v in values]
+        lines.append(f"  {name:38s} {statistics.median(ms):7.1f} {statistics.fmean(ms):7.1f} {max(ms):7.1f}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", type=Path, required=True)
+    parser.add_argument("--streams", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("serve_args", nargs="*", help="after --: arguments of `realtime serve`")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        moments, script = Path(scratch) / "moments.txt", Path(scratch) / "server.py"
+        script.write_text(SERVER)
+        # The wrapper, as spawned_process's launcher, runs the `python -m realtime serve ...` after it.
+        with spawned_process(args.models, args.serve_args, Path(scratch) / "server.log",
+                             launcher=[sys.executable, str(script), str(moments)]) as (port, server):
+            wait_until_warm(port, process=server)
+            url = f"ws://127.0.0.1:{port}/v1/ws"
+            asyncio.run(burst(url, 1, 0))
+            for count in args.streams:
+                for repeat in range(args.repeats):
+                    seed_base = 100000 * (count + 1) + 1000 * repeat
+                    client = asyncio.run(burst(url, count, seed_base))
+                    time.sleep(2.5)  # the server's thread writes its records once a second
+                    server = [r for r in eval(moments.read_text()) if r[0] >= seed_base]  # noqa: S307
+                    print(report(count, client, server), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import secrets
+import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -113,6 +113,9 @@ class Runtime:
         # One reference clip encoded at a time: uploads queue here instead of taking every core from
         # the streams being spoken.
         self._voice_encoding = asyncio.Semaphore(1)
+        # Names of sessions and renders in the logs: drawn without a system call (os.urandom releases
+        # the GIL on the event loop, where a burst's admissions run one after another).
+        self._ids = random.Random()
         self.metrics = Metrics()
         self._loader = loader
         self._engines: LoadedEngines | None = None
@@ -413,7 +416,7 @@ class Runtime:
         if isinstance(decision, Refuse):
             raise ServiceError("busy", decision.reason, 429, decision.retry_after_s)
         index, placed, reserved = self._place(voices)
-        session_id = secrets.token_hex(4)
+        session_id = self._new_id()
         session: Session
 
         def release() -> None:
@@ -455,6 +458,9 @@ class Runtime:
             placed.worker.device,
         )
         return session
+
+    def _new_id(self) -> str:
+        return f"{self._ids.getrandbits(32):08x}"
 
     def _voice(self, voice_id: str) -> list[PreparedVoice]:
         """The voice prepared on every token2wav worker (one entry per worker, in order). A voice that
@@ -511,7 +517,7 @@ class Runtime:
             prompt = self._prompt_of(voices[0], mode, speech.instructions)
             worker, placed, reserved = self._place(voices)
             prepared = voices[worker]
-            render_id = secrets.token_hex(4)
+            render_id = self._new_id()
             token_streams: list[TokenStream] = []
             try:
                 placed.check_mode(mode)

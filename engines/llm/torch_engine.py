@@ -25,7 +25,7 @@ import asyncio
 import collections
 import heapq
 import logging
-import secrets
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -152,6 +152,7 @@ class TorchLLMEngine(LLMEngine):
         self._prefill_rows = 0
         self._first_tokens = 0
         self._first_token_seconds = 0.0
+        self._seeds = random.Random()  # unseeded requests' seeds, drawn on the loop without a system call
 
     @classmethod
     def from_models_dir(cls, models_dir: Path, device: str = "cuda", **options: Any) -> TorchLLMEngine:
@@ -242,7 +243,7 @@ class TorchLLMEngine(LLMEngine):
             raise LLMError("context_too_long", f"the prompt takes {prompt_len} positions and needs at least "
                                                f"{max(min_len, 1)} more, but the context holds "
                                                f"{self.config.max_context}")
-        seed = params.seed if params.seed is not None else secrets.randbits(32)
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
         stream = QueuedTokenStream(request.request_id, self._cancel, self._wake.set)
         return _Sequence(request, stream, prompt_len, min_len, min(max_len, room), seed)
 

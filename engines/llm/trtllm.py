@@ -25,7 +25,7 @@ import asyncio
 import datetime
 import json
 import logging
-import secrets
+import random
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -242,6 +242,7 @@ class TrtLlmEngine(LLMEngine):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # guards `_streams` and their `started` (event loop, response thread)
+        self._seeds = random.Random()  # unseeded requests' seeds, drawn on the loop without a system call
         self._streams: dict[int, _ExecutorStream] = {}
         self._stopping = False
 
@@ -284,7 +285,7 @@ class TrtLlmEngine(LLMEngine):
         if self._executor is None or self._stopping:
             raise LLMError("not_running", "the LLM engine is not running")
         self.check_mode(request)
-        seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)
+        seed = request.sampling.seed if request.sampling.seed is not None else self._seeds.getrandbits(63)
         plan = plan_request(request, self._vocab, self._limits, seed)
         stream = _ExecutorStream(request.request_id, self._cancel)
         with self._lock:

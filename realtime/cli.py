@@ -263,7 +263,6 @@ def serve(config: ServiceConfig) -> int:
     if bytecode is not None:
         logging.getLogger(__name__).info("Python bytecode cached in %s", bytecode)
     from realtime.app import DrainingServer, create_app, server_config
-    from realtime.log_queue import logs_through_queue
 
     try:
         preflight(config)
@@ -276,7 +275,7 @@ def serve(config: ServiceConfig) -> int:
     app = create_app(config)
     uvicorn_config = server_config(app, config, host=config.host, port=config.port, log_level="info")
     server = DrainingServer(uvicorn_config, app.state.drain, config.drain_timeout_s)
-    with sock, logs_through_queue():
+    with sock:
         server.run(sockets=[sock])
     return 0 if server.started else 1
 

@@ -14,6 +14,7 @@ measured). The client is `realtime bench`'s: sockets opened first, streams start
 from __future__ import annotations
 
 import argparse
+import ast
 import asyncio
 import json
 import statistics
@@ -24,14 +25,16 @@ from pathlib import Path
 
 import websockets
 
-sys.path.append(str(Path(__file__).resolve().parents[1]))
+REPOSITORY = Path(__file__).resolve().parents[1]
+sys.path.append(str(REPOSITORY))
 
 from realtime.bench import TEXTS  # noqa: E402
 from realtime.bench_server import spawned_process, wait_until_warm  # noqa: E402
 
 # Run as the server: wraps Session to record its moments, then starts the CLI.
 SERVER = """
-import sys, threading, time
+import os, sys, threading, time
+sys.path.insert(0, sys.argv[2])  # the repository this script belongs to
 import realtime.session as session
 records, path = {}, sys.argv[1]
 created_init, emit = session.Session.__init__, session.Session._emit
@@ -51,13 +54,14 @@ def dump():
         done = [r for r in list(records.values()) if r[2] is not None]
         if len(done) != written:
             written = len(done)
-            with open(path, "w") as out:
+            with open(path + ".part", "w") as out:
                 out.write(repr(done))
+            os.replace(path + ".part", path)  # whole, never half written
 threading.Thread(target=dump, daemon=True).start()
 from realtime.cli import main
 # Started as spawned_process's launcher: the arguments end with `python -m realtime serve ...`.
 sys.argv = ["realtime", *sys.argv[sys.argv.index("realtime") + 1:]]
-main()
+sys.exit(main())
 """
 
 
@@ -88,11 +92,15 @@ async def burst(url: str, streams: int, seed_base: int) -> dict[int, tuple[float
 
 
 def report(streams: int, client: dict[int, tuple[float, float]], server: list[list[float]]) -> str:
+    if not client:
+        return f"{streams} streams: no first audio came back"
     by_seed: dict[int, tuple[float, float]] = {}
     for seed, created, audio in sorted(server, key=lambda record: record[1]):
         by_seed.setdefault(int(seed), (created, audio))  # a context's first text (its first session)
     rows = [(sent, by_seed[seed][0], by_seed[seed][1], received)
             for seed, (sent, received) in client.items() if seed in by_seed]
+    if not rows:
+        return f"{streams} streams: no server record matched the clients' seeds"
     t0 = min(sent for sent, *_ in rows)
     parts = {
         "start → session": [created - sent for sent, created, _, _ in rows],
@@ -122,17 +130,20 @@ def main() -> int:
         script.write_text(SERVER)
         # The wrapper, as spawned_process's launcher, runs the `python -m realtime serve ...` after it.
         with spawned_process(args.models, args.serve_args, Path(scratch) / "server.log",
-                             launcher=[sys.executable, str(script), str(moments)]) as (port, server):
+                             launcher=[sys.executable, str(script), str(moments), str(REPOSITORY)]
+                             ) as (port, server):
             wait_until_warm(port, process=server)
             url = f"ws://127.0.0.1:{port}/v1/ws"
             asyncio.run(burst(url, 1, 0))
+            seed_base = 1
             for count in args.streams:
-                for repeat in range(args.repeats):
-                    seed_base = 100000 * (count + 1) + 1000 * repeat
+                for _ in range(args.repeats):
                     client = asyncio.run(burst(url, count, seed_base))
                     time.sleep(2.5)  # the server's thread writes its records once a second
-                    server = [r for r in eval(moments.read_text()) if r[0] >= seed_base]  # noqa: S307
+                    server = [r for r in ast.literal_eval(moments.read_text())
+                              if seed_base <= r[0] < seed_base + count]  # this burst's streams only
                     print(report(count, client, server), flush=True)
+                    seed_base += count
     return 0
 
 

@@ -76,7 +76,8 @@ class CacheBatch:
     positions: Tensor  # [B, T] int64
     kv_len: int
     # Every row's queries sit at positions 0..T-1 (a prompt's first chunk): then a query attends only to
-    # keys of its own chunk, causally, and attention runs on them without reading the cache or a mask.
+    # keys of its own chunk, causally, and attention runs on them without reading the cache or a mask
+    # (the keys and values are still written).
     from_start: bool = False
 
     def row_index(self) -> Tensor:
@@ -85,14 +86,20 @@ class CacheBatch:
             return torch.arange(self.positions.shape[0], device=self.positions.device).unsqueeze(1)
         return self.slots.unsqueeze(1)
 
-    def update(self, layer_cache: Tensor, new: Tensor, row_index: Tensor) -> Tensor:
-        """Write `new` [B, T, H, D] into one layer's cache [slots, H, max_len, D] at the batch's
-        positions; return the rows' first `kv_len` positions [B, H, kv_len, D]."""
+    def write(self, layer_cache: Tensor, new: Tensor, row_index: Tensor) -> None:
+        """Write `new` [B, T, H, D] into one layer's cache [slots, H, max_len, D] at the batch's positions."""
         if isinstance(self.slots, int):
             rows = layer_cache[self.slots : self.slots + self.positions.shape[0]]
             rows[row_index, :, self.positions] = new
-            return rows[:, :, : self.kv_len]
-        layer_cache[row_index, :, self.positions] = new
+        else:
+            layer_cache[row_index, :, self.positions] = new
+
+    def update(self, layer_cache: Tensor, new: Tensor, row_index: Tensor) -> Tensor:
+        """`write`, then return the rows' first `kv_len` positions [B, H, kv_len, D] (a view for
+        consecutive slots, a gathered copy for listed ones)."""
+        self.write(layer_cache, new, row_index)
+        if isinstance(self.slots, int):
+            return layer_cache[self.slots : self.slots + self.positions.shape[0], :, : self.kv_len]
         return layer_cache[self.slots, :, : self.kv_len]
 
 
@@ -257,9 +264,11 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     On CUDA this is the flash kernel, called directly for the reason given in `grouped_attention`
     (reading no mask: a one-row prompt's attention took 31 µs per layer through the masked
     memory-efficient kernel against 512 keys; H100, 2026-11-27). The kernel serves grouped key/value
-    heads as they are.
+    heads as they are. Elsewhere (the CPU, fp32, GPUs before Ampere, which the kernel does not serve)
+    SDPA picks a kernel.
     """
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+    if (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+            and torch.cuda.get_device_capability(q.device) >= (8, 0)):
         return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0]
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
@@ -289,12 +298,13 @@ class Qwen2Attention(nn.Module):
                                 batch.positions[:, 0], batch.kv_len)
             return add_linear_(residual, out.view(rows, length, -1), self.o_proj)
         inputs.ops.rope_(qkv[:, :, : heads + kv_heads], *inputs.rope)  # in place: k and v stay side by side
-        kv = batch.update(layer_cache, qkv[:, :, heads:], inputs.row_index)
         queries = qkv[:, :, :heads].transpose(1, 2)
-        if batch.from_start:
+        if batch.from_start:  # stored for later chunks and decode steps, not read back
+            batch.write(layer_cache, qkv[:, :, heads:], inputs.row_index)
             keys, values = qkv[:, :, heads:].transpose(1, 2).split(kv_heads, dim=1)
             out = causal_attention(queries, keys, values)
         else:
+            kv = batch.update(layer_cache, qkv[:, :, heads:], inputs.row_index)
             keys, values = kv.split(kv_heads, dim=1)
             assert inputs.mask is not None
             out = grouped_attention(queries, keys, values, inputs.mask)

@@ -300,7 +300,9 @@ class ModelRunner:
             if kv_len != prefill_kv:
                 continue
             for rows, length in reversed(self.config.prefill_shapes):
-                self.prefill_graphs[rows, length, kv_len] = capture(self._prefill_step, rows, length, kv_len)
+                # First chunks only (`prefill` replays these for calls whose chunks all start at 0).
+                graph = capture(self._prefill_step, rows, length, kv_len, True)
+                self.prefill_graphs[rows, length, kv_len] = graph
         # This stream only: a device-wide wait is not allowed while another thread captures.
         torch.cuda.current_stream(self.config.torch_device).synchronize()
 
@@ -350,7 +352,7 @@ class ModelRunner:
         if graph is not None:
             graph.replay()
         else:
-            self._prefill_step(rows, length, kv_len, from_start=from_start)
+            self._prefill_step(rows, length, kv_len, from_start)
 
     @torch.no_grad()
     def decode(self, size: int, kv_len: int) -> None:
@@ -370,8 +372,8 @@ class ModelRunner:
         if self.config.torch_device.type == "cuda":
             torch.cuda.synchronize(self.config.torch_device)
 
-    def _prefill_step(self, rows: int, length: int, kv_len: int, layers: int | None = None,
-                      from_start: bool = True) -> None:
+    def _prefill_step(self, rows: int, length: int, kv_len: int, from_start: bool, layers: int | None = None
+                      ) -> None:
         """One prefill call (`layers`: of the first layers only, a graph's warm-up; see Qwen2Model);
         `from_start`: every row's chunk starts its prompt (`CacheBatch.from_start`)."""
         slots, start, last, ends_prompt = self.prefill_rows[:, :rows]

@@ -296,14 +296,15 @@ def test_prefill_graphs_attend_to_one_length_up_to_their_limit() -> None:
 
 
 async def test_prefill_over_a_longer_padded_cache_samples_the_same_tokens() -> None:
-    """Prefill calls attend to the graphs' one length (masked past each position), not the shortest
+    """Prefill calls of later chunks (prompts of 29-56 positions, chunks of 24) attend through the cache
+    at the graphs' one length or the bucket holding them (masked past each position), not the shortest
     bucket: the tokens are those of the shortest bucket."""
     results = []
     for graph_kv in (32, 160):  # CONFIG's cache buckets: 32, 64, 128, 160
         config = dataclasses.replace(CONFIG, prefill_graph_kv=graph_kv)
-        assert config.prefill_kv_len(20) == graph_kv
+        assert config.prefill_kv_len(20) == graph_kv and config.prefill_kv_len(56) == max(graph_kv, 64)
         async with running(config) as engine:
-            streams = [engine.submit(request(f"p{i}", speech_len=3 + 4 * i, fixed_length=12, seed=i))
+            streams = [engine.submit(request(f"p{i}", speech_len=20 + 9 * i, fixed_length=12, seed=i))
                        for i in range(4)]
             results.append(await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 60))
     assert results[0] == results[1]

@@ -28,16 +28,28 @@ def tiny_model(device: torch.device, dtype: torch.dtype) -> CosyVoice2LM:
     return model.to(device, dtype)
 
 
-def both_paths(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """Hidden states and caches of three first chunks (16, 9 and 3 real positions padded to 16, on
-    gathered slots) through the cache with the mask and among themselves."""
-    model = tiny_model(device, dtype)
+LENGTHS = (16, 9, 3)  # real positions of three first chunks padded to 16
+
+
+def first_chunks(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Inputs [3, 16, hidden] with `LENGTHS` real positions; the padding is large, unlike any embedding."""
     x = torch.randn(3, 16, TINY.qwen.hidden_size, device=device, dtype=dtype)
+    for row, length in enumerate(LENGTHS):
+        x[row, length:] *= 50
+    return x
+
+
+def both_paths(device: torch.device, dtype: torch.dtype, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Hidden states and caches of first chunks `x` on gathered slots (a stale cache) through the cache
+    with the mask, and among themselves."""
+    model = tiny_model(device, dtype)
     slots = torch.tensor([3, 0, 2], device=device)
     positions = torch.arange(16, device=device).expand(3, -1)
     outputs = []
+    shape = KVCache.allocate(TINY.qwen, 4, 48, device, dtype).kv.shape
     for from_start in (False, True):
-        cache = KVCache.allocate(TINY.qwen, 4, 48, device, dtype)
+        stale = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+        cache = KVCache(stale.to(device, dtype))
         with torch.no_grad():
             hidden = model.backbone(x, CacheBatch(slots, positions, 32, from_start), cache)
         outputs += [hidden, cache.kv]
@@ -45,11 +57,20 @@ def both_paths(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, 
 
 
 def test_first_chunks_among_themselves_equal_the_masked_path() -> None:
-    masked, masked_cache, own, own_cache = both_paths(torch.device("cpu"), torch.float32)
-    for row, length in enumerate((16, 9, 3)):
-        torch.testing.assert_close(own[row, :length], masked[row, :length], atol=1e-5, rtol=1e-4)
-    # The same keys and values are stored (padding included): later chunks and decode steps read them.
+    cpu = torch.device("cpu")
+    x = first_chunks(cpu, torch.float32)
+    masked, masked_cache, own, own_cache = both_paths(cpu, torch.float32, x)
+    # Every position, padding included: both paths read positions 0..t only.
+    torch.testing.assert_close(own, masked, atol=1e-5, rtol=1e-4)
+    # The same keys and values are stored: later chunks and decode steps read them.
     torch.testing.assert_close(own_cache, masked_cache, atol=1e-5, rtol=1e-4)
+    # Other padding leaves the real positions as they were.
+    repadded = x.clone()
+    for row, length in enumerate(LENGTHS):
+        repadded[row, length:] = -repadded[row, length:]
+    again = both_paths(cpu, torch.float32, repadded)[2]
+    for row, length in enumerate(LENGTHS):
+        torch.testing.assert_close(again[row, :length], own[row, :length], atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.gpu
@@ -74,7 +95,8 @@ def test_flash_kernel_equals_the_masked_kernel_on_cuda(rows: int, dtype: torch.d
 @pytest.mark.gpu
 @on_cuda
 def test_tiny_model_first_chunks_on_cuda_equal_the_masked_path() -> None:
-    masked, masked_cache, own, own_cache = both_paths(torch.device("cuda"), torch.bfloat16)
-    for row, length in enumerate((16, 9, 3)):
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    masked, masked_cache, own, own_cache = both_paths(cuda, bf16, first_chunks(cuda, bf16))
+    for row, length in enumerate(LENGTHS):
         assert relative_error(own[row, :length], masked[row, :length]) < 2e-2
     assert relative_error(own_cache, masked_cache) < 2e-2

@@ -8,7 +8,8 @@ read it in both processes on Linux).
 The server is `realtime serve` (the arguments after --) in a child process whose sessions record when
 they were created and when their first audio was ready, kept in memory and written to a file once a
 second by a thread of their own (a write on the event loop would release the GIL at the moments
-measured). The client is `realtime bench`'s: sockets opened first, streams started together.
+measured). The client is `realtime bench`'s own (`run_streams`: sockets opened first, streams started
+together, stream i with seed i).
 """
 
 from __future__ import annotations
@@ -16,19 +17,18 @@ from __future__ import annotations
 import argparse
 import ast
 import asyncio
-import json
+import math
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import websockets
-
+TOKENS = 250  # speech tokens per stream, as `realtime bench`
 REPOSITORY = Path(__file__).resolve().parents[1]
 sys.path.append(str(REPOSITORY))
 
-from realtime.bench import TEXTS  # noqa: E402
+from realtime.bench import StreamResult, run_streams  # noqa: E402
 from realtime.bench_server import spawned_process, wait_until_warm  # noqa: E402
 
 # Run as the server: wraps Session to record its moments, then starts the CLI.
@@ -65,33 +65,11 @@ sys.exit(main())
 """
 
 
-async def burst(url: str, streams: int, seed_base: int) -> dict[int, tuple[float, float]]:
-    """Per seed: when its `start` went out and when its first audio frame came back."""
-    sockets = await asyncio.gather(*(websockets.connect(url, max_size=None) for _ in range(streams)))
-    moments: dict[int, tuple[float, float]] = {}
-
-    async def stream(index: int, ws: websockets.ClientConnection) -> None:
-        seed, context = seed_base + index, f"s{index}"
-        await ws.send(json.dumps({"type": "start", "context_id": context, "voice": "default",
-                                  "sample_rate": 24000, "encoding": "pcm_s16le", "fixed_length": 250,
-                                  "seed": seed}))
-        sent = time.perf_counter()
-        await ws.send(json.dumps({"type": "text", "context_id": context, "text": TEXTS[index % len(TEXTS)]}))
-        await ws.send(json.dumps({"type": "end", "context_id": context}))
-        async for frame in ws:
-            if isinstance(frame, bytes):
-                moments.setdefault(seed, (sent, time.perf_counter()))
-            elif json.loads(frame)["type"] in ("done", "error"):
-                break
-
-    try:
-        await asyncio.gather(*(stream(i, ws) for i, ws in enumerate(sockets)))
-    finally:
-        await asyncio.gather(*(ws.close() for ws in sockets))
-    return moments
-
-
-def report(streams: int, client: dict[int, tuple[float, float]], server: list[list[float]]) -> str:
+def report(streams: int, results: list[StreamResult], server: list[list[float]]) -> str:
+    """The split of one burst: `results` are the bench client's streams (stream i sends seed i), `server`
+    the session records created since the burst began."""
+    client = {seed: (r.sent_at, r.sent_at + r.first_chunk_s) for seed, r in enumerate(results)
+              if math.isfinite(r.first_chunk_s)}
     if not client:
         return f"{streams} streams: no first audio came back"
     by_seed: dict[int, tuple[float, float]] = {}
@@ -134,16 +112,14 @@ def main() -> int:
                              ) as (port, server):
             wait_until_warm(port, process=server)
             url = f"ws://127.0.0.1:{port}/v1/ws"
-            asyncio.run(burst(url, 1, 0))
-            seed_base = 1
+            asyncio.run(run_streams(url, 1, TOKENS, "default"))
             for count in args.streams:
                 for _ in range(args.repeats):
-                    client = asyncio.run(burst(url, count, seed_base))
+                    began = time.perf_counter()
+                    results = asyncio.run(run_streams(url, count, TOKENS, "default"))
                     time.sleep(2.5)  # the server's thread writes its records once a second
-                    server = [r for r in ast.literal_eval(moments.read_text())
-                              if seed_base <= r[0] < seed_base + count]  # this burst's streams only
-                    print(report(count, client, server), flush=True)
-                    seed_base += count
+                    server = [r for r in ast.literal_eval(moments.read_text()) if r[1] >= began]
+                    print(report(count, results, server), flush=True)
     return 0
 
 

@@ -47,6 +47,7 @@ BYTES_PER_SAMPLE = 2
 @dataclass
 class StreamResult:
     first_chunk_s: float = math.nan  # request sent → first audio byte
+    sent_at: float = math.nan  # when the request went out (time.perf_counter)
     total_s: float = math.nan  # request sent → done
     audio_s: float = 0.0
     underruns: int = 0
@@ -148,7 +149,7 @@ async def run_stream(ws: ClientConnection, index: int, tokens: int, voice: str,
         await ws.send(json.dumps({"type": "start", "context_id": context, "voice": voice,
                                   "sample_rate": SAMPLE_RATE, "encoding": "pcm_s16le",
                                   "fixed_length": request_tokens(tokens, spread, index), "seed": index}))
-        sent = time.perf_counter()
+        sent = result.sent_at = time.perf_counter()
         text = TEXTS[index % len(TEXTS)]
         await ws.send(json.dumps({"type": "text", "context_id": context, "text": text}))
         await ws.send(json.dumps({"type": "end", "context_id": context}))

@@ -35,11 +35,13 @@ def cache_for(model: CosyVoice2LM, slots: int = 4, max_len: int = 64) -> KVCache
     return KVCache.allocate(model.cfg.qwen, slots, max_len, CPU, torch.float32)
 
 
-def full_hidden(backbone: Qwen2Model, x: torch.Tensor) -> torch.Tensor:
-    """Hidden states [T, H] of a whole sequence `x` [T, H] in a fresh cache."""
+def full_hidden(backbone: Qwen2Model, x: torch.Tensor, from_start: bool = False) -> torch.Tensor:
+    """Hidden states [T, H] of a whole sequence `x` [T, H] in a fresh cache (`from_start`: attending
+    among its own positions, as a prompt's first chunk does, rather than through the cache)."""
     length = x.shape[0]
     cache = KVCache.allocate(backbone.cfg, 1, length, CPU, torch.float32)
-    return backbone(x.unsqueeze(0), CacheBatch(0, torch.arange(length).unsqueeze(0), length), cache)[0]
+    batch = CacheBatch(0, torch.arange(length).unsqueeze(0), length, from_start)
+    return backbone(x.unsqueeze(0), batch, cache)[0]
 
 
 def test_state_dict_is_exactly_the_llm_pt_manifest_at_full_config() -> None:
@@ -105,7 +107,8 @@ def test_prompt_embeddings_follow_the_zero_shot_layout() -> None:
     assert model.prompt_embeddings(text, torch.zeros(0, dtype=torch.int64)).shape[0] == prompt_length(4, 0)
 
 
-def test_backbone_matches_hugging_face_qwen2() -> None:
+@pytest.mark.parametrize("from_start", [False, True])
+def test_backbone_matches_hugging_face_qwen2(from_start: bool) -> None:
     transformers = pytest.importorskip("transformers")
     cfg = TINY.qwen
     # The fields the Hugging Face export writes: they alone must configure the same backbone.
@@ -116,7 +119,7 @@ def test_backbone_matches_hugging_face_qwen2() -> None:
     x = torch.randn(1, 48, cfg.hidden_size)
     with torch.no_grad():
         expected = reference(inputs_embeds=x).last_hidden_state[0]
-    torch.testing.assert_close(full_hidden(ours, x[0]), expected, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(full_hidden(ours, x[0], from_start), expected, atol=1e-5, rtol=1e-4)
 
 
 def test_cached_decode_equals_a_full_forward() -> None:

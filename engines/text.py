@@ -269,13 +269,31 @@ class TextFrontend:
         clauses, then words, then characters. A segment shorter than `merge_len` tokens is merged into
         its neighbour, so a segment may exceed `max_tokens` by less than `merge_len`.
         """
+        return [piece for piece, _ids in self.encode_segments(text, max_tokens, merge_len)]
+
+    def encode_segments(self, text: str, max_tokens: int = 80,
+                        merge_len: int = 20) -> list[tuple[str, list[int]]]:
+        """`split_segments`'s pieces with their token ids. Cutting counts the same strings several times
+        (a sentence as a unit, as the packed candidate, as a segment, then its ids): each string is
+        encoded once per call."""
         if max_tokens <= 0 or merge_len < 0:
             raise ValueError(f"need max_tokens > 0 and merge_len >= 0, got {max_tokens}, {merge_len}")
         normalized = self.prepare(text)
-        segments = self._pack(_cut_after(normalized, _SENTENCE_END), max_tokens, depth=0)
-        return self._merge_short(segments, merge_len)
+        known: dict[str, list[int]] = {}
 
-    def _pack(self, units: list[str], max_tokens: int, depth: int) -> list[str]:
+        def ids_of(piece: str) -> list[int]:
+            ids = known.get(piece)
+            if ids is None:
+                ids = known[piece] = self.encode(piece)
+            return ids
+
+        def count(piece: str) -> int:
+            return len(ids_of(piece))
+
+        segments = self._pack(_cut_after(normalized, _SENTENCE_END), max_tokens, 0, count)
+        return [(piece, ids_of(piece)) for piece in self._merge_short(segments, merge_len, count)]
+
+    def _pack(self, units: list[str], max_tokens: int, depth: int, count: Callable[[str], int]) -> list[str]:
         """Greedily join adjacent `units` into stripped pieces of <= max_tokens tokens.
 
         A unit too long by itself is cut one level finer (clauses, words, characters); a single
@@ -284,15 +302,15 @@ class TextFrontend:
         packed: list[str] = []
         current = ""
         for unit in units:
-            finer = self._finer_units(unit, depth) if self.count(unit.strip()) > max_tokens else [unit]
+            finer = self._finer_units(unit, depth) if count(unit.strip()) > max_tokens else [unit]
             if len(finer) > 1:
                 if current.strip():
                     packed.append(current.strip())
                 current = ""
-                packed.extend(self._pack(finer, max_tokens, depth + 1))
+                packed.extend(self._pack(finer, max_tokens, depth + 1, count))
                 continue
             candidate = current + unit
-            if self.count(candidate.strip()) <= max_tokens:
+            if count(candidate.strip()) <= max_tokens:
                 current = candidate
             else:
                 if current.strip():
@@ -314,13 +332,14 @@ class TextFrontend:
                 return pieces
         return _cut_after(text, _ANY_CHAR)
 
-    def _merge_short(self, segments: list[str], merge_len: int) -> list[str]:
+    @staticmethod
+    def _merge_short(segments: list[str], merge_len: int, count: Callable[[str], int]) -> list[str]:
         merged: list[str] = []
         carry = ""
         for segment in segments:
             segment = f"{carry}{_separator(carry, segment)}{segment}" if carry else segment
             carry = ""
-            if self.count(segment) < merge_len:
+            if count(segment) < merge_len:
                 carry = segment
             else:
                 merged.append(segment)

@@ -249,18 +249,11 @@ class Runtime:
         self._memory_budgets.limit(await asyncio.to_thread(
             device_budgets, devices, config.token2wav_memory_bytes, config.token2wav_memory_margin_bytes))
         default = self._prepared.get("default")
-        bounds: list[int | None] = ([self._stream_bytes(index, voice) for index, voice in enumerate(default)]
+        bounds: list[int | None] = ([voice.stream_bytes for voice in default]
                                     if default is not None else [None] * len(devices))
         measured = config.token2wav_memory_bytes is None
         log_budgets(self._memory_budgets.budgets, devices, bounds, self._capacity, self._max_tokens,
                     config.token2wav_memory_margin_gib if measured else None)
-
-    def _stream_bytes(self, index: int, voice: PreparedVoice) -> int:
-        """What a stream of `voice` on token2wav worker `index` reserves: its state's bound (0 where
-        the backend gives none, which admission then counts only by streams)."""
-        engines = self._running()
-        bound = engines.token2wavs[index].stream_bytes_bound(voice.speaker, self._max_tokens)
-        return 0 if bound is None else bound
 
     async def _prepare_voices(self) -> bool:
         """Load the voices and prepare each on every token2wav worker. Returns whether a warm-up with the
@@ -335,9 +328,13 @@ class Runtime:
         return self._engines
 
     def _worker_loads(self) -> list[tuple[str, WorkerLoad]]:
-        """Each token2wav worker's device and load (what placement decides on; `/metrics` shows it)."""
+        """Each token2wav worker's device and load (`/metrics` shows them)."""
+        return [(str(worker.device), load) for worker, load in zip(self._workers, self._loads(), strict=True)]
+
+    def _loads(self) -> list[WorkerLoad]:
+        """Each token2wav worker's load (what placement decides on)."""
         return [
-            (str(worker.device), WorkerLoad(placed, capacity, worker.alive, reserved, budget))
+            WorkerLoad(placed, capacity, worker.alive, reserved, budget)
             for worker, placed, capacity, reserved, budget in zip(
                 self._workers, self._placed, self._capacity, self._memory_budgets.reserved,
                 self._memory_budgets.budgets, strict=True)
@@ -349,8 +346,8 @@ class Runtime:
         reserves there, reserved now (`MemoryBudgets.release` gives them back); ServiceError `busy` when every
         worker is full in streams or bytes, or dead."""
         engines = self._running()
-        loads = [load for _, load in self._worker_loads()]
-        needs = [self._stream_bytes(index, prepared) for index, prepared in enumerate(voice)]
+        loads = self._loads()
+        needs = [prepared.stream_bytes for prepared in voice]
         index = least_loaded(loads, needs)
         if index is None:
             if not any(worker.alive for worker in self._workers):
@@ -409,14 +406,15 @@ class Runtime:
         mode = choose_mode(request, voices[0].language)
         prompt = self._prompt_of(voices[0], mode, request.instructions)
         self._check_text(request.text)
-        stats = self.stats()
-        decision = self._admission.decide(
-            Load(stats.active_streams, stats.llm_waiting, stats.token2wav_queue)
-        )
+        decision = self._admission.decide(Load(
+            len(self._sessions),
+            sum(llm.waiting for llm in self._running().llms),
+            sum(worker.queue_depth for worker in self._workers),
+        ))
         if isinstance(decision, Refuse):
             raise ServiceError("busy", decision.reason, 429, decision.retry_after_s)
         index, placed, reserved = self._place(voices)
-        session_id = self._new_id()
+        session_id = self.new_id()
         session: Session
 
         def release() -> None:
@@ -449,7 +447,9 @@ class Runtime:
         self._sessions.add(session)
         self._placed[index] += 1
         self._track_sessions()
-        logger.info(
+        # DEBUG: a burst admits streams back to back on the loop; the session's closing line (INFO)
+        # names its voice and length.
+        logger.debug(
             "[%s] admitted: voice %s, %s, %d chars, token2wav on %s",
             session_id,
             request.voice,
@@ -459,7 +459,8 @@ class Runtime:
         )
         return session
 
-    def _new_id(self) -> str:
+    def new_id(self) -> str:
+        """A short id for log lines (sessions, renders, connections): not a secret, so no system call."""
         return f"{self._ids.getrandbits(32):08x}"
 
     def _voice(self, voice_id: str) -> list[PreparedVoice]:
@@ -493,8 +494,8 @@ class Runtime:
         sessions call it on a worker thread, or on the loop for quick text (`prepares_quickly`)."""
         engines = self._running()
         try:
-            pieces = engines.text.split_segments(text, SEGMENT_TOKENS)
-            return [Segment(piece, tuple(engines.text.encode(piece))) for piece in pieces]
+            pieces = engines.text.encode_segments(text, SEGMENT_TOKENS)
+            return [Segment(piece, tuple(ids)) for piece, ids in pieces]
         except TextError as exc:
             raise ServiceError(exc.code, str(exc), 400) from exc
 
@@ -517,7 +518,7 @@ class Runtime:
             prompt = self._prompt_of(voices[0], mode, speech.instructions)
             worker, placed, reserved = self._place(voices)
             prepared = voices[worker]
-            render_id = self._new_id()
+            render_id = self.new_id()
             token_streams: list[TokenStream] = []
             try:
                 placed.check_mode(mode)
@@ -629,9 +630,14 @@ class Runtime:
         speakers = await asyncio.gather(*(worker.prepare_speaker(prompt) for worker in self._workers))
         prompt_text_ids = tuple(engines.text.encode_transcript(prompt.prompt_text))
         prompt_speech_tokens = tuple(int(t) for t in prompt.speech_tokens.tolist())
+        # What a stream of the voice reserves on each worker: its state's bound (0 where the backend gives
+        # none, which admission then counts only by streams).
+        bounds = [token2wav.stream_bytes_bound(speaker, self._max_tokens)
+                  for token2wav, speaker in zip(engines.token2wavs, speakers, strict=True)]
         self._prepared[voice_id] = [
-            PreparedVoice(voice_id, prompt_text_ids, prompt_speech_tokens, speaker, prompt.language)
-            for speaker in speakers
+            PreparedVoice(voice_id, prompt_text_ids, prompt_speech_tokens, speaker, prompt.language,
+                          bound or 0)
+            for speaker, bound in zip(speakers, bounds, strict=True)
         ]
         if self._prompts is not None:
             self._prompts.forget(voice_id)

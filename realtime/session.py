@@ -130,14 +130,15 @@ class AudioChunk:
 
 @dataclass(frozen=True)
 class PreparedVoice:
-    """A voice ready for synthesis: its zero-shot LLM prompt ids/tokens, its language and the token2wav
-    speaker state (used in every mode)."""
+    """A voice ready for synthesis on one token2wav worker: its zero-shot LLM prompt ids/tokens, its
+    language, the token2wav speaker state (used in every mode) and a stream's memory bound there."""
 
     voice_id: str
     prompt_text_ids: tuple[int, ...]
     prompt_speech_tokens: tuple[int, ...]
     speaker: SpeakerState
     language: str
+    stream_bytes: int = 0  # what a stream of it reserves on its worker (0: counted by streams only)
 
 
 @dataclass(frozen=True)
@@ -371,18 +372,22 @@ class Session:
             if self._speech_s > 0:
                 self._metrics.real_time_factor.observe(wall / self._speech_s)
             logger.info(
-                "[%s] done: %d chunks, %.2f s of audio in %.2f s",
+                "[%s] done: voice %s, %d chars, %d chunks, %.2f s of audio in %.2f s",
                 self.session_id,
+                self.request.voice,
+                len(self.request.text),
                 self._seq,
                 self._samples_out / SAMPLE_RATE,
                 wall,
             )
             await self._out.put(_END)
         except asyncio.CancelledError:
-            logger.info("[%s] cancelled after %d chunks", self.session_id, self._seq)
+            logger.info("[%s] cancelled after %d chunks: voice %s, %d chars", self.session_id, self._seq,
+                        self.request.voice, len(self.request.text))
             raise
         except ServiceError as exc:
-            logger.warning("[%s] failed: %s", self.session_id, exc.code)
+            logger.warning("[%s] failed: %s (voice %s, %d chars)", self.session_id, exc.code,
+                           self.request.voice, len(self.request.text))
             self._metrics.error(exc.code)
             await self._fail(exc)
         except Exception as exc:

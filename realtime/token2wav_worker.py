@@ -84,6 +84,7 @@ class _Lane:
         # This thread's recent token2wav call, which the policy weighs later chunks' deadlines against.
         self._call_time = RecentStepTime()
         self._backend = backend
+        self._device = backend.device  # fixed once loaded; the property walks the model's parameters
         self._metrics = metrics
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._pending: list[_ChunkTask] = []  # chunks taken from the inbox, not yet run (this thread's)
@@ -108,7 +109,7 @@ class _Lane:
 
     def _run(self) -> None:
         try:
-            device = self._backend.device
+            device = self._device
             if device.type != "cuda":
                 self._serve()
                 return
@@ -291,9 +292,9 @@ class _Lane:
             return
         try:
             result = call.fn()
-            if self._backend.device.type == "cuda":
+            if self._device.type == "cuda":
                 # What a call made (a speaker's state) may be read next on another lane's stream.
-                torch.cuda.current_stream(self._backend.device).synchronize()
+                torch.cuda.current_stream(self._device).synchronize()
         except BaseException as exc:
             if call.future is None:
                 logger.exception("token2wav call failed")
@@ -354,16 +355,13 @@ class Token2WavWorker:
         if threads < 1:
             raise ValueError(f"a token2wav worker needs at least one thread, got {threads}")
         self._backend = backend
+        self.device: torch.device = backend.device  # fixed once loaded; the backend's walks its parameters
         policy = BatchPolicy(max_batch, hold or FirstChunkHold(), max_call_tokens, urgent_calls)
         self._lanes = [_Lane(f"{name}-{i}", backend, policy, metrics, llm_steps) for i in range(threads)]
         self._lane_of: dict[Token2WavStream, _Lane] = {}
         self._slots = asyncio.Semaphore(capacity)
         self._order = itertools.count()
         self._queued = 0
-
-    @property
-    def device(self) -> torch.device:
-        return self._backend.device
 
     @property
     def alive(self) -> bool:

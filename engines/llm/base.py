@@ -313,6 +313,11 @@ class LLMEngine(abc.ABC):
     def stats(self) -> LLMStats: ...
 
     @property
+    def waiting(self) -> int:
+        """Requests queued, not decoding yet (`stats().waiting`; engines answer it without the rest)."""
+        return self.stats().waiting
+
+    @property
     @abc.abstractmethod
     def max_context(self) -> int:
         """Longest prompt + output sequence, in positions, a request may use."""

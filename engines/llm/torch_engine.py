@@ -202,6 +202,10 @@ class TorchLLMEngine(LLMEngine):
         self._wake.set()
         return seq.stream
 
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)  # admission asks per request: not a walk over every slot
+
     def stats(self) -> LLMStats:
         held = list(self._state.held())  # a snapshot of the engine thread's slots, read when asked
         return LLMStats(

@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import secrets
 from collections.abc import Awaitable, Callable
 
 import numpy as np
@@ -223,7 +222,7 @@ class _Connection:
         self.websocket = websocket
         self.runtime = runtime
         self.dialect = dialect
-        self.id = secrets.token_hex(4)
+        self.id = runtime.new_id()
         self.protocol = AgentProtocol(
             ProtocolLimits(
                 max_contexts=runtime.config.max_contexts_per_socket,
@@ -233,7 +232,8 @@ class _Connection:
             voice_exists=lambda voice: voice in runtime.voices,
         )
         self._runners: dict[str, _ContextRunner] = {}
-        self._wakes: dict[str, asyncio.Task[None]] = {}  # one pending policy timer per context
+        self._wakes: dict[str, asyncio.TimerHandle] = {}  # one pending policy timer per context
+        self._woken: set[asyncio.Task[None]] = set()  # what fired timers do, held until done
         self._send_lock = asyncio.Lock()
         self._closed = False
         self._close_code = 1000  # 1001 (going away) once the server drains
@@ -287,6 +287,8 @@ class _Connection:
             for timer in self._wakes.values():
                 timer.cancel()
             self._wakes.clear()
+            for woken in self._woken:
+                woken.cancel()
             await asyncio.gather(*(runner.stop() for runner in self._runners.values()))
             self._runners.clear()
             logger.info("[ws %s] disconnected", self.id)
@@ -356,13 +358,17 @@ class _Connection:
     async def _execute(self, actions: list[Action]) -> None:
         for action in actions:
             if isinstance(action, Speak):
+                # The policy looks again only where it asks to: a Wake that it still wants comes after
+                # the Speak; an end or a flush speaks everything and wants none.
+                self._cancel_wake(action.context.context_id)
                 runner = self._runners.get(action.context.context_id)
                 if runner is None:
                     runner = self._runners[action.context.context_id] = _ContextRunner(self, action.context)
                 runner.speak(action.text)
             elif isinstance(action, Wake):
                 self._cancel_wake(action.context_id)
-                self._wakes[action.context_id] = asyncio.create_task(self._wake_later(action))
+                self._wakes[action.context_id] = asyncio.get_running_loop().call_later(
+                    action.after_s, self._wake, action.context_id)
             elif isinstance(action, Abort):
                 self._cancel_wake(action.context_id)
                 self._last_text.pop(action.context_id, None)
@@ -386,11 +392,15 @@ class _Connection:
         if timer is not None:
             timer.cancel()
 
-    async def _wake_later(self, wake: Wake) -> None:
-        await asyncio.sleep(wake.after_s)
-        # Leave the table first: the actions may schedule this context's next Wake.
-        self._wakes.pop(wake.context_id, None)
-        await self._execute(self.protocol.wake(wake.context_id))
+    def _wake(self, context_id: str) -> None:
+        # Leave the table first: the actions may schedule this context's next Wake. A timer rather than a
+        # task per Wake: most never fire (the next text, or the context's end, comes first).
+        self._wakes.pop(context_id, None)
+        actions = self.protocol.wake(context_id)
+        if actions and not self._closed:
+            woken = asyncio.create_task(self._execute(actions), name=f"ws-wake-{context_id}")
+            self._woken.add(woken)
+            woken.add_done_callback(self._woken.discard)
 
     async def send(self, event: Event) -> None:
         if self._closed and not isinstance(event, ErrorEvent):

@@ -156,6 +156,28 @@ def test_cjk_without_spaces_is_cut_into_bounded_segments(frontend: TextFrontend)
     assert "".join(segments) == text
 
 
+@pytest.mark.parametrize("text", [
+    "Thanks for calling, how can I help you today?",
+    " ".join(f"Sentence number {i} talks about the weather." for i in range(12)) + " Ok.",
+    "word " * 120 + "end. Ok.",
+])
+def test_segments_come_with_their_ids_and_each_string_is_encoded_once(frontend: TextFrontend,
+                                                                      monkeypatch, text: str) -> None:
+    expected = [(piece, frontend.encode(piece)) for piece in frontend.split_segments(text, 30, 8)]
+    encoded: list[str] = []
+    encode = frontend.encode
+
+    def counting(piece: str) -> list[int]:
+        encoded.append(piece)
+        return encode(piece)
+
+    monkeypatch.setattr(frontend, "encode", counting)
+    assert frontend.encode_segments(text, 30, 8) == expected
+    assert len(encoded) == len(set(encoded))
+    if text.startswith("Thanks"):  # one sentence: unit, candidate, segment and its ids are one string
+        assert encoded == [text]
+
+
 def test_short_text_is_one_segment(frontend: TextFrontend) -> None:
     assert frontend.split_segments("  Hello.  ") == ["Hello."]
 

@@ -34,13 +34,13 @@ async def test_healthz_is_answered_while_a_long_number_is_normalised(live_server
 async def test_quick_text_is_cut_on_the_loop_and_other_text_on_a_worker_thread(live_server, monkeypatch):
     frontend = live_server.runtime._running().text
     cut_on: list[tuple[str, int]] = []
-    split_segments = frontend.split_segments
+    encode_segments = frontend.encode_segments
 
     def recording(text, *args):
         cut_on.append((text, threading.get_ident()))
-        return split_segments(text, *args)
+        return encode_segments(text, *args)
 
-    monkeypatch.setattr(frontend, "split_segments", recording)
+    monkeypatch.setattr(frontend, "encode_segments", recording)
     texts = ["Thanks for calling, how can I help?", "Your table for 4 is booked.", "Tell me more. " * 20]
     for text in texts:
         request = SpeechRequest(text, sampling=SamplingParams(seed=1, fixed_length=2))

@@ -103,7 +103,7 @@ def profile_call(t2w: TorchToken2Wav, speaker: SpeakerState, batch: int, hops: l
     cuda = t2w.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     vocoder_graphs = t2w.vocoder_graphs
-    graphs = flow.graphs
+    graphs, encoder_graphs = flow.graphs, flow.encoder_graphs
     tables = []
     for graphed in (True, False) if cuda and graphs is not None else (True,):
         if not graphed:
@@ -128,7 +128,7 @@ def profile_call(t2w: TorchToken2Wav, speaker: SpeakerState, batch: int, hops: l
         table = prof.key_averages().table(sort_by=sort, row_limit=45, max_name_column_width=90)
         tables.append(f"{title}\n{table}")
     if graphs is not None:
-        flow.use_bucketed_solver(graphs)
+        flow.use_bucketed_solver(graphs, encoder=encoder_graphs)
         t2w.vocoder_graphs = vocoder_graphs
     flow.chunks = flow_chunks  # type: ignore[method-assign]
     backend.launch_vocode_streams = vocode

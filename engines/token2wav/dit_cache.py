@@ -19,6 +19,7 @@ matters, not their order; the order is tracked only because the reference's trim
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -38,6 +39,12 @@ class EstimatorKeys:
 
     order: utterance frame of every cached key, in the reference's key order (newest chunk first);
     generated: mel frames generated so far.
+
+    What a batched call asks of every row (`prompt`, `own`, the next keys and where they sit) walks
+    `order`, up to L_p + R frames, in Python. Each instance works it out once: its derived values are
+    kept, and so is its latest successor, so streams of one voice in step (`DiTSpeaker.keys`, shared)
+    share their keys objects and a call of 64 such rows works it out once, not 64 times. Only the
+    latest successor is kept (a final chunk of another length replaces it): a voice holds one chain.
     """
 
     rule: CacheRule
@@ -62,19 +69,39 @@ class EstimatorKeys:
             return len(self.order)
         return self.prompt_frames + self.generated
 
-    @property
-    def prompt(self) -> list[int] | None:
+    @functools.cached_property
+    def prompt(self) -> tuple[int, ...] | None:
         """The prompt frames still attended to, ascending; None when all of them are."""
-        kept = sorted(frame for frame in self.order if frame < self.prompt_frames)
+        kept = tuple(sorted(frame for frame in self.order if frame < self.prompt_frames))
         return None if len(kept) == self.prompt_frames else kept
 
-    @property
-    def own(self) -> list[int]:
+    @functools.cached_property
+    def own(self) -> tuple[int, ...]:
         """The generated frames still attended to (utterance frame numbers), ascending."""
-        return sorted(frame for frame in self.order if frame >= self.prompt_frames)
+        return tuple(sorted(frame for frame in self.order if frame >= self.prompt_frames))
 
     def after_chunk(self, frames: int) -> EstimatorKeys:
         """The keys once a chunk of `frames` new frames has run and the cache has been trimmed."""
+        return self._successor(frames)[0]
+
+    def kept_positions(self, after: EstimatorKeys) -> tuple[int, ...]:
+        """Where `after.own` sits in [self.own, the chunk's frames] (the cache a chunk's solve returns
+        before trimming, oldest first): the positions to gather as the stream's new own cache."""
+        successor, kept = self._successor(after.generated - self.generated)
+        return kept if successor is after else self._kept_positions(after)
+
+    def _successor(self, frames: int) -> tuple[EstimatorKeys, tuple[int, ...]]:
+        """The keys after a chunk of `frames` and their kept positions, worked out once while `frames`
+        stays the latest asked for. One attribute holds them, replaced whole: lanes may ask at once."""
+        latest: tuple[int, EstimatorKeys, tuple[int, ...]] | None = self.__dict__.get("_latest")
+        if latest is not None and latest[0] == frames:
+            return latest[1], latest[2]
+        after = self._after_chunk(frames)
+        kept = self._kept_positions(after)
+        self.__dict__["_latest"] = (frames, after, kept)  # frozen: not through __setattr__
+        return after, kept
+
+    def _after_chunk(self, frames: int) -> EstimatorKeys:
         first = self.prompt_frames + self.generated
         new = tuple(range(first, first + frames))
         if self.rule == "reference":
@@ -86,10 +113,8 @@ class EstimatorKeys:
             order = tuple(range(self.prompt_frames)) + tuple(range(recent_start, first + frames))
         return EstimatorKeys(self.rule, self.recent, self.prompt_frames, self.generated + frames, order)
 
-    def kept_positions(self, after: EstimatorKeys) -> list[int]:
-        """Where `after.own` sits in [self.own, the chunk's frames] (the cache a chunk's solve returns
-        before trimming, oldest first): the positions to gather as the stream's new own cache."""
-        candidates = self.own + list(range(self.prompt_frames + self.generated,
-                                           self.prompt_frames + after.generated))
+    def _kept_positions(self, after: EstimatorKeys) -> tuple[int, ...]:
+        first = self.prompt_frames + self.generated
+        candidates = (*self.own, *range(first, first + after.generated - self.generated))
         kept = set(after.own)
-        return [position for position, frame in enumerate(candidates) if frame in kept]
+        return tuple(position for position, frame in enumerate(candidates) if frame in kept)

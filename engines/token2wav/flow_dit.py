@@ -77,7 +77,9 @@ class DiTSpeaker(FlowSpeaker):
 
     tokens (N_p,); spks (1, 80) projected speaker vector; prompt_mel (1, 80, L_p = 2·N_p);
     encoder: the prompt's ConformerCache (batch 1); estimator_cnn (steps, depth, 2, 2·hidden, 2) and
-    estimator_kv (steps, depth, 2, heads, L_p, 2·head_dim): DiT caches per Euler step, guidance batch.
+    estimator_kv (steps, depth, 2, heads, L_p, 2·head_dim): DiT caches per Euler step, guidance batch;
+    keys: a new stream's estimator keys, one object for all its streams (`EstimatorKeys` works out each
+    chunk's bookkeeping once for the streams in step).
     """
 
     tokens: torch.Tensor
@@ -86,6 +88,7 @@ class DiTSpeaker(FlowSpeaker):
     encoder: ConformerCache
     estimator_cnn: torch.Tensor
     estimator_kv: torch.Tensor
+    keys: EstimatorKeys
 
     @property
     def prompt_frames(self) -> int:
@@ -195,14 +198,14 @@ class DiTFlow(ConformerFlow):
         )
         cnn, kv = self._empty_estimator_cache()
         _, cnn, kv = self.decoder.solve_chunk(self._mu(encoded), spks, prompt_mel, 0, cnn, None, kv)
-        return DiTSpeaker(tokens, spks, prompt_mel, encoder, cnn, kv)
+        keys = EstimatorKeys.start(self.cfg.att_cache_rule, self.cfg.att_cache_recent_frames,
+                                   prompt_mel.shape[2])
+        return DiTSpeaker(tokens, spks, prompt_mel, encoder, cnn, kv, keys)
 
     def open_stream(self, speaker: FlowSpeaker) -> DiTStream:
         if not isinstance(speaker, DiTSpeaker):
             raise TypeError(f"DiTFlow needs a DiTSpeaker, got {type(speaker).__name__}")
-        keys = EstimatorKeys.start(self.cfg.att_cache_rule, self.cfg.att_cache_recent_frames,
-                                   speaker.prompt_frames)
-        return DiTStream(speaker, keys)
+        return DiTStream(speaker, speaker.keys)
 
     @torch.inference_mode()
     def chunk(self, stream: FlowStream, tokens: torch.Tensor, last: bool) -> torch.Tensor:
@@ -249,6 +252,11 @@ class DiTFlow(ConformerFlow):
     @property
     def graphs(self) -> GraphedSolver | None:
         return self._bucketed if isinstance(self._bucketed, GraphedSolver) else None
+
+    @property
+    def encoder_graphs(self) -> EncoderRunner | None:
+        """The bucketed encoder (`use_bucketed_solver`'s `encoder`), or None."""
+        return self._bucketed_encoder
 
     def use_bucketed_solver(self, solver: RaggedSolver | None, buckets: Buckets | None = None,
                             encoder: EncoderRunner | None = None) -> None:
@@ -612,15 +620,23 @@ class DiTFlow(ConformerFlow):
         starts: dict[DiTSpeaker, int] = {}
         for speaker in speakers:
             starts[speaker] = sum(sp.prompt_frames for sp in starts)
+        # Rows in step share their keys' tuples (`DiTSpeaker.keys`): one indexing op per group of them.
+        attended: dict[tuple[int, int], list[int]] = {}
+        kept_rows: dict[tuple[int, int], list[int]] = {}
         for i, (row, cached, positions) in enumerate(zip(rows, own_lengths, kept, strict=True)):
-            start = starts[row.speaker]
-            prompt = row.stream.keys.prompt
-            if prompt is None:
-                prompt_mask[i, start : start + row.speaker.prompt_frames] = True
-            else:
-                prompt_mask[i, [start + frame for frame in prompt]] = True
+            attended.setdefault((starts[row.speaker], id(row.stream.keys.prompt)), []).append(i)
             if positions:
-                keep[i, kept_frames - len(positions) :] = torch.tensor(positions) + (own_frames - cached)
+                kept_rows.setdefault((id(positions), cached), []).append(i)
+        for indices in attended.values():
+            row = rows[indices[0]]
+            start, prompt = starts[row.speaker], row.stream.keys.prompt
+            if prompt is None:
+                prompt_mask[indices, start : start + row.speaker.prompt_frames] = True
+            else:
+                prompt_mask[torch.tensor(indices)[:, None], torch.tensor(prompt) + start] = True
+        for (_, cached), indices in kept_rows.items():
+            positions = kept[indices[0]]
+            keep[indices, kept_frames - len(positions) :] = torch.tensor(positions) + (own_frames - cached)
         mask = torch.cat([prompt_mask, span_mask(own_frames, shape.frames, own, row_lengths)], dim=1)
         inputs.lengths.copy_(upload(row_lengths, self.device))
         inputs.offsets.copy_(upload(offsets, self.device))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import random
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from engines.config import FlowConfig, ModelConfigs
 from engines.token2wav.cfm import ConditionalCFM, cosine_time_grid
 from engines.token2wav.conformer import blocks_attention_mask
 from engines.token2wav.dit import DiT
-from engines.token2wav.dit_cache import EstimatorKeys
+from engines.token2wav.dit_cache import CacheRule, EstimatorKeys
 from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker, DiTStream, load_dit_flow
 from engines.voice import VoicePrompt
 
@@ -329,21 +330,43 @@ def test_streaming_equals_the_reference_driver_across_trims(voice: VoicePrompt, 
         assert max(lengths) == prompt + recent
 
 
+@pytest.mark.parametrize("rule", ["reference", "prompt_recent"])
+def test_keys_worked_out_once_equal_fresh_ones_whatever_is_asked_in_between(rule: CacheRule) -> None:
+    """Keys keep their latest successor (streams in step share it); asking for another chunk length
+    replaces it, and every answer equals one worked out from scratch."""
+    rng = random.Random(3)
+
+    def fresh(keys: EstimatorKeys) -> EstimatorKeys:
+        return EstimatorKeys(keys.rule, keys.recent, keys.prompt_frames, keys.generated, keys.order)
+
+    keys = EstimatorKeys.start(rule, 20, 30)
+    for _ in range(40):
+        frames = rng.choice([2, 30, 50, 100, rng.randint(1, 120)])
+        other = rng.randint(1, 120)
+        after, detour = keys.after_chunk(frames), keys.after_chunk(other)
+        assert keys.after_chunk(frames) == fresh(keys).after_chunk(frames) == after
+        assert keys.kept_positions(detour) == fresh(keys).kept_positions(fresh(detour))
+        assert keys.kept_positions(after) == fresh(keys).kept_positions(fresh(after))
+        assert keys.after_chunk(frames) is keys.after_chunk(frames)  # shared by the streams in step
+        assert (after.prompt, after.own) == (fresh(after).prompt, fresh(after).own)
+        keys = after
+
+
 def test_reference_rule_keeps_the_newest_chunks_first_frames_and_a_fixed_tail() -> None:
     """The rule on frame numbers: L_p = 6, R = 4, chunks of 3, 5 and 8 frames."""
     keys = EstimatorKeys.start("reference", 4, 6)
-    assert keys.noise_offset == 6 and keys.prompt is None and keys.own == []
+    assert keys.noise_offset == 6 and keys.prompt is None and keys.own == ()
     keys = keys.after_chunk(3)  # 9 ≤ 10 keys: nothing dropped
     assert keys.order == (6, 7, 8, 0, 1, 2, 3, 4, 5) and keys.noise_offset == 9
     keys = keys.after_chunk(5)  # 14 keys: the first 6 (the new chunk, then frame 6) and the last 4
     assert keys.order == (9, 10, 11, 12, 13, 6, 2, 3, 4, 5)
-    assert keys.prompt == [2, 3, 4, 5] and keys.own == [6, 9, 10, 11, 12, 13] and keys.noise_offset == 10
+    assert keys.prompt == (2, 3, 4, 5) and keys.own == (6, 9, 10, 11, 12, 13) and keys.noise_offset == 10
     before = keys
     keys = keys.after_chunk(8)  # a chunk longer than L_p keeps its first 6 frames
     assert keys.order == (14, 15, 16, 17, 18, 19, 2, 3, 4, 5) and keys.generated == 16
-    assert before.kept_positions(keys) == [6, 7, 8, 9, 10, 11]  # in [6 own, 8 new]
+    assert before.kept_positions(keys) == (6, 7, 8, 9, 10, 11)  # in [6 own, 8 new]
     recent = EstimatorKeys.start("prompt_recent", 4, 6).after_chunk(3).after_chunk(5)
-    assert recent.prompt is None and recent.own == [10, 11, 12, 13] and recent.noise_offset == 14
+    assert recent.prompt is None and recent.own == (10, 11, 12, 13) and recent.noise_offset == 14
     with pytest.raises(ValueError, match="unknown estimator cache rule"):
         EstimatorKeys.start("newest", 4, 6)  # type: ignore[arg-type]
 

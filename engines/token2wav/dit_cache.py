@@ -20,6 +20,7 @@ matters, not their order; the order is tracked only because the reference's trim
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -44,7 +45,8 @@ class EstimatorKeys:
     `order`, up to L_p + R frames, in Python. Each instance works it out once: its derived values are
     kept, and so is its latest successor, so streams of one voice in step (`DiTSpeaker.keys`, shared)
     share their keys objects and a call of 64 such rows works it out once, not 64 times. Only the
-    latest successor is kept (a final chunk of another length replaces it): a voice holds one chain.
+    latest successor is kept (a final chunk of another length replaces it), and weakly: the streams hold
+    their keys, a voice holds no chain of them.
     """
 
     rule: CacheRule
@@ -93,12 +95,15 @@ class EstimatorKeys:
     def _successor(self, frames: int) -> tuple[EstimatorKeys, tuple[int, ...]]:
         """The keys after a chunk of `frames` and their kept positions, worked out once while `frames`
         stays the latest asked for. One attribute holds them, replaced whole: lanes may ask at once."""
-        latest: tuple[int, EstimatorKeys, tuple[int, ...]] | None = self.__dict__.get("_latest")
+        latest: tuple[int, weakref.ref[EstimatorKeys], tuple[int, ...]] | None = self.__dict__.get("_latest")
         if latest is not None and latest[0] == frames:
-            return latest[1], latest[2]
+            after = latest[1]()
+            if after is not None:
+                return after, latest[2]
         after = self._after_chunk(frames)
         kept = self._kept_positions(after)
-        self.__dict__["_latest"] = (frames, after, kept)  # frozen: not through __setattr__
+        # Weakly: the streams that moved on hold it, and a voice's keys hold no chain once they end.
+        self.__dict__["_latest"] = (frames, weakref.ref(after), kept)  # frozen: not through __setattr__
         return after, kept
 
     def _after_chunk(self, frames: int) -> EstimatorKeys:

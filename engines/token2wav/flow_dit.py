@@ -620,11 +620,12 @@ class DiTFlow(ConformerFlow):
         starts: dict[DiTSpeaker, int] = {}
         for speaker in speakers:
             starts[speaker] = sum(sp.prompt_frames for sp in starts)
-        # Rows in step share their keys' tuples (`DiTSpeaker.keys`): one indexing op per group of them.
-        attended: dict[tuple[int, int], list[int]] = {}
+        # Rows in step share their keys (`DiTSpeaker.keys`) and so their kept positions: one indexing op
+        # per group of them. The ids are of objects the rows and `kept` hold for the whole call.
+        attended: dict[int, list[int]] = {}
         kept_rows: dict[tuple[int, int], list[int]] = {}
         for i, (row, cached, positions) in enumerate(zip(rows, own_lengths, kept, strict=True)):
-            attended.setdefault((starts[row.speaker], id(row.stream.keys.prompt)), []).append(i)
+            attended.setdefault(id(row.stream.keys), []).append(i)
             if positions:
                 kept_rows.setdefault((id(positions), cached), []).append(i)
         for indices in attended.values():
@@ -632,11 +633,13 @@ class DiTFlow(ConformerFlow):
             start, prompt = starts[row.speaker], row.stream.keys.prompt
             if prompt is None:
                 prompt_mask[indices, start : start + row.speaker.prompt_frames] = True
-            else:
-                prompt_mask[torch.tensor(indices)[:, None], torch.tensor(prompt) + start] = True
+            elif prompt:
+                columns = torch.tensor(prompt, dtype=torch.int64) + start
+                prompt_mask[torch.tensor(indices)[:, None], columns] = True
         for (_, cached), indices in kept_rows.items():
             positions = kept[indices[0]]
-            keep[indices, kept_frames - len(positions) :] = torch.tensor(positions) + (own_frames - cached)
+            keep[indices, kept_frames - len(positions) :] = (torch.tensor(positions, dtype=torch.int64)
+                                                              + (own_frames - cached))
         mask = torch.cat([prompt_mask, span_mask(own_frames, shape.frames, own, row_lengths)], dim=1)
         inputs.lengths.copy_(upload(row_lengths, self.device))
         inputs.offsets.copy_(upload(offsets, self.device))

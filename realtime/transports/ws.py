@@ -396,11 +396,16 @@ class _Connection:
         # Leave the table first: the actions may schedule this context's next Wake. A timer rather than a
         # task per Wake: most never fire (the next text, or the context's end, comes first).
         self._wakes.pop(context_id, None)
-        actions = self.protocol.wake(context_id)
-        if actions and not self._closed:
-            woken = asyncio.create_task(self._execute(actions), name=f"ws-wake-{context_id}")
+        if not self._closed:
+            woken = asyncio.create_task(self._woken_pace(context_id), name=f"ws-wake-{context_id}")
             self._woken.add(woken)
             woken.add_done_callback(self._woken.discard)
+
+    async def _woken_pace(self, context_id: str) -> None:
+        # The policy's answer and its actions in one step: nothing else may act on the context between
+        # what it takes from the pending text and where that text goes (else a later Speak could go first,
+        # or a cancelled context get a runner again).
+        await self._execute(self.protocol.wake(context_id))
 
     async def send(self, event: Event) -> None:
         if self._closed and not isinstance(event, ErrorEvent):

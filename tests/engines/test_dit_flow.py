@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import math
 import random
+import weakref
 from pathlib import Path
 
 import pytest
@@ -347,9 +349,14 @@ def test_keys_worked_out_once_equal_fresh_ones_whatever_is_asked_in_between(rule
         assert keys.after_chunk(frames) == fresh(keys).after_chunk(frames) == after
         assert keys.kept_positions(detour) == fresh(keys).kept_positions(fresh(detour))
         assert keys.kept_positions(after) == fresh(keys).kept_positions(fresh(after))
-        assert keys.after_chunk(frames) is keys.after_chunk(frames)  # shared by the streams in step
+        held = keys.after_chunk(frames)
+        assert keys.after_chunk(frames) is held  # shared by the streams in step
         assert (after.prompt, after.own) == (fresh(after).prompt, fresh(after).own)
         keys = after
+    # Held weakly: once no stream holds its successor, a keys object keeps none of the chain.
+    successor = weakref.ref(keys.after_chunk(7))
+    gc.collect()
+    assert successor() is None
 
 
 def test_reference_rule_keeps_the_newest_chunks_first_frames_and_a_fixed_tail() -> None:

@@ -161,6 +161,26 @@ def test_batched_trimmed_caches_equal_each_stream_alone(trimming_flow: DiTFlow) 
     assert stream.keys.prompt is not None  # part of the prompt was dropped
 
 
+@pytest.mark.parametrize("recent", [10, 0])
+def test_streams_in_step_share_their_keys_and_equal_each_stream_alone(recent: int) -> None:
+    """Streams of one voice opened together move through the same keys objects (`DiTSpeaker.keys`): the
+    batch fills their prompt mask and kept positions per group, beside a stream of another voice; with
+    R = 0 the trim drops the whole prompt."""
+    model = DiTFlow(dataclasses.replace(CONFIGS.dit_flow, att_cache_recent_frames=recent)).eval()
+    randomize(model, seed=0)
+    speakers = [model.prepare_speaker(make_voice(1, 12)), model.prepare_speaker(make_voice(2, 7))]
+    steady = plans()[0]
+    streams = [dataclasses.replace(steady, voice=0)] * 3 + [dataclasses.replace(steady, voice=1)]
+    opened = [model.open_stream(speakers[plan.voice]) for plan in streams]
+    assert opened[0].keys is opened[1].keys is opened[2].keys is not opened[3].keys
+    assert_streams_match(model, speakers, streams)
+    if recent == 0:
+        stream = model.open_stream(speakers[0])
+        for tokens, last in steady.chunks():
+            model.chunks([stream], [tokens], [last])
+        assert stream.keys.prompt == ()  # the whole prompt was dropped
+
+
 class PersistentSolver:
     """What CUDA graphs impose, on the CPU: one set of input buffers per shape, kept across calls and
     starting as large garbage, so any padding the batch fails to mask or overwrite would show."""

@@ -178,3 +178,30 @@ async def test_cartesia_turns_on_one_socket_keep_threads_and_memory_flat(live_se
         finally:
             await demux.aclose()
     assert_flat(samples)
+
+
+async def test_a_pause_speaks_waiting_text_and_a_cancel_leaves_its_timer_nothing_to_do(live_server):
+    """Text that waits for the input-streaming policy's timer is spoken when the timer fires, without an
+    end; a context cancelled while its timer is pending gets nothing after its `done`."""
+    start = {"type": "start", "fixed_length": 2, "max_buffer_delay_ms": 300, "clause_min_words": 0}
+    async with connect(f"{live_server.ws_url}/v1/ws") as ws:
+        demux = Demux(ws, native_context)
+        try:
+            await ws.send(json.dumps({**start, "context_id": "paused", "seed": 1}))
+            await ws.send(json.dumps({"type": "text", "context_id": "paused", "text": "Hello there"}))
+            async with asyncio.timeout(30):  # spoken by the timer: no end, no flush was sent
+                while not isinstance(await demux.queue("paused").get(), bytes):
+                    pass
+            await ws.send(json.dumps({"type": "end", "context_id": "paused"}))
+
+            await ws.send(json.dumps({**start, "context_id": "cancelled", "seed": 2}))
+            await ws.send(json.dumps({"type": "text", "context_id": "cancelled", "text": "Hello there"}))
+            await ws.send(json.dumps({"type": "cancel", "context_id": "cancelled"}))
+            frames = demux.queue("cancelled")
+            async with asyncio.timeout(30):
+                done = json.loads(await frames.get())
+            assert done == {"type": "done", "context_id": "cancelled", "cancelled": True}
+            await asyncio.sleep(1.0)  # past the 300 ms the timer was set for
+            assert frames.empty()
+        finally:
+            await demux.aclose()

@@ -3,15 +3,17 @@
 #
 #   bash benchmarks/on_device.sh python3 -m realtime bench --models /tmp/m ...
 #
-# - Wheels for Python 3.12 / x86-64 in .whl/ (made with benchmarks/wheels.sh) are installed into
+# - Wheels for Python 3.12 / x86-64 in .whl/ and .whl-profile/ (made with benchmarks/wheels.sh; carry
+#   .whl-profile only to profile) are installed into
 #   /tmp/site, which goes on PYTHONPATH.
 # - The full-size synthetic models are built into $MODELS (default /tmp/m) unless they exist.
 # - Then the arguments run as a command, with unbuffered Python output and the repository on PYTHONPATH.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if compgen -G ".whl/*.whl" >/dev/null; then
+    # .whl-profile/ (py-spy) where the call carried it.
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl
+        .whl/*.whl $(compgen -G ".whl-profile/*.whl" || true)
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
     export PATH=/tmp/site/bin:$PATH  # the wheels' commands (py-spy)
 fi

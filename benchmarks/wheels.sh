@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Downloads into .whl/ the wheels (Python 3.12, x86-64 Linux) of the service's packages that the lent GPU
-# machine's image lacks, and py-spy for `benchmarks/startup.py --profile`; benchmarks/on_device.sh installs them
-# there. .whl/ is git-ignored (~54 MB).
+# machine's image lacks, and into .whl-profile/ py-spy (for `benchmarks/startup.py --profile` and
+# benchmarks/load_profile.py); benchmarks/on_device.sh installs both there. Both are git-ignored. A device
+# call carries at most 64 MiB with the tracked files: .whl/ (~51 MB) goes on every call, .whl-profile/
+# (~3 MB) only on the calls that profile.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 platforms=()
@@ -14,5 +16,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     aiortc aioice av cryptography google-crc32c pyee pylibsrtp pyopenssl dnspython ifaddr cffi pycparser \
     websockets starlette uvicorn httptools python-multipart soundfile pytest-asyncio \
     wetext kaldifst contractions textsearch anyascii pyahocorasick inflect typeguard more-itertools \
-    jaraco.functools py-spy
-du -sh .whl
+    jaraco.functools
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    "${platforms[@]}" -d .whl-profile py-spy
+du -sh .whl .whl-profile

@@ -54,10 +54,18 @@ def _depth(value: Any) -> int:
     return deepest
 
 
+# One decoder for every message (json.loads builds one per call when given hooks). Bytes go through
+# json.loads, which also detects their encoding.
+_DECODER = json.JSONDecoder(parse_float=_finite_float, parse_constant=_no_constant)
+
+
 def parse_json(data: str | bytes) -> Any:
     """A JSON document with finite numbers and at most `MAX_JSON_DEPTH` levels of nesting."""
     try:
-        value = json.loads(data, parse_float=_finite_float, parse_constant=_no_constant)
+        if isinstance(data, str):
+            value = _DECODER.decode(data)
+        else:
+            value = json.loads(data, parse_float=_finite_float, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
         message = f"the message is not valid JSON ({exc.msg} at {exc.pos})"
         raise InvalidInput("invalid_json", message) from None

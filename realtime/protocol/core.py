@@ -485,23 +485,28 @@ def field_of(
 ) -> Any:
     """`message[name]` checked against `kind` (bools are never numbers; integers fit 64 bits; strings
     are valid Unicode); ProtocolError otherwise."""
-    context_id = message.get("context_id") if isinstance(message.get("context_id"), str) else None
-    if context_id is not None and not is_valid_text(context_id):
-        context_id = None
-    if name not in message or message[name] is None:
+    value = message.get(name)
+    if value is None:
         if required:
-            raise ProtocolError("invalid_message", f"'{name}' is required", context_id)
+            raise ProtocolError("invalid_message", f"'{name}' is required", _error_context(message))
         return default
-    value = message[name]
     if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
-        raise ProtocolError("invalid_message", f"'{name}' has the wrong type", context_id)
+        raise ProtocolError("invalid_message", f"'{name}' has the wrong type", _error_context(message))
     if not isinstance(value, kind):
-        raise ProtocolError("invalid_message", f"'{name}' has the wrong type", context_id)
+        raise ProtocolError("invalid_message", f"'{name}' has the wrong type", _error_context(message))
     if isinstance(value, int) and not -MAX_SEED - 1 <= value <= MAX_SEED:
-        raise ProtocolError("out_of_range", f"'{name}' is out of range", context_id)
+        raise ProtocolError("out_of_range", f"'{name}' is out of range", _error_context(message))
     if isinstance(value, str) and not is_valid_text(value):
-        raise ProtocolError("invalid_text", f"'{name}' is not valid Unicode (a lone surrogate)", context_id)
+        raise ProtocolError("invalid_text", f"'{name}' is not valid Unicode (a lone surrogate)",
+                            _error_context(message))
     return value
+
+
+def _error_context(message: dict[str, Any]) -> str | None:
+    """The context an error about `message` names: its `context_id` where that is valid text (worked out
+    only for an error: a start has a dozen fields)."""
+    context_id = message.get("context_id")
+    return context_id if isinstance(context_id, str) and is_valid_text(context_id) else None
 
 
 def streaming_hints(context_id: str | None, **hints: Any) -> StreamingHints:

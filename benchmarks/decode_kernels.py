@@ -1,7 +1,9 @@
 """Per-layer pieces of one LLM decode step on CUDA, measured alone: the decode attention kernel against
-the general path (rope, cache write, SDPA over the masked bucket), and RMSNorm eager against compiled.
+the general path (rope, cache write, SDPA over the masked bucket), RMSNorm eager against compiled, and a
+layer's norms and projections (everything but attention) through cuBLAS and the compiled elementwise
+kernels against engines/llm/decode_linear.py's fused kernels.
 
-    python benchmarks/decode_kernels.py --json out.json
+    python benchmarks/decode_kernels.py --json out.json [--parts attention norm linears]
 
 Each variant is captured 24 times (once per layer, each layer its own cache like the model's) in one
 CUDA graph; the figure is the graph's replay time over 24 (device time, CUDA events, median of 5 runs
@@ -25,7 +27,9 @@ import torch.nn.functional as F
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
+from engines.llm import decode_linear  # noqa: E402
 from engines.llm.decode_attention import decode_attention, split_length  # noqa: E402
+from engines.llm.decode_linear import DecodeLinears  # noqa: E402
 from engines.llm.qwen2 import (  # noqa: E402
     CacheBatch,
     LayerKernels,
@@ -35,10 +39,11 @@ from engines.llm.qwen2 import (  # noqa: E402
 )
 
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, HIDDEN, THETA = 24, 14, 2, 64, 896, 1e6
+INTERMEDIATE, EPS = 4864, 1e-6
 DTYPE, DEVICE = torch.bfloat16, torch.device("cuda")
 
 
-def graph_us(step: Callable[[int], None], layers: int = LAYERS) -> float:
+def graph_us(step: Callable[[int], object], layers: int = LAYERS) -> float:
     """Device time of one `step(layer)`, from replays of a graph of `layers` of them."""
     for layer in range(layers):
         step(layer)
@@ -124,24 +129,82 @@ def norm_figures(rows: int) -> dict[str, Any]:
     }
 
 
+def linear_figures(rows: int, kernels: LayerKernels, tiles: list[tuple[int, int]]) -> dict[str, Any]:
+    """A layer's work besides attention, each layer its own weights (30 MB a layer: the 24 do not fit in
+    L2, as in the model); the attention output is a fixed random tensor. The fused kernels run with each
+    (BLOCK_N, BLOCK_K) of `tiles` (the module's are the first)."""
+    def weights(*shape: int, scale: float = 0.05) -> list[torch.Tensor]:
+        return [(torch.randn(shape, device=DEVICE) * scale).to(DTYPE) for _ in range(LAYERS)]
+
+    qkv_columns = (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
+    qkv_w, qkv_b = weights(qkv_columns, HIDDEN), weights(qkv_columns, scale=1.0)
+    o_w, down_w = weights(HIDDEN, HIDDEN), weights(HIDDEN, INTERMEDIATE)
+    gate_up_w = weights(2 * INTERMEDIATE, HIDDEN)
+    norms = [[(1 + torch.rand(HIDDEN, device=DEVICE)).to(DTYPE) for _ in range(LAYERS)] for _ in range(2)]
+    attended = torch.randn(rows, HIDDEN, device=DEVICE, dtype=DTYPE)
+    start = torch.randn(rows, HIDDEN, device=DEVICE, dtype=DTYPE)
+
+    def general(residual: torch.Tensor, layer: int) -> torch.Tensor:
+        x = residual.view(rows, 1, HIDDEN)
+        F.linear(kernels.rms_norm(x, norms[0][layer], EPS), qkv_w[layer], qkv_b[layer])  # attention's input
+        residual.view(rows, HIDDEN).addmm_(attended, o_w[layer].t())
+        hidden = kernels.silu_mul(F.linear(kernels.rms_norm(x, norms[1][layer], EPS), gate_up_w[layer]))
+        residual.view(rows, HIDDEN).addmm_(hidden.view(rows, -1), down_w[layer].t())
+        return residual
+
+    def fused(linears: DecodeLinears, residual: torch.Tensor, layer: int) -> torch.Tensor:
+        linears.norm_linear(residual, norms[0][layer], EPS, qkv_w[layer], qkv_b[layer])
+        linears.add_linear_(residual, attended, o_w[layer])
+        hidden = linears.norm_linear(residual, norms[1][layer], EPS, gate_up_w[layer], None, gated=True)
+        return linears.add_linear_(residual, hidden, down_w[layer])
+
+    expected = general(start.clone(), 0).float()
+    general_residual = start.clone()
+    figures: dict[str, Any] = {"rows": rows,
+                               "general_us": graph_us(lambda layer: general(general_residual, layer))}
+    module_tile = (decode_linear.BLOCK_N, decode_linear.BLOCK_K)
+    for block_n, block_k in tiles:
+        decode_linear.BLOCK_N, decode_linear.BLOCK_K = block_n, block_k
+        linears, fused_residual = DecodeLinears(HIDDEN, INTERMEDIATE, DEVICE), start.clone()
+        actual = fused(linears, start.clone(), 0).float()
+        figures[f"fused_{block_n}x{block_k}_rel_err"] = ((actual - expected).norm() / expected.norm()).item()
+        figures[f"fused_{block_n}x{block_k}_us"] = graph_us(
+            lambda layer, linears=linears, residual=fused_residual: fused(linears, residual, layer))
+    decode_linear.BLOCK_N, decode_linear.BLOCK_K = module_tile
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--parts", nargs="+", choices=("attention", "norm", "linears"),
+                        default=["attention", "norm", "linears"])
+    parser.add_argument("--tiles", nargs="+", default=[],
+                        help="more (BLOCK_N)x(BLOCK_K) tiles of the fused projections to time, e.g. 32x128")
     args = parser.parse_args()
     torch.manual_seed(0)
     kernels = LayerKernels.compiled()
-    results: dict[str, Any] = {"attention": [], "rms_norm": []}
+    results: dict[str, Any] = {"attention": [], "rms_norm": [], "linears": []}
     with torch.no_grad():
-        for rows, kv_len in ((1, 256), (1, 512), (1, 1024), (16, 512), (16, 1024), (64, 512), (64, 1024),
-                             (128, 512), (128, 1024), (128, 2048)):
-            figures = attention_figures(rows, kv_len, kernels)
-            results["attention"].append(figures)
-            print(json.dumps(figures))
-        for rows in (1, 16, 64, 128):
-            figures = norm_figures(rows)
-            results["rms_norm"].append(figures)
-            print(json.dumps(figures))
+        if "attention" in args.parts:
+            for rows, kv_len in ((1, 256), (1, 512), (1, 1024), (16, 512), (16, 1024), (64, 512), (64, 1024),
+                                 (128, 512), (128, 1024), (128, 2048)):
+                figures = attention_figures(rows, kv_len, kernels)
+                results["attention"].append(figures)
+                print(json.dumps(figures))
+        if "norm" in args.parts:
+            for rows in (1, 16, 64, 128):
+                figures = norm_figures(rows)
+                results["rms_norm"].append(figures)
+                print(json.dumps(figures))
+        if "linears" in args.parts:
+            tiles = [(decode_linear.BLOCK_N, decode_linear.BLOCK_K)]
+            tiles += [(int(n), int(k)) for n, k in (tile.split("x") for tile in args.tiles)]
+            for rows in (1, 2, 4, 8, 16, 32, 64):
+                figures = linear_figures(rows, kernels, tiles)
+                results["linears"].append(figures)
+                print(json.dumps(figures))
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1))
 

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -123,6 +123,15 @@ class _LayerInputs:
             return self.ops.decode_attention
         return None
 
+    @property
+    def decode_linears(self) -> DecodeProjections | None:
+        """The fused decode projections, if they serve this call: a decode step through the decode
+        attention kernel, of few enough rows."""
+        linears = self.ops.decode_linears
+        if linears is None or self.decode_kernel is None:
+            return None
+        return linears if linears.serves(self.batch.positions.shape[0]) else None
+
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     # One fused kernel on CUDA. Statistics in fp32 as in Hugging Face's implementation; the weight is
@@ -172,19 +181,38 @@ def silu_mul(gate_up: Tensor) -> Tensor:
 DecodeAttentionFn = Callable[[Tensor, tuple[Tensor, Tensor], Tensor, int, Tensor, int], Tensor]
 
 
+class DecodeProjections(Protocol):
+    """A decode step's projections with the norms, SwiGLU and residual sums fused in
+    (`engines.llm.decode_linear.DecodeLinears`); rows are [B, features]."""
+
+    def serves(self, rows: int) -> bool: ...
+
+    def norm_linear(self, x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
+                    gated: bool = False) -> Tensor:
+        """rms_norm(x) @ weight^T + bias; `gated`: weight is [gate | up], the result silu(gate) · up."""
+        ...
+
+    def add_linear_(self, residual: Tensor, x: Tensor, weight: Tensor) -> Tensor:
+        """`residual += x @ weight^T`, in place; returns residual."""
+        ...
+
+
 @dataclass(frozen=True)
 class LayerKernels:
     """The steps of a layer besides its matmuls: eager, or fused kernels (on CUDA a decode step is
     launch-bound, and each fused kernel saves a few microseconds per layer).
 
     `decode_attention`, when set, replaces rope, the cache write and SDPA of decode calls (one query
-    per row over consecutive slots) by one kernel; other calls take the general path.
+    per row over consecutive slots) by one kernel; other calls take the general path. `decode_linears`,
+    when set too, runs such calls' norms and projections (4 launches per layer besides attention) for
+    the row counts it serves.
     """
 
     rope_: Callable[[Tensor, Tensor, Tensor], None]
     silu_mul: Callable[[Tensor], Tensor]
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]
     decode_attention: DecodeAttentionFn | None = None
+    decode_linears: DecodeProjections | None = None
 
     @staticmethod
     def compiled(precompiled: Path | None = None, device: torch.device | None = None) -> LayerKernels:
@@ -293,9 +321,7 @@ class Qwen2Attention(nn.Module):
         qkv = self.qkv_proj(x).view(rows, length, -1, self.head_dim)  # [B, T, Hq + 2 Hkv, D]
         batch, decode_kernel = inputs.batch, inputs.decode_kernel
         if decode_kernel is not None:
-            cos, sin = inputs.rope
-            out = decode_kernel(qkv[:, 0], (cos[:, 0, 0], sin[:, 0, 0]), layer_cache, cast(int, batch.slots),
-                                batch.positions[:, 0], batch.kv_len)
+            out = self.decode_attention(qkv[:, 0], decode_kernel, inputs, layer_cache)
             return add_linear_(residual, out.view(rows, length, -1), self.o_proj)
         inputs.ops.rope_(qkv[:, :, : heads + kv_heads], *inputs.rope)  # in place: k and v stay side by side
         queries = qkv[:, :, :heads].transpose(1, 2)
@@ -309,6 +335,16 @@ class Qwen2Attention(nn.Module):
             assert inputs.mask is not None
             out = grouped_attention(queries, keys, values, inputs.mask)
         return add_linear_(residual, out.transpose(1, 2).reshape(rows, length, -1), self.o_proj)
+
+    @staticmethod
+    def decode_attention(qkv: Tensor, kernel: DecodeAttentionFn, inputs: _LayerInputs, layer_cache: Tensor
+                         ) -> Tensor:
+        """Attention output [B, Hq, D] of a decode step's rows from their projections `qkv` [B, Hq + 2 Hkv, D]
+        (before rope), their keys and values stored."""
+        cos, sin = inputs.rope
+        batch = inputs.batch
+        return kernel(qkv, (cos[:, 0, 0], sin[:, 0, 0]), layer_cache, cast(int, batch.slots),
+                      batch.positions[:, 0], batch.kv_len)
 
 
 class Qwen2MLP(nn.Module):
@@ -336,9 +372,29 @@ class Qwen2DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, inputs: _LayerInputs, layer_cache: Tensor) -> Tensor:
         """Update the residual stream `x` [B, T, hidden] (contiguous) in place; return it."""
+        linears = inputs.decode_linears
+        if linears is not None:
+            return self._fused_decode(x, inputs, layer_cache, linears)
         norm = inputs.ops.rms_norm
         x = self.self_attn(self.input_layernorm(x, norm), inputs, layer_cache, residual=x)
         return self.mlp(self.post_attention_layernorm(x, norm), inputs.ops, residual=x)
+
+    def _fused_decode(self, x: Tensor, inputs: _LayerInputs, layer_cache: Tensor, linears: DecodeProjections
+                      ) -> Tensor:
+        """`forward` of a decode step through the fused projections and the decode attention kernel."""
+        attention, mlp = self.self_attn, self.mlp
+        first_norm, second_norm = self.input_layernorm, self.post_attention_layernorm
+        rows = x.shape[0]
+        residual = x.view(rows, -1)
+        qkv = linears.norm_linear(residual, first_norm.weight, first_norm.eps, attention.qkv_proj.weight,
+                                  attention.qkv_proj.bias)
+        out = attention.decode_attention(qkv.view(rows, -1, attention.head_dim),
+                                         cast(DecodeAttentionFn, inputs.decode_kernel), inputs, layer_cache)
+        linears.add_linear_(residual, out.view(rows, -1), attention.o_proj.weight)
+        hidden = linears.norm_linear(residual, second_norm.weight, second_norm.eps, mlp.gate_up_proj.weight,
+                                     None, gated=True)
+        linears.add_linear_(residual, hidden, mlp.down_proj.weight)
+        return x
 
 
 class Qwen2Model(nn.Module):

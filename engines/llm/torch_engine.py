@@ -284,6 +284,14 @@ class TorchLLMEngine(LLMEngine):
                 kernel = decode_attention.DecodeAttention(self.config.max_slots, qwen.num_kv_heads,
                                                           self.config.torch_device)
                 kernels = replace(kernels, decode_attention=kernel)
+        if kernels.decode_attention is not None and config.decode_linear_kernels:
+            from engines.llm import decode_linear
+
+            qwen = model.cfg.qwen
+            if decode_linear.supports(qwen.hidden_size, qwen.intermediate_size, config.torch_dtype):
+                linears = decode_linear.DecodeLinears(qwen.hidden_size, qwen.intermediate_size,
+                                                      config.torch_device)
+                kernels = replace(kernels, decode_linears=linears)
         return kernels
 
     def _run(self) -> None:

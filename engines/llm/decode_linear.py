@@ -1,0 +1,209 @@
+"""A decode step's projections for few rows, with the work around them fused, as Triton kernels (CUDA only).
+
+A decode step multiplies a handful of rows by every weight of the model: each matmul is bound by reading
+its weights and by the launch, not by arithmetic. The general path runs per layer RMSNorm, the qkv
+matmul, the output projection, RMSNorm, gate|up, SwiGLU, down and cuBLAS's split-K reduction: 9 launches
+besides attention (H100, one row: ~27 µs of them, against ~9 µs to read the layer's 30 MB of weights).
+Here a layer is 4 launches besides attention:
+
+- `norm_linear`: RMSNorm of the residual rows folded into the projection's input: every program
+  recomputes the statistic of its rows (a row is 896 values) and rounds the normalised input to the
+  model dtype as the norm kernel would, then the matmul and the bias. Serves q|k|v.
+- the same with `gated`: a program takes a block of gate columns and the same block of up columns and
+  writes silu(gate) · up (gate and up rounded to the model dtype first, as the general path's matmul
+  output is); the 2 × 4864-wide intermediate is never written.
+- `add_linear_`: `residual += x @ W^T` in place, the positions split across programs where there are too
+  few column blocks to fill the GPU; a column block's split that finishes last adds the partials (in
+  split order, so the result does not depend on timing) and the residual, as the decode attention
+  kernel merges its splits. Serves the output projection and down.
+
+The results equal the general path's up to the order of fp32 sums (tests/engines/test_llm_decode_linear.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+BLOCK_N = 16  # output columns per program: at one row q|k|v is 72 programs, gate|up 304
+BLOCK_K = 128  # input positions per loop iteration
+# Programs `add_linear_` aims for (two per multiprocessor of an H100): 896 output columns are 56 blocks,
+# whose positions are split in four.
+TARGET_PROGRAMS = 264
+MAX_SPLITS = 8
+MAX_ROWS = 64  # tl.dot's row block; more rows than this take the general path
+
+
+@triton.jit
+def _row_rstd(x_ptr, rows, real_rows, stride_x, K: tl.constexpr, eps, BLOCK_K: tl.constexpr,
+              BLOCK_M: tl.constexpr):
+    """1 / sqrt(mean(x²) + eps) of each row (fp32), as RMSNorm computes it."""
+    sum_squares = tl.zeros([BLOCK_M], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=real_rows[:, None] & (k[None, :] < K),
+                    other=0.0).to(tl.float32)
+        sum_squares += tl.sum(x * x, 1)
+    return tl.rsqrt(sum_squares / K + eps)
+
+
+# The row count is not specialised on (Triton would compile M = 1 apart): the row block is what varies.
+@triton.jit(do_not_specialize=["M"])
+def _norm_linear_kernel(
+    x_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, M, stride_x, stride_out, eps,
+    K: tl.constexpr, N: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[:, block] = rms_norm(x) @ W[block]^T (+ bias), or with GATED silu(gate) · up of the block's
+    gate columns and the same columns of the up half (rows N.. of W)."""
+    columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    real_rows = rows < M
+    real_columns = columns < N
+    dtype = w_ptr.dtype.element_ty
+    rstd = _row_rstd(x_ptr, rows, real_rows, stride_x, K, eps, BLOCK_K, BLOCK_M)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    up_acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        real_k = k < K
+        x = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=real_rows[:, None] & real_k[None, :],
+                    other=0.0).to(tl.float32)
+        norm_weight = tl.load(norm_ptr + k, mask=real_k, other=0.0).to(tl.float32)
+        normed = (x * rstd[:, None] * norm_weight[None, :]).to(dtype)
+        weight_mask = real_columns[:, None] & real_k[None, :]
+        weights = tl.load(w_ptr + columns[:, None] * K + k[None, :], mask=weight_mask, other=0.0)
+        acc += tl.dot(normed, tl.trans(weights))
+        if GATED:
+            up = tl.load(w_ptr + (columns[:, None] + N) * K + k[None, :], mask=weight_mask, other=0.0)
+            up_acc += tl.dot(normed, tl.trans(up))
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + columns, mask=real_columns, other=0.0).to(tl.float32)[None, :]
+    if GATED:  # from gate and up rounded as the matmul's output is; the product rounded once, as compiled
+        gate = acc.to(dtype).to(tl.float32)
+        acc = gate * tl.sigmoid(gate) * up_acc.to(dtype).to(tl.float32)
+    out_mask = real_rows[:, None] & real_columns[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_out + columns[None, :], acc.to(dtype), mask=out_mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _add_linear_kernel(
+    x_ptr, w_ptr, residual_ptr, part_ptr, counters_ptr, M, stride_x, stride_residual,
+    K: tl.constexpr, N: tl.constexpr, SPLIT_K: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """residual[:, block] += x @ W[block]^T over this program's split of the K positions."""
+    block = tl.program_id(0)
+    split = tl.program_id(1)
+    columns = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    real_rows = rows < M
+    real_columns = columns < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for step in range(SPLIT_K // BLOCK_K):  # the last split's steps past K load nothing
+        k = split * SPLIT_K + step * BLOCK_K + tl.arange(0, BLOCK_K)
+        real_k = k < K
+        x = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=real_rows[:, None] & real_k[None, :],
+                    other=0.0)
+        weights = tl.load(w_ptr + columns[:, None] * K + k[None, :],
+                          mask=real_columns[:, None] & real_k[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(weights))
+    out_mask = real_rows[:, None] & real_columns[None, :]
+    residual_ptrs = residual_ptr + rows[:, None] * stride_residual + columns[None, :]
+    if SPLITS == 1:
+        total = acc + tl.load(residual_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+        tl.store(residual_ptrs, total.to(residual_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tile = rows[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tl.store(part_ptr + (block * SPLITS + split) * BLOCK_M * BLOCK_N + tile, acc)
+        # As in decode_attention: the barrier, then a release/acquire increment at GPU scope orders every
+        # split's stores before the last one's loads (which bypass L1); it resets the counter.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counters_ptr + block, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            tl.atomic_xchg(counters_ptr + block, 0, sem="relaxed", scope="gpu")
+            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for part in tl.static_range(SPLITS):
+                total += tl.load(part_ptr + (block * SPLITS + part) * BLOCK_M * BLOCK_N + tile,
+                                 cache_modifier=".cg")
+            total += tl.load(residual_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+            tl.store(residual_ptrs, total.to(residual_ptr.dtype.element_ty), mask=out_mask)
+
+
+def row_block(rows: int) -> int:
+    """tl.dot's row block for `rows`: 16 or MAX_ROWS (two compiled variants per kernel; the matmuls are
+    bound by the weights they read, not by padded rows)."""
+    return 16 if rows <= 16 else MAX_ROWS
+
+
+def split_length(columns: int, positions: int) -> int:
+    """Input positions per program of `add_linear_` (a multiple of BLOCK_K): split until the column
+    blocks times the splits reach TARGET_PROGRAMS."""
+    blocks = triton.cdiv(columns, BLOCK_N)
+    splits = min(MAX_SPLITS, max(1, TARGET_PROGRAMS // blocks), triton.cdiv(positions, BLOCK_K))
+    return triton.cdiv(triton.cdiv(positions, splits), BLOCK_K) * BLOCK_K
+
+
+def supports(hidden: int, intermediate: int, dtype: torch.dtype) -> bool:
+    """Whether the kernels serve a model of these sizes in `dtype` (else the general path runs)."""
+    return dtype in (torch.bfloat16, torch.float16) and hidden % 16 == 0 and intermediate % 16 == 0
+
+
+class DecodeLinears:
+    """The kernels for up to MAX_ROWS rows, with the split partials and counters of `add_linear_`
+    allocated once (CUDA graphs captured with them keep pointing at them); what
+    `qwen2.LayerKernels.decode_linears` takes. Calls run one after another on one stream."""
+
+    def __init__(self, hidden: int, intermediate: int, device: torch.device) -> None:
+        widest = max(
+            triton.cdiv(hidden, BLOCK_N) * triton.cdiv(positions, split_length(hidden, positions))
+            for positions in (hidden, intermediate)
+        )
+        self.parts = torch.empty(widest * MAX_ROWS * BLOCK_N, dtype=torch.float32, device=device)
+        self.counters = torch.zeros(triton.cdiv(hidden, BLOCK_N), dtype=torch.int32, device=device)
+
+    @staticmethod
+    def serves(rows: int) -> bool:
+        return rows <= MAX_ROWS
+
+    def norm_linear(self, x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
+                    gated: bool = False) -> Tensor:
+        """rms_norm(x) @ weight^T + bias for rows x [M, K] (unit stride along K); with `gated`, weight
+        is [gate | up] (2N, K) and the result silu(gate) · up [M, N]."""
+        rows, positions = x.shape
+        columns = weight.shape[0] // 2 if gated else weight.shape[0]
+        _check(x, weight, positions, rows)
+        out = torch.empty(rows, columns, dtype=weight.dtype, device=x.device)
+        _norm_linear_kernel[(triton.cdiv(columns, BLOCK_N),)](
+            x, norm_weight, weight, bias if bias is not None else weight, out, rows, x.stride(0),
+            out.stride(0), eps, K=positions, N=columns, GATED=gated, HAS_BIAS=bias is not None,
+            BLOCK_M=row_block(rows), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4, num_stages=3,
+        )
+        return out
+
+    def add_linear_(self, residual: Tensor, x: Tensor, weight: Tensor) -> Tensor:
+        """`residual += x @ weight^T` for rows x [M, K] and residual [M, N] (both unit stride along
+        their last axis); returns residual."""
+        rows, positions = x.shape
+        columns = weight.shape[0]
+        _check(x, weight, positions, rows)
+        if residual.shape != (rows, columns) or residual.stride(1) != 1:
+            raise ValueError(f"add_linear_ needs a residual of {(rows, columns)} with unit column stride")
+        split = split_length(columns, positions)
+        splits = triton.cdiv(positions, split)
+        _add_linear_kernel[(triton.cdiv(columns, BLOCK_N), splits)](
+            x, weight, residual, self.parts, self.counters, rows, x.stride(0), residual.stride(0),
+            K=positions, N=columns, SPLIT_K=split, SPLITS=splits, BLOCK_M=row_block(rows), BLOCK_N=BLOCK_N,
+            BLOCK_K=BLOCK_K, num_warps=4, num_stages=3,
+        )
+        return residual
+
+
+def _check(x: Tensor, weight: Tensor, positions: int, rows: int) -> None:
+    if weight.shape[1] != positions or not weight.is_contiguous():
+        raise ValueError(f"a contiguous weight of {positions} input positions is needed, "
+                         f"got {tuple(weight.shape)}")
+    if x.stride(1) != 1 or rows > MAX_ROWS:
+        raise ValueError(f"rows with unit stride, at most {MAX_ROWS}, are needed; got {tuple(x.shape)}")

@@ -27,7 +27,6 @@ import torch.nn.functional as F
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-from engines.llm import decode_linear  # noqa: E402
 from engines.llm.decode_attention import decode_attention, split_length  # noqa: E402
 from engines.llm.decode_linear import DecodeLinears  # noqa: E402
 from engines.llm.qwen2 import (  # noqa: E402
@@ -129,10 +128,10 @@ def norm_figures(rows: int) -> dict[str, Any]:
     }
 
 
-def linear_figures(rows: int, kernels: LayerKernels, tiles: list[tuple[int, int]]) -> dict[str, Any]:
+def linear_figures(rows: int, kernels: LayerKernels) -> dict[str, Any]:
     """A layer's work besides attention, each layer its own weights (30 MB a layer: the 24 do not fit in
-    L2, as in the model); the attention output is a fixed random tensor. The fused kernels run with each
-    (BLOCK_N, BLOCK_K) of `tiles` (the module's are the first)."""
+    L2, as in the model), op by op and in all: the general path against the fused kernels. The attention
+    output and the MLP's hidden rows are fixed random tensors."""
     def weights(*shape: int, scale: float = 0.05) -> list[torch.Tensor]:
         return [(torch.randn(shape, device=DEVICE) * scale).to(DTYPE) for _ in range(LAYERS)]
 
@@ -142,35 +141,31 @@ def linear_figures(rows: int, kernels: LayerKernels, tiles: list[tuple[int, int]
     gate_up_w = weights(2 * INTERMEDIATE, HIDDEN)
     norms = [[(1 + torch.rand(HIDDEN, device=DEVICE)).to(DTYPE) for _ in range(LAYERS)] for _ in range(2)]
     attended = torch.randn(rows, HIDDEN, device=DEVICE, dtype=DTYPE)
-    start = torch.randn(rows, HIDDEN, device=DEVICE, dtype=DTYPE)
-
-    def general(residual: torch.Tensor, layer: int) -> torch.Tensor:
-        x = residual.view(rows, 1, HIDDEN)
-        F.linear(kernels.rms_norm(x, norms[0][layer], EPS), qkv_w[layer], qkv_b[layer])  # attention's input
-        residual.view(rows, HIDDEN).addmm_(attended, o_w[layer].t())
-        hidden = kernels.silu_mul(F.linear(kernels.rms_norm(x, norms[1][layer], EPS), gate_up_w[layer]))
-        residual.view(rows, HIDDEN).addmm_(hidden.view(rows, -1), down_w[layer].t())
-        return residual
-
-    def fused(linears: DecodeLinears, residual: torch.Tensor, layer: int) -> torch.Tensor:
-        linears.norm_linear(residual, norms[0][layer], EPS, qkv_w[layer], qkv_b[layer])
-        linears.add_linear_(residual, attended, o_w[layer])
-        hidden = linears.norm_linear(residual, norms[1][layer], EPS, gate_up_w[layer], None, gated=True)
-        return linears.add_linear_(residual, hidden, down_w[layer])
-
-    expected = general(start.clone(), 0).float()
-    general_residual = start.clone()
-    figures: dict[str, Any] = {"rows": rows,
-                               "general_us": graph_us(lambda layer: general(general_residual, layer))}
-    module_tile = (decode_linear.BLOCK_N, decode_linear.BLOCK_K)
-    for block_n, block_k in tiles:
-        decode_linear.BLOCK_N, decode_linear.BLOCK_K = block_n, block_k
-        linears, fused_residual = DecodeLinears(HIDDEN, INTERMEDIATE, DEVICE), start.clone()
-        actual = fused(linears, start.clone(), 0).float()
-        figures[f"fused_{block_n}x{block_k}_rel_err"] = ((actual - expected).norm() / expected.norm()).item()
-        figures[f"fused_{block_n}x{block_k}_us"] = graph_us(
-            lambda layer, linears=linears, residual=fused_residual: fused(linears, residual, layer))
-    decode_linear.BLOCK_N, decode_linear.BLOCK_K = module_tile
+    hidden = torch.randn(rows, INTERMEDIATE, device=DEVICE, dtype=DTYPE)
+    residual = torch.randn(rows, HIDDEN, device=DEVICE, dtype=DTYPE)
+    x = residual.view(rows, 1, HIDDEN)
+    linears = DecodeLinears(HIDDEN, INTERMEDIATE, DEVICE)
+    general_ops: dict[str, Callable[[int], object]] = {
+        "qkv": lambda layer: F.linear(kernels.rms_norm(x, norms[0][layer], EPS), qkv_w[layer], qkv_b[layer]),
+        "o_proj": lambda layer: residual.addmm_(attended, o_w[layer].t()),
+        "gate_up": lambda layer: kernels.silu_mul(F.linear(kernels.rms_norm(x, norms[1][layer], EPS),
+                                                           gate_up_w[layer])),
+        "down": lambda layer: residual.addmm_(hidden, down_w[layer].t()),
+    }
+    fused_ops: dict[str, Callable[[int], object]] = {
+        "qkv": lambda layer: linears.norm_linear(residual, norms[0][layer], EPS, qkv_w[layer], qkv_b[layer]),
+        "o_proj": lambda layer: linears.add_linear_(residual, attended, o_w[layer]),
+        "gate_up": lambda layer: linears.norm_linear(residual, norms[1][layer], EPS, gate_up_w[layer], None,
+                                                     gated=True),
+        "down": lambda layer: linears.add_linear_(residual, hidden, down_w[layer]),
+    }
+    figures: dict[str, Any] = {"rows": rows}
+    for path, ops in (("general", general_ops), ("fused", fused_ops)):
+        if path == "fused" and not linears.serves(rows):
+            continue
+        for name, op in ops.items():
+            figures[f"{path}_{name}_us"] = graph_us(op)
+        figures[f"{path}_us"] = graph_us(lambda layer, ops=ops: [op(layer) for op in ops.values()])
     return figures
 
 
@@ -180,8 +175,6 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--parts", nargs="+", choices=("attention", "norm", "linears"),
                         default=["attention", "norm", "linears"])
-    parser.add_argument("--tiles", nargs="+", default=[],
-                        help="more (BLOCK_N)x(BLOCK_K) tiles of the fused projections to time, e.g. 32x128")
     args = parser.parse_args()
     torch.manual_seed(0)
     kernels = LayerKernels.compiled()
@@ -199,10 +192,8 @@ def main() -> None:
                 results["rms_norm"].append(figures)
                 print(json.dumps(figures))
         if "linears" in args.parts:
-            tiles = [(decode_linear.BLOCK_N, decode_linear.BLOCK_K)]
-            tiles += [(int(n), int(k)) for n, k in (tile.split("x") for tile in args.tiles)]
-            for rows in (1, 2, 4, 8, 16, 32, 64):
-                figures = linear_figures(rows, kernels, tiles)
+            for rows in (1, 2, 4, 8, 16, 32):
+                figures = linear_figures(rows, kernels)
                 results["linears"].append(figures)
                 print(json.dumps(figures))
     if args.json is not None:

@@ -3,8 +3,8 @@
 A decode step multiplies a handful of rows by every weight of the model: each matmul is bound by reading
 its weights and by the launch, not by arithmetic. The general path runs per layer RMSNorm, the qkv
 matmul, the output projection, RMSNorm, gate|up, SwiGLU, down and cuBLAS's split-K reduction: 9 launches
-besides attention (H100, one row: ~27 µs of them, against ~9 µs to read the layer's 30 MB of weights).
-Here a layer is 4 launches besides attention:
+besides attention (H200, one row: ~27 µs of them, against ~7 µs to read the layer's 30 MB of weights).
+Here a layer is 4 launches besides attention, for up to 16 rows:
 
 - `norm_linear`: RMSNorm of the residual rows folded into the projection's input: every program
   recomputes the statistic of its rows (a row is 896 values) and rounds the normalised input to the
@@ -17,6 +17,8 @@ Here a layer is 4 launches besides attention:
   split order, so the result does not depend on timing) and the residual, as the decode attention
   kernel merges its splits. Serves the output projection and down.
 
+`norm_linear` of a single row (one stream decoding alone, the latency case) multiplies without tl.dot,
+whose smallest tile is 16 rows. Past 16 rows cuBLAS's matmuls are faster and the general path runs.
 The results equal the general path's up to the order of fp32 sums (tests/engines/test_llm_decode_linear.py).
 """
 
@@ -27,26 +29,69 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-BLOCK_N = 16  # output columns per program: at one row q|k|v is 72 programs, gate|up 304
-BLOCK_K = 128  # input positions per loop iteration
-# Programs `add_linear_` aims for (two per multiprocessor of an H100): 896 output columns are 56 blocks,
-# whose positions are split in four.
+# Tiles, warps and pipeline stages per kernel, the fastest of a sweep on an H200 (docs/benchmarks.md, 25th
+# session): (BLOCK_N output columns, BLOCK_K input positions per iteration, num_warps, num_stages).
+ONE_ROW_TILE = (16, 128, 8, 3)  # `_norm_gemv_kernel`: q|k|v is 72 programs, gate|up 304
+NORM_TILE = (16, 128, 8, 3)
+GATED_TILE = (32, 128, 8, 3)
+ADD_TILE = (32, 128, 4, 5)
+# Programs `add_linear_` aims for (two per multiprocessor of an H100): 896 output columns are 28 blocks,
+# whose positions are split in up to MAX_SPLITS.
 TARGET_PROGRAMS = 264
 MAX_SPLITS = 8
-MAX_ROWS = 64  # tl.dot's row block; more rows than this take the general path
+MAX_ROWS = 16  # tl.dot's row block; more rows take the general path (past 16 rows cuBLAS is faster)
 
 
 @triton.jit
 def _row_rstd(x_ptr, rows, real_rows, stride_x, K: tl.constexpr, eps, BLOCK_K: tl.constexpr,
               BLOCK_M: tl.constexpr):
     """1 / sqrt(mean(x²) + eps) of each row (fp32), as RMSNorm computes it."""
-    sum_squares = tl.zeros([BLOCK_M], tl.float32)
+    # Squares summed elementwise, reduced across threads once at the end (a reduction per iteration
+    # serialises the loop's loads).
+    squares = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=real_rows[:, None] & (k[None, :] < K),
                     other=0.0).to(tl.float32)
-        sum_squares += tl.sum(x * x, 1)
-    return tl.rsqrt(sum_squares / K + eps)
+        squares += x * x
+    return tl.rsqrt(tl.sum(squares, 1) / K + eps)
+
+
+@triton.jit
+def _norm_gemv_kernel(
+    x_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, eps,
+    K: tl.constexpr, K_POW2: tl.constexpr, N: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """`_norm_linear_kernel` for one row, without tl.dot (whose 16-row tile would be 15/16 padding):
+    products summed elementwise in fp32 and reduced once at the end."""
+    columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    real_columns = columns < N
+    dtype = w_ptr.dtype.element_ty
+    whole_row = tl.arange(0, K_POW2)
+    row = tl.load(x_ptr + whole_row, mask=whole_row < K, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(row * row, 0) / K + eps)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    up_acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        real_k = k < K
+        x = tl.load(x_ptr + k, mask=real_k, other=0.0).to(tl.float32)
+        norm_weight = tl.load(norm_ptr + k, mask=real_k, other=0.0).to(tl.float32)
+        normed = (x * rstd * norm_weight).to(dtype).to(tl.float32)
+        weight_mask = real_columns[:, None] & real_k[None, :]
+        weights = tl.load(w_ptr + columns[:, None] * K + k[None, :], mask=weight_mask, other=0.0)
+        acc += weights.to(tl.float32) * normed[None, :]
+        if GATED:
+            up = tl.load(w_ptr + (columns[:, None] + N) * K + k[None, :], mask=weight_mask, other=0.0)
+            up_acc += up.to(tl.float32) * normed[None, :]
+    out = tl.sum(acc, 1)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + columns, mask=real_columns, other=0.0).to(tl.float32)
+    if GATED:
+        gate = out.to(dtype).to(tl.float32)
+        out = gate * tl.sigmoid(gate) * tl.sum(up_acc, 1).to(dtype).to(tl.float32)
+    tl.store(out_ptr + columns, out.to(dtype), mask=real_columns)
 
 
 # The row count is not specialised on (Triton would compile M = 1 apart): the row block is what varies.
@@ -132,18 +177,13 @@ def _add_linear_kernel(
             tl.store(residual_ptrs, total.to(residual_ptr.dtype.element_ty), mask=out_mask)
 
 
-def row_block(rows: int) -> int:
-    """tl.dot's row block for `rows`: 16 or MAX_ROWS (two compiled variants per kernel; the matmuls are
-    bound by the weights they read, not by padded rows)."""
-    return 16 if rows <= 16 else MAX_ROWS
-
-
 def split_length(columns: int, positions: int) -> int:
-    """Input positions per program of `add_linear_` (a multiple of BLOCK_K): split until the column
+    """Input positions per program of `add_linear_` (a multiple of its BLOCK_K): split until the column
     blocks times the splits reach TARGET_PROGRAMS."""
-    blocks = triton.cdiv(columns, BLOCK_N)
-    splits = min(MAX_SPLITS, max(1, TARGET_PROGRAMS // blocks), triton.cdiv(positions, BLOCK_K))
-    return triton.cdiv(triton.cdiv(positions, splits), BLOCK_K) * BLOCK_K
+    block_n, block_k = ADD_TILE[:2]
+    blocks = triton.cdiv(columns, block_n)
+    splits = min(MAX_SPLITS, max(1, TARGET_PROGRAMS // blocks), triton.cdiv(positions, block_k))
+    return triton.cdiv(triton.cdiv(positions, splits), block_k) * block_k
 
 
 def supports(hidden: int, intermediate: int, dtype: torch.dtype) -> bool:
@@ -157,12 +197,11 @@ class DecodeLinears:
     `qwen2.LayerKernels.decode_linears` takes. Calls run one after another on one stream."""
 
     def __init__(self, hidden: int, intermediate: int, device: torch.device) -> None:
-        widest = max(
-            triton.cdiv(hidden, BLOCK_N) * triton.cdiv(positions, split_length(hidden, positions))
-            for positions in (hidden, intermediate)
-        )
-        self.parts = torch.empty(widest * MAX_ROWS * BLOCK_N, dtype=torch.float32, device=device)
-        self.counters = torch.zeros(triton.cdiv(hidden, BLOCK_N), dtype=torch.int32, device=device)
+        blocks = triton.cdiv(hidden, ADD_TILE[0])
+        widest = max(blocks * triton.cdiv(positions, split_length(hidden, positions))
+                     for positions in (hidden, intermediate))
+        self.parts = torch.empty(widest * MAX_ROWS * ADD_TILE[0], dtype=torch.float32, device=device)
+        self.counters = torch.zeros(blocks, dtype=torch.int32, device=device)
 
     @staticmethod
     def serves(rows: int) -> bool:
@@ -176,10 +215,20 @@ class DecodeLinears:
         columns = weight.shape[0] // 2 if gated else weight.shape[0]
         _check(x, weight, positions, rows)
         out = torch.empty(rows, columns, dtype=weight.dtype, device=x.device)
-        _norm_linear_kernel[(triton.cdiv(columns, BLOCK_N),)](
-            x, norm_weight, weight, bias if bias is not None else weight, out, rows, x.stride(0),
-            out.stride(0), eps, K=positions, N=columns, GATED=gated, HAS_BIAS=bias is not None,
-            BLOCK_M=row_block(rows), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4, num_stages=3,
+        bias_or_any = bias if bias is not None else weight
+        if rows == 1:
+            block_n, block_k, warps, stages = ONE_ROW_TILE
+            _norm_gemv_kernel[(triton.cdiv(columns, block_n),)](
+                x, norm_weight, weight, bias_or_any, out, eps, K=positions,
+                K_POW2=triton.next_power_of_2(positions), N=columns, GATED=gated, HAS_BIAS=bias is not None,
+                BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+            )
+            return out
+        block_n, block_k, warps, stages = GATED_TILE if gated else NORM_TILE
+        _norm_linear_kernel[(triton.cdiv(columns, block_n),)](
+            x, norm_weight, weight, bias_or_any, out, rows, x.stride(0), out.stride(0), eps, K=positions,
+            N=columns, GATED=gated, HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
+            BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         )
         return out
 
@@ -191,12 +240,13 @@ class DecodeLinears:
         _check(x, weight, positions, rows)
         if residual.shape != (rows, columns) or residual.stride(1) != 1:
             raise ValueError(f"add_linear_ needs a residual of {(rows, columns)} with unit column stride")
+        block_n, block_k, warps, stages = ADD_TILE
         split = split_length(columns, positions)
         splits = triton.cdiv(positions, split)
-        _add_linear_kernel[(triton.cdiv(columns, BLOCK_N), splits)](
+        _add_linear_kernel[(triton.cdiv(columns, block_n), splits)](
             x, weight, residual, self.parts, self.counters, rows, x.stride(0), residual.stride(0),
-            K=positions, N=columns, SPLIT_K=split, SPLITS=splits, BLOCK_M=row_block(rows), BLOCK_N=BLOCK_N,
-            BLOCK_K=BLOCK_K, num_warps=4, num_stages=3,
+            K=positions, N=columns, SPLIT_K=split, SPLITS=splits, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
+            BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         )
         return residual
 

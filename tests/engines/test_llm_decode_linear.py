@@ -31,7 +31,7 @@ def normed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
 def test_projections_equal_their_definitions(rows: int, dtype: torch.dtype) -> None:
     from engines.llm.decode_linear import DecodeLinears
 
@@ -57,7 +57,7 @@ def test_projections_equal_their_definitions(rows: int, dtype: torch.dtype) -> N
     assert hidden.shape == (rows, INTERMEDIATE)
     assert relative_error(hidden, expected) < 1e-2
 
-    for x, weight in ((randn(rows, HIDDEN), randn(HIDDEN, HIDDEN, scale=0.05)),  # o_proj: 4 splits
+    for x, weight in ((randn(rows, HIDDEN), randn(HIDDEN, HIDDEN, scale=0.05)),  # o_proj: 7 splits
                       (hidden, randn(HIDDEN, INTERMEDIATE, scale=0.05))):  # down
         expected = (residual.float() + x.float() @ weight.float().t()).to(dtype)
         summed = residual.clone()
@@ -75,16 +75,16 @@ def test_inputs_it_cannot_serve_are_refused() -> None:
     from engines.llm.decode_linear import DecodeLinears
 
     linears = DecodeLinears(HIDDEN, INTERMEDIATE, CUDA)
-    x = torch.zeros(65, HIDDEN, device=CUDA, dtype=torch.bfloat16)
+    x = torch.zeros(17, HIDDEN, device=CUDA, dtype=torch.bfloat16)
     weight = torch.zeros(HIDDEN, HIDDEN, device=CUDA, dtype=torch.bfloat16)
-    assert not linears.serves(65)
-    with pytest.raises(ValueError, match="at most 64"):
+    assert linears.serves(16) and not linears.serves(17)
+    with pytest.raises(ValueError, match="at most 16"):
         linears.add_linear_(x.clone(), x, weight)
     with pytest.raises(ValueError, match="contiguous weight"):
         linears.norm_linear(x[:4], x[0], EPS, weight.t(), None)
 
 
-@pytest.mark.parametrize("rows", [3, 70])  # 70: past what the kernels serve, the general path runs
+@pytest.mark.parametrize("rows", [1, 3, 20])  # 20: past what the kernels serve, the general path runs
 def test_tiny_model_decode_logits_equal_the_general_path(rows: int) -> None:
     from engines.llm.decode_attention import DecodeAttention
     from engines.llm.decode_linear import DecodeLinears
@@ -119,7 +119,7 @@ def test_tiny_model_decode_logits_equal_the_general_path(rows: int) -> None:
             logits.append(torch.stack(steps))
     assert logits[1].isfinite().all()
     error = relative_error(logits[1], logits[0])
-    if rows > 64:
+    if rows > 16:
         assert error == 0.0
     else:
         assert 0.0 < error < 2e-2  # different kernels: close, not the same bits

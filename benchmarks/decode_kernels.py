@@ -129,17 +129,24 @@ def norm_figures(rows: int) -> dict[str, Any]:
 
 
 def linear_figures(rows: int, kernels: LayerKernels) -> dict[str, Any]:
-    """A layer's work besides attention, each layer its own weights (30 MB a layer: the 24 do not fit in
-    L2, as in the model), op by op and in all: the general path against the fused kernels. The attention
-    output and the MLP's hidden rows are fixed random tensors."""
-    def weights(*shape: int, scale: float = 0.05) -> list[torch.Tensor]:
-        return [(torch.randn(shape, device=DEVICE) * scale).to(DTYPE) for _ in range(LAYERS)]
+    """A layer's work besides attention, op by op and in all: the general path against the fused kernels.
+    Each layer has its own weights (30 MB a layer: the 24 do not fit in L2, as in the model); an op alone
+    cycles through enough copies of its weight to fill L2 twice over (24 of o_proj's 1.6 MB would fit).
+    The attention output and the MLP's hidden rows are fixed random tensors."""
+    l2_bytes = torch.cuda.get_device_properties(DEVICE).L2_cache_size
+
+    def weights(*shape: int, scale: float = 0.05, copies: int = 0) -> list[torch.Tensor]:
+        copy_bytes = torch.Size(shape).numel() * torch.finfo(DTYPE).bits // 8
+        copies = copies or max(LAYERS, -(-2 * l2_bytes // copy_bytes))
+        return [(torch.randn(shape, device=DEVICE) * scale).to(DTYPE) for _ in range(copies)]
 
     qkv_columns = (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
-    qkv_w, qkv_b = weights(qkv_columns, HIDDEN), weights(qkv_columns, scale=1.0)
+    qkv_w = weights(qkv_columns, HIDDEN)
+    qkv_b = weights(qkv_columns, scale=1.0, copies=len(qkv_w))
     o_w, down_w = weights(HIDDEN, HIDDEN), weights(HIDDEN, INTERMEDIATE)
     gate_up_w = weights(2 * INTERMEDIATE, HIDDEN)
-    norms = [[(1 + torch.rand(HIDDEN, device=DEVICE)).to(DTYPE) for _ in range(LAYERS)] for _ in range(2)]
+    norms = [[(1 + torch.rand(HIDDEN, device=DEVICE)).to(DTYPE) for _ in range(len(weight))]
+             for weight in (qkv_w, gate_up_w)]
     attended = torch.randn(rows, HIDDEN, device=DEVICE, dtype=DTYPE)
     hidden = torch.randn(rows, INTERMEDIATE, device=DEVICE, dtype=DTYPE)
     residual = torch.randn(rows, HIDDEN, device=DEVICE, dtype=DTYPE)
@@ -159,12 +166,13 @@ def linear_figures(rows: int, kernels: LayerKernels) -> dict[str, Any]:
                                                      gated=True),
         "down": lambda layer: linears.add_linear_(residual, hidden, down_w[layer]),
     }
+    copies = {"qkv": len(qkv_w), "o_proj": len(o_w), "gate_up": len(gate_up_w), "down": len(down_w)}
     figures: dict[str, Any] = {"rows": rows}
     for path, ops in (("general", general_ops), ("fused", fused_ops)):
         if path == "fused" and not linears.serves(rows):
             continue
         for name, op in ops.items():
-            figures[f"{path}_{name}_us"] = graph_us(op)
+            figures[f"{path}_{name}_us"] = graph_us(op, copies[name])
         figures[f"{path}_us"] = graph_us(lambda layer, ops=ops: [op(layer) for op in ops.values()])
     return figures
 

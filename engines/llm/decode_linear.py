@@ -7,8 +7,8 @@ besides attention (H200, one row: ~27 µs of them, against ~7 µs to read the la
 Here a layer is 4 launches besides attention, for up to 16 rows:
 
 - `norm_linear`: RMSNorm of the residual rows folded into the projection's input: every program
-  recomputes the statistic of its rows (a row is 896 values) and rounds the normalised input to the
-  model dtype as the norm kernel would, then the matmul and the bias. Serves q|k|v.
+  recomputes the statistic of its rows (a row is 896 values) and, for `tl.dot`, rounds the normalised
+  input to the model dtype as the norm kernel would, then the matmul and the bias. Serves q|k|v.
 - the same with `gated`: a program takes a block of gate columns and the same block of up columns and
   writes silu(gate) · up (gate and up rounded to the model dtype first, as the general path's matmul
   output is); the 2 × 4864-wide intermediate is never written.
@@ -18,8 +18,9 @@ Here a layer is 4 launches besides attention, for up to 16 rows:
   kernel merges its splits. Serves the output projection and down.
 
 `norm_linear` of a single row (one stream decoding alone, the latency case) multiplies without tl.dot,
-whose smallest tile is 16 rows. Past 16 rows cuBLAS's matmuls are faster and the general path runs.
-The results equal the general path's up to the order of fp32 sums (tests/engines/test_llm_decode_linear.py).
+whose smallest tile is 16 rows, in fp32 throughout: its normalised input is not rounded to the model
+dtype. Past 16 rows cuBLAS's matmuls are faster and the general path runs. The results equal the general
+path's up to the order of fp32 sums and that rounding (tests/engines/test_llm_decode_linear.py).
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def _norm_gemv_kernel(
     tl.store(out_ptr + columns, out.to(dtype), mask=real_columns)
 
 
-# The row count is not specialised on (Triton would compile M = 1 apart): the row block is what varies.
+# The row count is not specialised on: Triton would compile M = 16 (divisible by 16) apart from 2..15.
 @triton.jit(do_not_specialize=["M"])
 def _norm_linear_kernel(
     x_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, M, stride_x, stride_out, eps,
@@ -187,9 +188,10 @@ def split_length(columns: int, positions: int) -> int:
     return triton.cdiv(triton.cdiv(positions, splits), block_k) * block_k
 
 
-def supports(hidden: int, intermediate: int, dtype: torch.dtype) -> bool:
-    """Whether the kernels serve a model of these sizes in `dtype` (else the general path runs)."""
-    return dtype in (torch.bfloat16, torch.float16) and hidden % 16 == 0 and intermediate % 16 == 0
+def supports(dtype: torch.dtype) -> bool:
+    """Whether the kernels serve a model in `dtype` (tl.dot's half-precision inputs; else the general
+    path runs). Every load is masked: any hidden and intermediate size will do."""
+    return dtype in (torch.bfloat16, torch.float16)
 
 
 class DecodeLinears:
@@ -203,6 +205,7 @@ class DecodeLinears:
                      for positions in (hidden, intermediate))
         self.parts = torch.empty(widest * MAX_ROWS * ADD_TILE[0], dtype=torch.float32, device=device)
         self.counters = torch.zeros(blocks, dtype=torch.int32, device=device)
+        self.residual_width = hidden  # what the partials and counters are sized for
 
     @staticmethod
     def serves(rows: int) -> bool:
@@ -244,7 +247,11 @@ class DecodeLinears:
         block_n, block_k, warps, stages = ADD_TILE
         split = split_length(columns, positions)
         splits = triton.cdiv(positions, split)
-        _add_linear_kernel[(triton.cdiv(columns, block_n), splits)](
+        blocks = triton.cdiv(columns, block_n)
+        if columns != self.residual_width or blocks * splits * MAX_ROWS * block_n > self.parts.numel():
+            raise ValueError(f"add_linear_ was sized for {self.residual_width} output columns and the "
+                             f"model's input widths; got a weight of {tuple(weight.shape)}")
+        _add_linear_kernel[(blocks, splits)](
             x, weight, residual, self.parts, self.counters, rows, x.stride(0), residual.stride(0),
             K=positions, N=columns, SPLIT_K=split, SPLITS=splits, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
             BLOCK_K=block_k, num_warps=warps, num_stages=stages,
@@ -253,6 +260,8 @@ class DecodeLinears:
 
 
 def _check(x: Tensor, weight: Tensor, positions: int, rows: int) -> None:
+    if x.dtype != weight.dtype:
+        raise ValueError(f"rows and weight must share a dtype, got {x.dtype} and {weight.dtype}")
     if weight.shape[1] != positions or not weight.is_contiguous():
         raise ValueError(f"a contiguous weight of {positions} input positions is needed, "
                          f"got {tuple(weight.shape)}")

@@ -288,7 +288,7 @@ class TorchLLMEngine(LLMEngine):
             from engines.llm import decode_linear
 
             qwen = model.cfg.qwen
-            if decode_linear.supports(qwen.hidden_size, qwen.intermediate_size, config.torch_dtype):
+            if decode_linear.supports(config.torch_dtype):
                 linears = decode_linear.DecodeLinears(qwen.hidden_size, qwen.intermediate_size,
                                                       config.torch_device)
                 kernels = replace(kernels, decode_linears=linears)

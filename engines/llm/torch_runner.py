@@ -48,7 +48,7 @@ class TorchLLMConfig:
     fused_elementwise: bool = True  # only used on CUDA: rope and SwiGLU compiled into one kernel each
     # Only used on CUDA (bf16/fp16): decode steps attend through engines/llm/decode_attention.py's kernel
     decode_attention_kernel: bool = True
-    # Only used with the decode attention kernel: decode steps of at most 64 rows run their norms and
+    # Only used with the decode attention kernel: decode steps of at most 16 rows run their norms and
     # projections through engines/llm/decode_linear.py's kernels (4 launches per layer besides attention)
     decode_linear_kernels: bool = True
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)

@@ -188,12 +188,6 @@ def split_length(columns: int, positions: int) -> int:
     return triton.cdiv(triton.cdiv(positions, splits), block_k) * block_k
 
 
-def supports(dtype: torch.dtype) -> bool:
-    """Whether the kernels serve a model in `dtype` (tl.dot's half-precision inputs; else the general
-    path runs). Every load is masked: any hidden and intermediate size will do."""
-    return dtype in (torch.bfloat16, torch.float16)
-
-
 class DecodeLinears:
     """The kernels for up to MAX_ROWS rows, with the split partials and counters of `add_linear_`
     allocated once (CUDA graphs captured with them keep pointing at them); what

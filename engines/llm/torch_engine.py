@@ -284,14 +284,11 @@ class TorchLLMEngine(LLMEngine):
                 kernel = decode_attention.DecodeAttention(self.config.max_slots, qwen.num_kv_heads,
                                                           self.config.torch_device)
                 kernels = replace(kernels, decode_attention=kernel)
-        if kernels.decode_attention is not None and config.decode_linear_kernels:
-            from engines.llm import decode_linear
+                if config.decode_linear_kernels:  # the dtypes the attention kernel takes suit these too
+                    from engines.llm.decode_linear import DecodeLinears
 
-            qwen = model.cfg.qwen
-            if decode_linear.supports(config.torch_dtype):
-                linears = decode_linear.DecodeLinears(qwen.hidden_size, qwen.intermediate_size,
-                                                      config.torch_device)
-                kernels = replace(kernels, decode_linears=linears)
+                    linears = DecodeLinears(qwen.hidden_size, qwen.intermediate_size, config.torch_device)
+                    kernels = replace(kernels, decode_linears=linears)
         return kernels
 
     def _run(self) -> None:

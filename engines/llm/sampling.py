@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -28,6 +28,9 @@ from engines.transfer import upload
 
 _MASK32 = 0xFFFFFFFF
 _EMPTY = -1  # history entry before any token was generated
+# Largest top_k a request may ask for: the fused sampler's nucleus walk keeps at most this many tokens
+# (sampling_kernel.py; CosyVoice2 samples with 25).
+MAX_TOP_K = 128
 RowIndex = slice | Tensor  # consecutive slots (views of the state) or an int64 tensor of slot ids
 
 
@@ -129,11 +132,18 @@ class SamplingSlots:
     """
 
     def __init__(self, slots: int, vocab: int, history: int, stop_tokens: Sequence[int], eos: int,
-                 device: torch.device, compiled: bool = False, precompiled: Path | None = None) -> None:
+                 device: torch.device, compiled: bool = False, precompiled: Path | None = None,
+                 fused: bool = False) -> None:
         """`compiled`: draw the uniforms with one Inductor kernel instead of ~30 tiny ones (integer
         arithmetic: the same values; on CUDA, where each launch costs more than the arithmetic), kept in
-        `precompiled` for later processes when given (engines/precompiled.py; `seal` once warmed up)."""
+        `precompiled` for later processes when given (engines/precompiled.py; `seal` once warmed up).
+        `fused` (CUDA): `sample_and_record` runs as one Triton kernel (sampling_kernel.py)."""
         self.history_len = history
+        self._fused_step: Callable[..., Tensor] | None = None
+        if fused:
+            from engines.llm.sampling_kernel import sample_and_record  # Triton: CUDA builds of torch
+
+            self._fused_step = sample_and_record
         self._draw_uniforms = (
             # Row-wise (the rows never broadcast): one compiled class serves one row and many.
             compile_kept(draw_uniforms, precompiled, "llm-draw_uniforms", (sys.modules[__name__],), device,
@@ -175,6 +185,8 @@ class SamplingSlots:
             if params.use_ras and params.ras_window > self.history_len:
                 raise ValueError(
                     f"ras_window {params.ras_window} exceeds the sampler history {self.history_len}")
+            if params.top_k > MAX_TOP_K:
+                raise ValueError(f"top_k {params.top_k} exceeds the sampler's limit {MAX_TOP_K}")
         # One float64 column per field: every value is an integer below 2**53 or a float.
         columns = torch.tensor([
             (params.temperature, params.top_k, params.top_p, params.repetition_penalty,
@@ -201,6 +213,15 @@ class SamplingSlots:
         selected = self.rows(rows)
         uniforms = self._draw_uniforms(selected.seed, selected.step)
         return sample(logits, selected, self.is_stop, self.eos, uniforms)
+
+    def sample_and_record(self, logits: Tensor, rows: RowIndex, active: Tensor) -> Tensor:
+        """`sample` then `record` (one kernel when `fused`)."""
+        if self._fused_step is not None:
+            slots = self._slot_ids[rows] if isinstance(rows, slice) else rows
+            return self._fused_step(logits, slots, active, self._state, self.is_stop, self.eos)
+        tokens = self.sample(logits, rows)
+        self.record(tokens, rows, active)
+        return tokens
 
     def record(self, tokens: Tensor, rows: RowIndex, active: Tensor) -> None:
         """Append `tokens` [B] to the state of the `active` [B] (bool) rows among `rows`, in place.

@@ -52,6 +52,7 @@ from engines.llm.base import (
 )
 from engines.llm.model import CosyVoice2LM, load_llm, prompt_length
 from engines.llm.qwen2 import EAGER_KERNELS, LayerKernels
+from engines.llm.sampling import MAX_TOP_K
 from engines.llm.torch_runner import ModelRunner, PrefillChunk, Readback, TorchLLMConfig, bucket
 
 __all__ = ["ModelLoader", "TorchLLMConfig", "TorchLLMEngine"]
@@ -237,6 +238,9 @@ class TorchLLMEngine(LLMEngine):
         if params.use_ras and params.ras_window > self.config.ras_history:
             raise LLMError("invalid_request", f"ras_window {params.ras_window} is above this engine's limit "
                                               f"of {self.config.ras_history}")
+        if params.top_k > MAX_TOP_K:
+            raise LLMError("invalid_request", f"top_k {params.top_k} is above this engine's limit of "
+                                              f"{MAX_TOP_K}")
         min_len, max_len = params.length_bounds(len(request.text_ids))
         if max_len < 1:
             raise LLMError("invalid_request", "the length bounds allow no speech token for this text")

@@ -51,6 +51,9 @@ class TorchLLMConfig:
     # Only used with the decode attention kernel: decode steps of at most 16 rows run their norms and
     # projections through engines/llm/decode_linear.py's kernels (4 launches per layer besides attention)
     decode_linear_kernels: bool = True
+    # Only used on CUDA: a step's sampling and its bookkeeping run as one Triton kernel
+    # (engines/llm/sampling_kernel.py) instead of ~50 small ones
+    fused_sampling: bool = True
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     min_kv_bucket: int = 256  # attended cache lengths: doubling from here up to max_context
     # Prefill calls of first chunks reaching at most this many positions replay graphs, all captured at
@@ -254,10 +257,12 @@ class ModelRunner:
 
         cache_len = config.max_context + config.prefill_chunk
         self.cache = KVCache.allocate(llm.qwen, slots + 1, cache_len, device, dtype)
+        fused_sampling = device.type == "cuda" and config.fused_sampling
         self.sampling = SamplingSlots(slots + 1, llm.speech_vocab, config.ras_history, llm.stop_tokens,
                                       llm.eos_token, device,
-                                      compiled=device.type == "cuda" and config.fused_elementwise,
-                                      precompiled=config.precompiled)
+                                      compiled=device.type == "cuda" and config.fused_elementwise
+                                      and not fused_sampling,
+                                      precompiled=config.precompiled, fused=fused_sampling)
         # Decode: per-slot input token and position, output token.
         # Sampled tokens, one buffer read back whole each step: prefill rows' first tokens, then each
         # slot's decoded token.
@@ -384,9 +389,8 @@ class ModelRunner:
         batch = CacheBatch(slots, positions, kv_len, from_start)
         hidden = self.model.backbone(self.prefill_input[:rows, :length], batch, self.cache, layers)
         logits = self.model.speech_logits(hidden[torch.arange(rows, device=start.device), last])
-        tokens = self.sampling.sample(logits, slots)
         done = ends_prompt.bool()
-        self.sampling.record(tokens, slots, done)
+        tokens = self.sampling.sample_and_record(logits, slots, done)
         self.next_token[slots] = torch.where(done, tokens, self.next_token[slots])
         self.active[slots] = self.active[slots] | done
         self.prefill_sampled[:rows] = tokens
@@ -397,8 +401,7 @@ class ModelRunner:
         active = self.active[rows]
         x = self.model.embed_speech(self.next_token[rows]).unsqueeze(1)
         logits = self.model(x, CacheBatch(0, self.positions[rows].unsqueeze(1), kv_len), self.cache, layers)
-        tokens = self.sampling.sample(logits, rows)
-        self.sampling.record(tokens, rows, active)
+        tokens = self.sampling.sample_and_record(logits, rows, active)
         self.next_token[rows] = torch.where(active, tokens, self.next_token[rows])
         self.positions[rows] += active.long()
         self.sampled[rows] = tokens

@@ -16,6 +16,7 @@ import torch
 from engines.config import MANIFEST_NAME, SPEECH_CODEBOOK, SPEECH_EOS, ModelConfigs, ModelPaths
 from engines.llm.base import LLMError, LLMRequest, SamplingParams, TokenStream
 from engines.llm.model import CosyVoice2LM
+from engines.llm.sampling import MAX_TOP_K
 from engines.llm.torch_engine import TorchLLMConfig, TorchLLMEngine
 from engines.llm.torch_runner import Readback, ReadbackRing
 
@@ -184,6 +185,7 @@ async def test_bad_requests_fail_clearly() -> None:
             LLMRequest("text", text_ids=[TINY.qwen.vocab_size]),
             LLMRequest("speech", text_ids=[1], prompt_speech_tokens=[SPEECH_CODEBOOK]),
             request("ras", ras_window=1000),
+            request("top_k", top_k=MAX_TOP_K + 1),
             request("empty", max_token_ratio=0.0, min_token_ratio=0.0),
         )
         for bad in bad_requests:
@@ -321,6 +323,24 @@ async def test_cuda_graphs_replay_the_eager_computation() -> None:
                        for i in range(6)]
             results[graphs] = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 60)
     assert [len(tokens) for tokens in results[True]] == [20 + i for i in range(6)]
+    assert results[True] == results[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+async def test_the_fused_sampler_samples_the_eager_tokens() -> None:
+    """Prefill and decode graphs with the one-kernel sampler (engines/llm/sampling_kernel.py) against the
+    eager sampler, RAS off (its fallback draws over the whole vocabulary, where fp32 scans in another
+    order may part by a token: tests/engines/test_llm_sampling_kernel.py checks it against float64)."""
+    results = {}
+    for fused in (True, False):
+        config = dataclasses.replace(CONFIG, device="cuda", fused_sampling=fused)
+        async with running(config) as engine:
+            streams = [engine.submit(request(f"s{i}", speech_len=7 * i, fixed_length=30 + i, seed=i,
+                                             use_ras=False, top_p=0.9 - 0.1 * i, temperature=0.8 + 0.1 * i))
+                       for i in range(5)]
+            results[fused] = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 60)
+    assert [len(tokens) for tokens in results[True]] == [30 + i for i in range(5)]
     assert results[True] == results[False]
 
 

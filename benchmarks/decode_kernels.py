@@ -1,9 +1,10 @@
-"""Per-layer pieces of one LLM decode step on CUDA, measured alone: the decode attention kernel against
-the general path (rope, cache write, SDPA over the masked bucket), RMSNorm eager against compiled, and a
-layer's norms and projections (everything but attention) through cuBLAS and the compiled elementwise
-kernels against engines/llm/decode_linear.py's fused kernels.
+"""Pieces of one LLM decode step on CUDA, measured alone: the decode attention kernel against the general
+path (rope, cache write, SDPA over the masked bucket), RMSNorm eager against compiled, a layer's norms
+and projections (everything but attention) through cuBLAS and the compiled elementwise kernels against
+engines/llm/decode_linear.py's fused kernels, and a step's sampling and record (`SamplingSlots`) eager
+against engines/llm/sampling_kernel.py at each of its warp counts.
 
-    python benchmarks/decode_kernels.py --json out.json [--parts attention norm linears]
+    python benchmarks/decode_kernels.py --json out.json [--parts attention norm linears sampling]
 
 Each variant is captured 24 times (once per layer, each layer its own cache like the model's) in one
 CUDA graph; the figure is the graph's replay time over 24 (device time, CUDA events, median of 5 runs
@@ -27,6 +28,8 @@ import torch.nn.functional as F
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
+from engines.llm import sampling_kernel  # noqa: E402
+from engines.llm.base import SamplingParams  # noqa: E402
 from engines.llm.decode_attention import decode_attention, split_length  # noqa: E402
 from engines.llm.decode_linear import DecodeLinears  # noqa: E402
 from engines.llm.qwen2 import (  # noqa: E402
@@ -36,6 +39,7 @@ from engines.llm.qwen2 import (  # noqa: E402
     grouped_attention,
     rope_tables,
 )
+from engines.llm.sampling import SamplingSlots  # noqa: E402
 
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, HIDDEN, THETA = 24, 14, 2, 64, 896, 1e6
 INTERMEDIATE, EPS = 4864, 1e-6
@@ -177,16 +181,44 @@ def linear_figures(rows: int, kernels: LayerKernels) -> dict[str, Any]:
     return figures
 
 
+SPEECH_VOCAB, STOP_TOKENS, RAS_HISTORY = 6564, (6561, 6562, 6563), 32
+
+
+def sampling_figures(rows: int) -> dict[str, Any]:
+    """µs of one step's `sample_and_record` over `rows` slots with CosyVoice2's settings (RAS on), eager
+    (the uniforms compiled, as the engine had them) and fused at 4, 8 and 16 warps; logits as peaked as
+    a trained model's (a few favourites per row), so RAS falls back now and then as it does in serving."""
+    logits = torch.randn(rows, SPEECH_VOCAB, device=DEVICE)
+    logits.scatter_add_(1, torch.randint(0, 40, (rows, 6), device=DEVICE), torch.full((rows, 6), 6.0,
+                                                                                       device=DEVICE))
+    logits = logits.to(DTYPE)
+    active = torch.ones(rows, dtype=torch.bool, device=DEVICE)
+    figures: dict[str, Any] = {"rows": rows}
+    module_warps = sampling_kernel.NUM_WARPS
+    for name, fused, warp_counts in (("eager", False, (0,)), ("fused", True, (4, 8, 16))):
+        slots = SamplingSlots(rows, SPEECH_VOCAB, RAS_HISTORY, STOP_TOKENS, 6561, DEVICE, compiled=not fused,
+                              fused=fused)
+        slots.configure(torch.arange(rows, device=DEVICE),
+                        [(SamplingParams(), 0, row) for row in range(rows)])
+        for warps in warp_counts:
+            sampling_kernel.NUM_WARPS = warps  # read at each launch; the eager path ignores it
+            key = f"{name}_{warps}w_us" if fused else f"{name}_us"
+            figures[key] = graph_us(lambda _, slots=slots: slots.sample_and_record(logits, slice(0, rows),
+                                                                                   active), layers=1)
+    sampling_kernel.NUM_WARPS = module_warps
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--parts", nargs="+", choices=("attention", "norm", "linears"),
-                        default=["attention", "norm", "linears"])
+    parser.add_argument("--parts", nargs="+", choices=("attention", "norm", "linears", "sampling"),
+                        default=["attention", "norm", "linears", "sampling"])
     args = parser.parse_args()
     torch.manual_seed(0)
     kernels = LayerKernels.compiled()
-    results: dict[str, Any] = {"attention": [], "rms_norm": [], "linears": []}
+    results: dict[str, Any] = {"attention": [], "rms_norm": [], "linears": [], "sampling": []}
     with torch.no_grad():
         if "attention" in args.parts:
             for rows, kv_len in ((1, 256), (1, 512), (1, 1024), (16, 512), (16, 1024), (64, 512), (64, 1024),
@@ -203,6 +235,11 @@ def main() -> None:
             for rows in (1, 2, 4, 8, 16, 32):
                 figures = linear_figures(rows, kernels)
                 results["linears"].append(figures)
+                print(json.dumps(figures))
+        if "sampling" in args.parts:
+            for rows in (1, 16, 64, 128):
+                figures = sampling_figures(rows)
+                results["sampling"].append(figures)
                 print(json.dumps(figures))
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1))

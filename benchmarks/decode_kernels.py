@@ -1,7 +1,8 @@
 """Pieces of one LLM decode step on CUDA, measured alone: the decode attention kernel against the general
 path (rope, cache write, SDPA over the masked bucket), RMSNorm eager against compiled, a layer's norms
 and projections (everything but attention) through cuBLAS and the compiled elementwise kernels against
-engines/llm/decode_linear.py's fused kernels, and a step's sampling and record (`SamplingSlots`) eager
+engines/llm/decode_linear.py's fused kernels (launched plainly and, on Hopper or later, with programmatic
+dependent launch: `fused_pdl`), and a step's sampling and record (`SamplingSlots`) eager
 against engines/llm/sampling_kernel.py at each of its warp counts.
 
     python benchmarks/decode_kernels.py --json out.json [--parts attention norm linears sampling]
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-from engines.llm import sampling_kernel  # noqa: E402
+from engines.llm import programmatic_launch, sampling_kernel  # noqa: E402
 from engines.llm.base import SamplingParams  # noqa: E402
 from engines.llm.decode_attention import decode_attention, split_length  # noqa: E402
 from engines.llm.decode_linear import DecodeLinears  # noqa: E402
@@ -163,17 +164,24 @@ def linear_figures(rows: int, kernels: LayerKernels) -> dict[str, Any]:
                                                            gate_up_w[layer])),
         "down": lambda layer: residual.addmm_(hidden, down_w[layer].t()),
     }
-    fused_ops: dict[str, Callable[[int], object]] = {
-        "qkv": lambda layer: linears.norm_linear(residual, norms[0][layer], EPS, qkv_w[layer], qkv_b[layer]),
-        "o_proj": lambda layer: linears.add_linear_(residual, attended, o_w[layer]),
-        "gate_up": lambda layer: linears.norm_linear(residual, norms[1][layer], EPS, gate_up_w[layer], None,
-                                                     gated=True),
-        "down": lambda layer: linears.add_linear_(residual, hidden, down_w[layer]),
-    }
+
+    def fused_ops(linears: DecodeLinears) -> dict[str, Callable[[int], object]]:
+        return {
+            "qkv": lambda layer: linears.norm_linear(residual, norms[0][layer], EPS, qkv_w[layer],
+                                                     qkv_b[layer]),
+            "o_proj": lambda layer: linears.add_linear_(residual, attended, o_w[layer]),
+            "gate_up": lambda layer: linears.norm_linear(residual, norms[1][layer], EPS, gate_up_w[layer],
+                                                         None, gated=True),
+            "down": lambda layer: linears.add_linear_(residual, hidden, down_w[layer]),
+        }
+
     copies = {"qkv": len(qkv_w), "o_proj": len(o_w), "gate_up": len(gate_up_w), "down": len(down_w)}
     figures: dict[str, Any] = {"rows": rows}
-    for path, ops in (("general", general_ops), ("fused", fused_ops)):
-        if path == "fused" and not linears.serves(rows):
+    paths = [("general", general_ops), ("fused", fused_ops(linears))]
+    if programmatic_launch.supported(DEVICE):  # the same kernels launched with PDL
+        paths.append(("fused_pdl", fused_ops(DecodeLinears(HIDDEN, INTERMEDIATE, DEVICE, True))))
+    for path, ops in paths:
+        if path != "general" and not linears.serves(rows):
             continue
         for name, op in ops.items():
             figures[f"{path}_{name}_us"] = graph_us(op, copies[name])

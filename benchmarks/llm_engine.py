@@ -231,6 +231,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", type=Path, help="text file for torch.profiler tables")
     parser.add_argument("--label", default="")
+    parser.add_argument("--programmatic-launch", action="store_true",
+                        help="decode kernels launched with PDL (TorchLLMConfig.programmatic_launch)")
     parser.add_argument("--dump-tokens", type=Path,
                         help="instead: write the tokens of 6 seeded requests decoded in fp32 "
                              "(to compare engines)")
@@ -247,7 +249,8 @@ def main() -> None:
         return
 
     engine = TorchLLMEngine.from_models_dir(args.models, device=args.device, max_slots=args.slots,
-                                            max_context=args.context)
+                                            max_context=args.context,
+                                            programmatic_launch=args.programmatic_launch)
     started = time.perf_counter()
     loop.run_until_complete(engine.start())
     figures: dict[str, Any] = {"label": args.label, "start_s": time.perf_counter() - started}

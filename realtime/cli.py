@@ -129,6 +129,7 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         first_chunk_hold=FirstChunkHold(args.first_chunk_gap_ms / 1000, args.first_chunk_hold_ms / 1000),
         token2wav_call_tokens=args.token2wav_call_tokens or None,
         llm_prefill_padding=args.llm_prefill_padding,
+        llm_programmatic_launch=args.llm_programmatic_launch,
         render_hop=getattr(args, "render_hop", 0) or None,
         final_chunk_graphs=args.final_chunk_graphs,
         warmup_between_calls=args.warm_up_between_calls,
@@ -454,6 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--llm-prefill-padding", type=_non_negative_int, default=None, metavar="POSITIONS",
                          help="PyTorch LLM: padded positions a prefill call may compute for rows beyond its "
                               "prompts; past it the rest wait for the next step (default: no limit)")
+        sub.add_argument("--llm-programmatic-launch", action="store_true",
+                         help="PyTorch LLM on Hopper or later: launch the decode kernels with programmatic "
+                              "dependent launch (experimental, off by default)")
         sub.add_argument("--final-chunk-graphs", action=argparse.BooleanOptionalAction, default=True,
                          help="vocode final chunks of any length from CUDA graphs padded to length buckets "
                               "(~100 more captures at start-up); off: eagerly at their own lengths")

@@ -122,7 +122,8 @@ def load_engines(config: ServiceConfig, on_llms: LLMsChosen | None = None) -> Lo
         # decides whether token2wav's compile workers may take device memory before it builds.
         llms = tuple(
             select_llm(config.models_dir, config.llm_backend, device, max_slots=slots, precompiled=cache,
-                       prefill_padding_limit=config.llm_prefill_padding)
+                       prefill_padding_limit=config.llm_prefill_padding,
+                       programmatic_launch=config.llm_programmatic_launch)
             for device in plan.llm_devices
         )
         if on_llms is not None:

@@ -25,6 +25,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from engines.llm.programmatic_launch import launch_options
+
 BLOCK_KEYS = 64  # positions per loop iteration of a program
 # Programs a decode step aims for (4 per multiprocessor of an H100): few rows split their positions over
 # more programs, at most MAX_SPLITS each (the merge reads every split); 128 rows split in two.
@@ -39,8 +41,10 @@ def _split_kernel(
     stride_cache_slot, stride_cache_head, stride_cache_pos, scale_log2,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # programmatic_launch.py: nothing is read or written before the previous kernel has ended
+        tl.extra.cuda.gdc_wait()
     row_head = tl.program_id(0)
     split = tl.program_id(1)
     row = row_head // KV_HEADS
@@ -98,6 +102,8 @@ def _split_kernel(
         running_sum = running_sum * correction + tl.sum(probs, 1)
         acc = acc * correction[:, None] + tl.dot(probs.to(dtype), values)
         running_max = new_max
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
 
     out_offsets = (row * Q_HEADS + head * GROUP + group_rows)[:, None] * HEAD_DIM + dims[None, :]
     if SPLITS == 1:
@@ -166,7 +172,7 @@ def supports(head_dim: int, dtype: torch.dtype) -> bool:
 
 def decode_attention(qkv: Tensor, rope: tuple[Tensor, Tensor], layer_cache: Tensor, first_slot: int,
                      positions: Tensor, kv_len: int, counters: Tensor,
-                     split_len: int | None = None) -> Tensor:
+                     split_len: int | None = None, programmatic_launch: bool = False) -> Tensor:
     """Attention output [B, Hq, D] of one decode query per row.
 
     `qkv` [B, Hq + 2 Hkv, D] is the qkv projection of the rows (before rope); `rope` the cos and signed
@@ -175,6 +181,7 @@ def decode_attention(qkv: Tensor, rope: tuple[Tensor, Tensor], layer_cache: Tens
     `0..positions[b]` (below `kv_len`), after its new key and value are stored at `positions[b]`.
     `counters` (int32, at least B x Hkv, zero) is where the splits of a row count their arrival; each call
     leaves it zero again. `split_len` overrides `split_length` (for measurements).
+    `programmatic_launch`: launched with PDL (programmatic_launch.py; the caller checks `supported`).
     """
     rows, heads, head_dim = qkv.shape
     kv_heads = layer_cache.shape[1] // 2
@@ -203,7 +210,8 @@ def decode_attention(qkv: Tensor, rope: tuple[Tensor, Tensor], layer_cache: Tens
         math.log2(math.e) / math.sqrt(head_dim),
         Q_HEADS=q_heads, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
         BLOCK_N=min(BLOCK_KEYS, max(16, triton.next_power_of_2(split_len))), SPLIT_LEN=split_len,
-        SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), num_warps=4, num_stages=2,
+        SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), PDL=programmatic_launch, num_warps=4,
+        num_stages=2, **launch_options(programmatic_launch),
     )
     return out
 
@@ -212,9 +220,12 @@ class DecodeAttention:
     """`decode_attention` for up to `max_rows` rows with its own counters (allocated once, so CUDA
     graphs captured with it keep pointing at them); what `qwen2.LayerKernels.decode_attention` takes."""
 
-    def __init__(self, max_rows: int, kv_heads: int, device: torch.device) -> None:
+    def __init__(self, max_rows: int, kv_heads: int, device: torch.device,
+                 programmatic_launch: bool = False) -> None:
         self.counters = torch.zeros(max_rows * kv_heads, dtype=torch.int32, device=device)
+        self.programmatic_launch = programmatic_launch
 
     def __call__(self, qkv: Tensor, rope: tuple[Tensor, Tensor], layer_cache: Tensor, first_slot: int,
                  positions: Tensor, kv_len: int) -> Tensor:
-        return decode_attention(qkv, rope, layer_cache, first_slot, positions, kv_len, self.counters)
+        return decode_attention(qkv, rope, layer_cache, first_slot, positions, kv_len, self.counters,
+                                programmatic_launch=self.programmatic_launch)

@@ -30,6 +30,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from engines.llm.programmatic_launch import launch_options
+
 # Tiles, warps and pipeline stages per kernel, the fastest of a sweep on an H200 (docs/benchmarks.md, 25th
 # session): (BLOCK_N output columns, BLOCK_K input positions per iteration, num_warps, num_stages).
 ONE_ROW_TILE = (16, 128, 8, 3)  # `_norm_gemv_kernel`: q|k|v is 72 programs, gate|up 304
@@ -62,12 +64,14 @@ def _row_rstd(x_ptr, rows, real_rows, stride_x, K: tl.constexpr, eps, BLOCK_K: t
 def _norm_gemv_kernel(
     x_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, eps,
     K: tl.constexpr, N: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """`_norm_linear_kernel` for one row, without tl.dot (whose 16-row tile would be 15/16 padding): the
     products summed elementwise in fp32 and reduced once at the end. The norm's statistic is summed in
     the same pass and applies to the sums (a prologue pass over the row delays every weight load by its
     latency: +3 µs a layer on an H200), so the normalised input is never rounded to the model dtype."""
+    if PDL:  # programmatic_launch.py: nothing is read or written before the previous kernel has ended
+        tl.extra.cuda.gdc_wait()
     columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     real_columns = columns < N
     dtype = w_ptr.dtype.element_ty
@@ -86,6 +90,8 @@ def _norm_gemv_kernel(
         if GATED:
             up = tl.load(w_ptr + (columns[:, None] + N) * K + k[None, :], mask=weight_mask, other=0.0)
             up_acc += up.to(tl.float32) * weighted[None, :]
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     rstd = tl.rsqrt(tl.sum(squares, 0) / K + eps)
     out = tl.sum(acc, 1) * rstd
     if HAS_BIAS:
@@ -101,10 +107,12 @@ def _norm_gemv_kernel(
 def _norm_linear_kernel(
     x_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, M, stride_x, stride_out, eps,
     K: tl.constexpr, N: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[:, block] = rms_norm(x) @ W[block]^T (+ bias), or with GATED silu(gate) · up of the block's
     gate columns and the same columns of the up half (rows N.. of W)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     real_rows = rows < M
@@ -126,6 +134,8 @@ def _norm_linear_kernel(
         if GATED:
             up = tl.load(w_ptr + (columns[:, None] + N) * K + k[None, :], mask=weight_mask, other=0.0)
             up_acc += tl.dot(normed, tl.trans(up))
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     if HAS_BIAS:
         acc += tl.load(bias_ptr + columns, mask=real_columns, other=0.0).to(tl.float32)[None, :]
     if GATED:  # from gate and up rounded as the matmul's output is; the product rounded once, as compiled
@@ -139,9 +149,11 @@ def _norm_linear_kernel(
 def _add_linear_kernel(
     x_ptr, w_ptr, residual_ptr, part_ptr, counters_ptr, M, stride_x, stride_residual,
     K: tl.constexpr, N: tl.constexpr, SPLIT_K: tl.constexpr, SPLITS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """residual[:, block] += x @ W[block]^T over this program's split of the K positions."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     block = tl.program_id(0)
     split = tl.program_id(1)
     columns = block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -157,6 +169,8 @@ def _add_linear_kernel(
         weights = tl.load(w_ptr + columns[:, None] * K + k[None, :],
                           mask=real_columns[:, None] & real_k[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(weights))
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     out_mask = real_rows[:, None] & real_columns[None, :]
     residual_ptrs = residual_ptr + rows[:, None] * stride_residual + columns[None, :]
     if SPLITS == 1:
@@ -193,7 +207,10 @@ class DecodeLinears:
     allocated once (CUDA graphs captured with them keep pointing at them); what
     `qwen2.LayerKernels.decode_linears` takes. Calls run one after another on one stream."""
 
-    def __init__(self, hidden: int, intermediate: int, device: torch.device) -> None:
+    def __init__(self, hidden: int, intermediate: int, device: torch.device,
+                 programmatic_launch: bool = False) -> None:
+        """`programmatic_launch`: launch with PDL (programmatic_launch.py; the caller checks `supported`)."""
+        self.programmatic_launch = programmatic_launch
         blocks = triton.cdiv(hidden, ADD_TILE[0])
         widest = max(blocks * triton.cdiv(positions, split_length(hidden, positions))
                      for positions in (hidden, intermediate))
@@ -218,15 +235,16 @@ class DecodeLinears:
             block_n, block_k, warps, stages = ONE_ROW_TILE
             _norm_gemv_kernel[(triton.cdiv(columns, block_n),)](
                 x, norm_weight, weight, bias_or_any, out, eps, K=positions, N=columns, GATED=gated,
-                HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-                num_stages=stages,
+                HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, PDL=self.programmatic_launch,
+                num_warps=warps, num_stages=stages, **launch_options(self.programmatic_launch),
             )
             return out
         block_n, block_k, warps, stages = GATED_TILE if gated else NORM_TILE
         _norm_linear_kernel[(triton.cdiv(columns, block_n),)](
             x, norm_weight, weight, bias_or_any, out, rows, x.stride(0), out.stride(0), eps, K=positions,
             N=columns, GATED=gated, HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
-            BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+            BLOCK_K=block_k, PDL=self.programmatic_launch, num_warps=warps, num_stages=stages,
+            **launch_options(self.programmatic_launch),
         )
         return out
 
@@ -248,7 +266,8 @@ class DecodeLinears:
         _add_linear_kernel[(blocks, splits)](
             x, weight, residual, self.parts, self.counters, rows, x.stride(0), residual.stride(0),
             K=positions, N=columns, SPLIT_K=split, SPLITS=splits, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
-            BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+            BLOCK_K=block_k, PDL=self.programmatic_launch, num_warps=warps, num_stages=stages,
+            **launch_options(self.programmatic_launch),
         )
         return residual
 

@@ -285,15 +285,26 @@ class TorchLLMEngine(LLMEngine):
 
             qwen = model.cfg.qwen
             if decode_attention.supports(qwen.head_dim, self.config.torch_dtype):
+                programmatic = config.programmatic_launch and self._programmatic_launch_supported()
                 kernel = decode_attention.DecodeAttention(self.config.max_slots, qwen.num_kv_heads,
-                                                          self.config.torch_device)
+                                                          self.config.torch_device, programmatic)
                 kernels = replace(kernels, decode_attention=kernel)
                 if config.decode_linear_kernels:  # the dtypes the attention kernel takes suit these too
                     from engines.llm.decode_linear import DecodeLinears
 
-                    linears = DecodeLinears(qwen.hidden_size, qwen.intermediate_size, config.torch_device)
+                    linears = DecodeLinears(qwen.hidden_size, qwen.intermediate_size, config.torch_device,
+                                            programmatic)
                     kernels = replace(kernels, decode_linears=linears)
         return kernels
+
+    def _programmatic_launch_supported(self) -> bool:
+        from engines.llm import programmatic_launch
+
+        if programmatic_launch.supported(self.config.torch_device):
+            return True
+        logger.warning("programmatic_launch asked for, but this GPU or Triton has no programmatic dependent "
+                       "launch: the decode kernels launch plainly")
+        return False
 
     def _run(self) -> None:
         device = self.config.torch_device

@@ -54,6 +54,10 @@ class TorchLLMConfig:
     # Only used on CUDA: a step's sampling and its bookkeeping run as one Triton kernel
     # (engines/llm/sampling_kernel.py) instead of ~50 small ones
     fused_sampling: bool = True
+    # Only used with the decode attention kernel on Hopper or later: it and the decode projections are
+    # launched with programmatic dependent launch (engines/llm/programmatic_launch.py). Off until measured
+    # (docs/benchmarks.md, twenty-sixth session).
+    programmatic_launch: bool = False
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     min_kv_bucket: int = 256  # attended cache lengths: doubling from here up to max_context
     # Prefill calls of first chunks reaching at most this many positions replay graphs, all captured at

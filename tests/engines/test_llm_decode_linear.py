@@ -110,6 +110,70 @@ def test_split_sums_replay_in_a_cuda_graph() -> None:
     assert not torch.equal(captured, start)
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_programmatic_launches_in_a_graph_equal_plain_ones(rows: int) -> None:
+    """Three layers' chain of decode kernels (q|k|v, attention with its cache write, o_proj, gate|up,
+    down) captured in one CUDA graph, launched with programmatic dependent launch and plainly: every
+    replay leaves the same residual and cache, bit for bit, and the split counters at zero."""
+    from engines.llm import programmatic_launch
+    from engines.llm.decode_attention import DecodeAttention
+    from engines.llm.decode_linear import DecodeLinears
+    from engines.llm.qwen2 import rope_tables
+
+    if not programmatic_launch.supported(CUDA):
+        pytest.skip("this GPU or Triton has no programmatic dependent launch")
+    generator = torch.Generator(device=CUDA).manual_seed(rows)
+
+    def randn(*shape: int, scale: float = 1.0, offset: float = 0.0) -> torch.Tensor:
+        return (torch.randn(shape, generator=generator, device=CUDA) * scale + offset).to(torch.bfloat16)
+
+    layers, heads, kv_heads, head_dim, kv_len = 3, 14, 2, 64, 256
+    weights = [(randn(HIDDEN, scale=0.3, offset=1.0), randn(QKV, HIDDEN, scale=0.05), randn(QKV, scale=0.5),
+                randn(HIDDEN, HIDDEN, scale=0.05), randn(HIDDEN, scale=0.3, offset=1.0),
+                randn(2 * INTERMEDIATE, HIDDEN, scale=0.05), randn(HIDDEN, INTERMEDIATE, scale=0.05))
+               for _ in range(layers)]
+    positions = torch.randint(1, kv_len, (rows,), generator=generator, device=CUDA)
+    cos, sin = rope_tables(positions[:, None], head_dim, 1e6, torch.bfloat16)
+    start_residual = randn(rows, HIDDEN, scale=3.0, offset=0.5)
+    start_cache = randn(layers, rows, 2 * kv_heads, kv_len, head_dim)
+    def replays(programmatic: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        linears = DecodeLinears(HIDDEN, INTERMEDIATE, CUDA, programmatic)
+        attention = DecodeAttention(rows, kv_heads, CUDA, programmatic)
+        residual, cache = start_residual.clone(), start_cache.clone()
+
+        def step() -> None:
+            for layer, (norm1, qkv_w, qkv_b, o_w, norm2, gate_up_w, down_w) in enumerate(weights):
+                qkv = linears.norm_linear(residual, norm1, EPS, qkv_w, qkv_b)
+                attended = attention(qkv.view(rows, heads + 2 * kv_heads, head_dim),
+                                     (cos[:, 0, 0], sin[:, 0, 0]), cache[layer], 0, positions, kv_len)
+                linears.add_linear_(residual, attended.view(rows, HIDDEN), o_w)
+                hidden = linears.norm_linear(residual, norm2, EPS, gate_up_w, None, gated=True)
+                linears.add_linear_(residual, hidden, down_w)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()  # compiles the kernels outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        residual.copy_(start_residual)
+        cache.copy_(start_cache)
+        states = []
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            states.append((residual.clone(), cache.clone()))
+            assert not linears.counters.any() and not attention.counters.any()
+        return states
+
+    results = [replays(programmatic) for programmatic in (False, True)]
+    for (plain_residual, plain_cache), (pdl_residual, pdl_cache) in zip(*results, strict=True):
+        assert plain_residual.isfinite().all()
+        assert torch.equal(pdl_residual, plain_residual) and torch.equal(pdl_cache, plain_cache)
+
+
 def test_inputs_it_cannot_serve_are_refused() -> None:
     from engines.llm.decode_linear import DecodeLinears
 

@@ -346,6 +346,21 @@ async def test_the_fused_sampler_samples_the_eager_tokens() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+async def test_programmatic_launch_samples_the_tokens_of_plain_launches() -> None:
+    """The decode kernels launched with programmatic dependent launch (on a GPU that has it) sample
+    exactly the tokens of plain launches; elsewhere the engine logs and launches plainly."""
+    results = {}
+    for programmatic in (True, False):
+        config = dataclasses.replace(CONFIG, device="cuda", programmatic_launch=programmatic)
+        async with running(config) as engine:
+            streams = [engine.submit(request(f"p{i}", speech_len=7 * i, fixed_length=25 + i, seed=i))
+                       for i in range(5)]
+            results[programmatic] = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 60)
+    assert results[True] == results[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 async def test_kept_elementwise_functions_sample_what_the_compiled_ones_do(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

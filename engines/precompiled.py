@@ -50,18 +50,25 @@ ASIDE_MAX_AGE_S = 3600.0
 def variant_folder(root: Path, name: str, modules: Iterable[ModuleType], keys: Iterable[str],
                    device: torch.device | None = None) -> Path | None:
     """`root`/`name`-<hash>: one folder per combination of what the compiled code depends on: the source
-    of `modules`, `keys` (sizes, dtype), the GPU model of `device`, and the versions of torch, Triton and
-    Python. None (logged) when a module's source is not installed: nothing then tells a changed module
-    from the saved one."""
+    of `modules`, `keys` (sizes, dtype), the GPU model of `device`, the versions of torch, Triton and
+    Python, and Inductor's settings that change the generated kernels' launches (programmatic dependent
+    launch, `TORCHINDUCTOR_ENABLE_PDL`). None (logged) when a module's source is not installed: nothing
+    then tells a changed module from the saved one."""
     try:
         sources = [inspect.getsource(module) for module in modules]
     except OSError:
         logger.warning("%s: source not installed; compiled in each process instead", name)
         return None
     target = "any" if device is None else device_name(device)
-    stack = (target, torch.__version__, _version_of("triton"), platform.python_version())
+    stack = (target, torch.__version__, _version_of("triton"), platform.python_version(), _inductor_launch())
     digest = hashlib.sha256("\0".join([*sources, *keys, *stack]).encode()).hexdigest()[:16]
     return root / f"{name}-{digest}"
+
+
+def _inductor_launch() -> str:
+    import torch._inductor.config as inductor_config
+
+    return f"pdl={getattr(inductor_config.triton, 'enable_pdl', False)}"
 
 
 def _version_of(package: str) -> str:

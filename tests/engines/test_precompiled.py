@@ -174,6 +174,9 @@ def test_the_folder_changes_with_the_source_and_every_key() -> None:
     assert variant_folder(root, "norm", [json], ["config", "torch.float16"]) == base
     assert variant_folder(root, "norm", [json, logging], ["config", "torch.float16"]) != base
     assert variant_folder(root, "norm", [json], ["config", "torch.float32"]) != base
+    # Inductor's programmatic dependent launch changes every generated kernel's launch.
+    with torch._inductor.config.patch({"triton.enable_pdl": True}):
+        assert variant_folder(root, "norm", [json], ["config", "torch.float16"]) != base
 
 
 def test_without_the_source_there_is_no_folder(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,9 +1,10 @@
 """Speech-token sampling and its bookkeeping in one Triton kernel per decode step (CUDA only).
 
 `sampling.sample` and `SamplingSlots.record` are ~50 small kernels on a GPU (a radix sort of the 6564
-probabilities, softmaxes, scans, searches, elementwise steps): ~150 µs of a one-row decode step's 860 on
-an H200, as much as four of its 24 layers (docs/benchmarks.md, 26th session). Here one program per row
-does the same work on the row held in registers:
+probabilities, softmaxes, scans, searches, elementwise steps): 130 µs of a one-row decode step's 860 on
+an H200, as much as four of its 24 layers; this kernel takes 19 µs (39 µs once some row of the step
+falls back to RAS's full-distribution draw; docs/benchmarks.md, 26th session). One program per row does
+the same work on the row held in registers:
 
 - repetition penalty, stop-token bans, temperature and the softmax as `sample` defines them;
 - the nucleus walk takes the most probable remaining token (ties to the lower id, as the stable sort

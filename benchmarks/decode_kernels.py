@@ -195,7 +195,9 @@ SPEECH_VOCAB, STOP_TOKENS, RAS_HISTORY = 6564, (6561, 6562, 6563), 32
 def sampling_figures(rows: int) -> dict[str, Any]:
     """µs of one step's `sample_and_record` over `rows` slots with CosyVoice2's settings (RAS on), eager
     (the uniforms compiled, as the engine had them) and fused at 4, 8 and 16 warps; logits as peaked as
-    a trained model's (a few favourites per row), so RAS falls back now and then as it does in serving."""
+    a trained model's (a few favourites per row), so RAS falls back now and then as it does in serving.
+    `fused_no_ras_us`: the fused kernel at the module's warps with RAS off (the nucleus walk alone, no
+    full-distribution draw), which tells the fallback's share."""
     logits = torch.randn(rows, SPEECH_VOCAB, device=DEVICE)
     logits.scatter_add_(1, torch.randint(0, 40, (rows, 6), device=DEVICE), torch.full((rows, 6), 6.0,
                                                                                        device=DEVICE))
@@ -214,6 +216,11 @@ def sampling_figures(rows: int) -> dict[str, Any]:
             figures[key] = graph_us(lambda _, slots=slots: slots.sample_and_record(logits, slice(0, rows),
                                                                                    active), layers=1)
     sampling_kernel.NUM_WARPS = module_warps
+    plain = SamplingSlots(rows, SPEECH_VOCAB, RAS_HISTORY, STOP_TOKENS, 6561, DEVICE, fused=True)
+    plain.configure(torch.arange(rows, device=DEVICE),
+                    [(SamplingParams(use_ras=False), 0, row) for row in range(rows)])
+    figures["fused_no_ras_us"] = graph_us(lambda _: plain.sample_and_record(logits, slice(0, rows), active),
+                                          layers=1)
     return figures
 
 

@@ -8,12 +8,15 @@ program increments and then polls), and compares its time per layer with the 4 f
 layer. Attention is left out of both (o_proj reads the first 896 values of q|k|v in its place); the
 decode attention kernel's own time is in `decode_kernels.py --parts attention`.
 
-    python benchmarks/persistent_decode.py [--json out.json] [--programs N]
+    python benchmarks/persistent_decode.py [--json out.json] [--per-sm 1 2 4] [--tile-elements 2048 4096]
 
 The persistent chain is checked against the same chain in PyTorch (fp32 reference, relative error),
 and a barrier that spins past its bound sets a flag instead of hanging (then the figures are void).
-Run with TRITON_INTERPRET=1 and --programs 1 on a CPU, it checks the arithmetic (one program passes
-every barrier alone).
+One program per multiprocessor leaves each SM one stream of loads (latency-bound unless Triton
+pipelines the loop), so the probe sweeps programs per SM (all co-resident: a cooperative launch refuses
+more) and tile sizes; a configuration that does not launch is reported as such. Run with
+TRITON_INTERPRET=1 and --programs 1 on a CPU, it checks the arithmetic (one program passes every
+barrier alone).
 """
 
 from __future__ import annotations
@@ -161,7 +164,7 @@ def tile(columns: int, positions: int, programs: int, elements: int) -> dict[str
     return {"BN": block_n, "BK": min(triton.next_power_of_2(positions), max(16, elements // block_n))}
 
 
-def persistent(weights: Weights, residual: torch.Tensor, programs: int, elements: int
+def persistent(weights: Weights, residual: torch.Tensor, programs: int, elements: int, warps: int
                ) -> tuple[Any, torch.Tensor, torch.Tensor]:
     """A function launching the persistent chain on `residual` in place, its counter and error flag."""
     device = residual.device
@@ -180,7 +183,7 @@ def persistent(weights: Weights, residual: torch.Tensor, programs: int, elements
         _persistent_layers[(programs,)](
             residual, qkv, hidden, weights.norms, weights.qkv, weights.o, weights.gate_up, weights.down,
             counter, error, EPS, LAYER_COUNT=LAYERS, HIDDEN_SIZE=HIDDEN, QKV_SIZE=QKV, INTER=INTERMEDIATE,
-            **sizes, num_warps=8, **options,
+            **sizes, num_warps=warps, num_stages=3, **options,
         )
 
     return run, counter, error
@@ -235,8 +238,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--programs", type=int,
-                        help="programs of the persistent launch (default: one per multiprocessor)")
+    parser.add_argument("--programs", type=int, help="programs of the launch (instead of --per-sm)")
+    parser.add_argument("--per-sm", type=int, nargs="+", default=[1, 2, 4],
+                        help="programs per multiprocessor (8 warps at 1, 4 warps above)")
     parser.add_argument("--tile-elements", type=int, nargs="+", default=[2048, 4096],
                         help="weights per program and loop step (the accumulator's size)")
     args = parser.parse_args()
@@ -246,23 +250,31 @@ def main() -> None:
     weights = Weights(device, torch.bfloat16 if device.type == "cuda" else torch.float16)
     start = (torch.randn(1, HIDDEN, device=device) * 2 + 0.5).to(weights.dtype)
     expected = reference(weights, start)
-    programs = args.programs or (torch.cuda.get_device_properties(device).multi_processor_count
-                                 if device.type == "cuda" else 1)
-    results: dict[str, Any] = {"programs": programs, "weights_mb_per_layer":
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    launches = ([(args.programs, 8)] if args.programs else
+                [(sms * per_sm, 8 if per_sm == 1 else 4) for per_sm in args.per_sm])
+    results: dict[str, Any] = {"multiprocessors": sms, "weights_mb_per_layer":
                                (QKV + HIDDEN + 2 * INTERMEDIATE + INTERMEDIATE) * HIDDEN * 2 / 1e6}
-    for elements in args.tile_elements:
-        residual = start.clone()
-        run, _, error = persistent(weights, residual, programs, elements)
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        figures: dict[str, Any] = {"error_vs_reference": relative_error(residual, expected),
-                                   "barrier_timed_out": bool(error.item())}
-        if device.type == "cuda" and not figures["barrier_timed_out"]:
-            figures["us_per_layer"], figures["timed_as"] = us_per_layer(run)
-            figures["barrier_timed_out"] = bool(error.item())
-        results[f"persistent_tile{elements}"] = figures
-        print(json.dumps({f"persistent_tile{elements}": figures}))
+    for programs, warps in launches:
+        for elements in args.tile_elements:
+            name = f"persistent_{programs}x{warps}w_tile{elements}"
+            residual = start.clone()
+            run, _, error = persistent(weights, residual, programs, elements, warps)
+            try:
+                run()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+            except (RuntimeError, triton.TritonError) as failure:  # too many to be co-resident, or too big
+                results[name] = {"failed": str(failure)[:200]}
+                print(json.dumps({name: results[name]}))
+                continue
+            figures: dict[str, Any] = {"error_vs_reference": relative_error(residual, expected),
+                                       "barrier_timed_out": bool(error.item())}
+            if device.type == "cuda" and not figures["barrier_timed_out"]:
+                figures["us_per_layer"], figures["timed_as"] = us_per_layer(run)
+                figures["barrier_timed_out"] = bool(error.item())
+            results[name] = figures
+            print(json.dumps({name: figures}))
     if device.type == "cuda":
         residual = start.clone()
         run = fused_kernels(weights, residual)

@@ -20,7 +20,7 @@ import argparse
 import json
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -233,28 +233,21 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     kernels = LayerKernels.compiled()
-    results: dict[str, Any] = {"attention": [], "rms_norm": [], "linears": [], "sampling": []}
-    with torch.no_grad():
-        if "attention" in args.parts:
+    parts: dict[str, tuple[str, Callable[[], Iterator[dict[str, Any]]]]] = {
+        "attention": ("attention", lambda: (
+            attention_figures(rows, kv_len, kernels)
             for rows, kv_len in ((1, 256), (1, 512), (1, 1024), (16, 512), (16, 1024), (64, 512), (64, 1024),
-                                 (128, 512), (128, 1024), (128, 2048)):
-                figures = attention_figures(rows, kv_len, kernels)
-                results["attention"].append(figures)
-                print(json.dumps(figures))
-        if "norm" in args.parts:
-            for rows in (1, 16, 64, 128):
-                figures = norm_figures(rows)
-                results["rms_norm"].append(figures)
-                print(json.dumps(figures))
-        if "linears" in args.parts:
-            for rows in (1, 2, 4, 8, 16, 32):
-                figures = linear_figures(rows, kernels)
-                results["linears"].append(figures)
-                print(json.dumps(figures))
-        if "sampling" in args.parts:
-            for rows in (1, 16, 64, 128):
-                figures = sampling_figures(rows)
-                results["sampling"].append(figures)
+                                 (128, 512), (128, 1024), (128, 2048)))),
+        "norm": ("rms_norm", lambda: (norm_figures(rows) for rows in (1, 16, 64, 128))),
+        "linears": ("linears", lambda: (linear_figures(rows, kernels) for rows in (1, 2, 4, 8, 16, 32))),
+        "sampling": ("sampling", lambda: (sampling_figures(rows) for rows in (1, 16, 64, 128))),
+    }
+    results: dict[str, Any] = {key: [] for key, _ in parts.values()}
+    with torch.no_grad():
+        for part in args.parts:
+            key, measure = parts[part]
+            for figures in measure():  # printed as each shape is measured
+                results[key].append(figures)
                 print(json.dumps(figures))
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1))

@@ -56,6 +56,17 @@ def request(request_id: str, text_len: int = 4, speech_len: int = 10, **sampling
     )
 
 
+async def seeded_tokens(config: TorchLLMConfig, count: int, length: int,
+                        sampling: Callable[[int], dict[str, object]] = lambda _: {}) -> list[list[int]]:
+    """The tokens of `count` seeded fixed-length requests (request i: `length + i` tokens, `sampling(i)`)
+    submitted together to an engine of `config`."""
+    async with running(config) as engine:
+        streams = [engine.submit(request(f"r{i}", speech_len=7 * i, fixed_length=length + i, seed=i,
+                                         **sampling(i)))
+                   for i in range(count)]
+        return await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 60)
+
+
 async def collect(stream: TokenStream) -> list[int]:
     tokens: list[int] = []
     async for chunk in stream:
@@ -315,13 +326,9 @@ async def test_prefill_over_a_longer_padded_cache_samples_the_same_tokens() -> N
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 async def test_cuda_graphs_replay_the_eager_computation() -> None:
-    results = {}
-    for graphs in (True, False):
-        config = dataclasses.replace(CONFIG, device="cuda", cuda_graphs=graphs)
-        async with running(config) as engine:
-            streams = [engine.submit(request(f"g{i}", speech_len=7 * i, fixed_length=20 + i, seed=i))
-                       for i in range(6)]
-            results[graphs] = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 60)
+    results = {graphs: await seeded_tokens(dataclasses.replace(CONFIG, device="cuda", cuda_graphs=graphs),
+                                           6, 20)
+               for graphs in (True, False)}
     assert [len(tokens) for tokens in results[True]] == [20 + i for i in range(6)]
     assert results[True] == results[False]
 
@@ -332,14 +339,12 @@ async def test_the_fused_sampler_samples_the_eager_tokens() -> None:
     """Prefill and decode graphs with the one-kernel sampler (engines/llm/sampling_kernel.py) against the
     eager sampler, RAS off (its fallback draws over the whole vocabulary, where fp32 scans in another
     order may part by a token: tests/engines/test_llm_sampling_kernel.py checks it against float64)."""
-    results = {}
-    for fused in (True, False):
-        config = dataclasses.replace(CONFIG, device="cuda", fused_sampling=fused)
-        async with running(config) as engine:
-            streams = [engine.submit(request(f"s{i}", speech_len=7 * i, fixed_length=30 + i, seed=i,
-                                             use_ras=False, top_p=0.9 - 0.1 * i, temperature=0.8 + 0.1 * i))
-                       for i in range(5)]
-            results[fused] = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 60)
+    def sampling(i: int) -> dict[str, object]:
+        return {"use_ras": False, "top_p": 0.9 - 0.1 * i, "temperature": 0.8 + 0.1 * i}
+
+    results = {fused: await seeded_tokens(dataclasses.replace(CONFIG, device="cuda", fused_sampling=fused), 5,
+                                          30, sampling)
+               for fused in (True, False)}
     assert [len(tokens) for tokens in results[True]] == [30 + i for i in range(5)]
     assert results[True] == results[False]
 
@@ -349,13 +354,9 @@ async def test_the_fused_sampler_samples_the_eager_tokens() -> None:
 async def test_programmatic_launch_samples_the_tokens_of_plain_launches() -> None:
     """The decode kernels launched with programmatic dependent launch (on a GPU that has it) sample
     exactly the tokens of plain launches; elsewhere the engine logs and launches plainly."""
-    results = {}
-    for programmatic in (True, False):
-        config = dataclasses.replace(CONFIG, device="cuda", programmatic_launch=programmatic)
-        async with running(config) as engine:
-            streams = [engine.submit(request(f"p{i}", speech_len=7 * i, fixed_length=25 + i, seed=i))
-                       for i in range(5)]
-            results[programmatic] = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 60)
+    results = {programmatic: await seeded_tokens(
+                   dataclasses.replace(CONFIG, device="cuda", programmatic_launch=programmatic), 5, 25)
+               for programmatic in (True, False)}
     assert results[True] == results[False]
 
 

@@ -231,7 +231,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", type=Path, help="text file for torch.profiler tables")
     parser.add_argument("--label", default="")
-    parser.add_argument("--programmatic-launch", action="store_true",
+    parser.add_argument("--programmatic-launch", action=argparse.BooleanOptionalAction, default=True,
                         help="decode kernels launched with PDL (TorchLLMConfig.programmatic_launch)")
     parser.add_argument("--dump-tokens", type=Path,
                         help="instead: write the tokens of 6 seeded requests decoded in fp32 "

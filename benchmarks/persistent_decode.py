@@ -39,7 +39,9 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 from engines.llm.decode_linear import DecodeLinears  # noqa: E402
 
 LAYERS, HIDDEN, QKV, INTERMEDIATE, EPS = 24, 896, 1152, 4864, 1e-6
-MAX_SPINS = 1 << 16  # polls of a barrier before it gives up (legitimate waits are a few µs)
+# Polls of a barrier before it gives up (legitimate waits are a few µs); a constexpr, as compiled kernels
+# may read no other globals.
+MAX_SPINS = tl.constexpr(1 << 16)
 
 
 @triton.jit
@@ -265,7 +267,7 @@ def main() -> None:
                 if device.type == "cuda":
                     torch.cuda.synchronize()
             except (RuntimeError, triton.TritonError) as failure:  # too many to be co-resident, or too big
-                results[name] = {"failed": str(failure)[:200]}
+                results[name] = {"failed": str(failure)[-400:]}  # the cause ends the message
                 print(json.dumps({name: results[name]}))
                 continue
             figures: dict[str, Any] = {"error_vs_reference": relative_error(residual, expected),

@@ -455,9 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--llm-prefill-padding", type=_non_negative_int, default=None, metavar="POSITIONS",
                          help="PyTorch LLM: padded positions a prefill call may compute for rows beyond its "
                               "prompts; past it the rest wait for the next step (default: no limit)")
-        sub.add_argument("--llm-programmatic-launch", action="store_true",
-                         help="PyTorch LLM on Hopper or later: launch the decode kernels with programmatic "
-                              "dependent launch (experimental, off by default)")
+        sub.add_argument("--llm-programmatic-launch", action=argparse.BooleanOptionalAction, default=True,
+                         help="PyTorch LLM on Hopper or later: launch the decode kernels of steps of at most "
+                              "16 rows with programmatic dependent launch")
         sub.add_argument("--final-chunk-graphs", action=argparse.BooleanOptionalAction, default=True,
                          help="vocode final chunks of any length from CUDA graphs padded to length buckets "
                               "(~100 more captures at start-up); off: eagerly at their own lengths")

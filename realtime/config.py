@@ -221,7 +221,7 @@ class ServiceConfig:
     llm_prefill_padding: the PyTorch LLM's `prefill_padding_limit`: padded positions a prefill call may
         compute for rows beyond its prompts before it leaves prompts for the next step (None: no limit).
     llm_programmatic_launch: the PyTorch LLM's `programmatic_launch` (its decode kernels launched with
-        programmatic dependent launch on Hopper or later; off until measured).
+        programmatic dependent launch on Hopper or later, at steps of at most 16 rows).
     token2wav_call_tokens: the most speech tokens one token2wav call takes (None: up to
         `token2wav_batch` chunks whatever their size). A call is not interrupted, so this bounds how
         long an urgent chunk waits (realtime/batch_policy.py). Off by default: on an H100, 1600 (64
@@ -285,7 +285,7 @@ class ServiceConfig:
     first_chunk_hold: FirstChunkHold = field(default_factory=FirstChunkHold)
     token2wav_call_tokens: int | None = None
     llm_prefill_padding: int | None = None
-    llm_programmatic_launch: bool = False
+    llm_programmatic_launch: bool = True
     urgent_chunk_calls: float = 2.0
     final_chunk_graphs: bool = True
     warmup_between_calls: bool = True

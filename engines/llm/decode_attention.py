@@ -221,11 +221,16 @@ class DecodeAttention:
     graphs captured with it keep pointing at them); what `qwen2.LayerKernels.decode_attention` takes."""
 
     def __init__(self, max_rows: int, kv_heads: int, device: torch.device,
-                 programmatic_launch: bool = False) -> None:
+                 programmatic_launch: bool = False, programmatic_max_rows: int | None = None) -> None:
+        """`programmatic_launch`: launched with PDL (programmatic_launch.py; the caller checks `supported`),
+        at calls of at most `programmatic_max_rows` rows where given."""
         self.counters = torch.zeros(max_rows * kv_heads, dtype=torch.int32, device=device)
         self.programmatic_launch = programmatic_launch
+        self.programmatic_max_rows = programmatic_max_rows
 
     def __call__(self, qkv: Tensor, rope: tuple[Tensor, Tensor], layer_cache: Tensor, first_slot: int,
                  positions: Tensor, kv_len: int) -> Tensor:
+        limit = self.programmatic_max_rows
+        programmatic = self.programmatic_launch and (limit is None or qkv.shape[0] <= limit)
         return decode_attention(qkv, rope, layer_cache, first_slot, positions, kv_len, self.counters,
-                                programmatic_launch=self.programmatic_launch)
+                                programmatic_launch=programmatic)

@@ -286,15 +286,20 @@ class TorchLLMEngine(LLMEngine):
             qwen = model.cfg.qwen
             if decode_attention.supports(qwen.head_dim, self.config.torch_dtype):
                 programmatic = config.programmatic_launch and self._programmatic_launch_supported()
-                kernel = decode_attention.DecodeAttention(self.config.max_slots, qwen.num_kv_heads,
-                                                          self.config.torch_device, programmatic)
-                kernels = replace(kernels, decode_attention=kernel)
+                # PDL pays where a step is a chain of these kernels alone, the rows the projections serve
+                # (H200: -8 % a step at 1 and 16 rows); at 64 and 128 rows, between cuBLAS kernels, the
+                # attention kernel's steps were 1-2 % slower with it (docs/benchmarks.md, 27th session).
+                chained_rows = 0
                 if config.decode_linear_kernels:  # the dtypes the attention kernel takes suit these too
-                    from engines.llm.decode_linear import DecodeLinears
+                    from engines.llm.decode_linear import MAX_ROWS, DecodeLinears
 
                     linears = DecodeLinears(qwen.hidden_size, qwen.intermediate_size, config.torch_device,
                                             programmatic)
                     kernels = replace(kernels, decode_linears=linears)
+                    chained_rows = MAX_ROWS
+                kernel = decode_attention.DecodeAttention(config.max_slots, qwen.num_kv_heads,
+                                                          config.torch_device, programmatic, chained_rows)
+                kernels = replace(kernels, decode_attention=kernel)
         return kernels
 
     def _programmatic_launch_supported(self) -> bool:

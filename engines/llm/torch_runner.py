@@ -55,9 +55,9 @@ class TorchLLMConfig:
     # (engines/llm/sampling_kernel.py) instead of ~50 small ones
     fused_sampling: bool = True
     # Only used with the decode attention kernel on Hopper or later: it and the decode projections are
-    # launched with programmatic dependent launch (engines/llm/programmatic_launch.py). Off until measured
-    # (docs/benchmarks.md, twenty-sixth session).
-    programmatic_launch: bool = False
+    # launched with programmatic dependent launch (engines/llm/programmatic_launch.py) at the rows the
+    # projections serve (H200: decode steps 8 % shorter at 1 and 16 rows; docs/benchmarks.md, 27th session)
+    programmatic_launch: bool = True
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     min_kv_bucket: int = 256  # attended cache lengths: doubling from here up to max_context
     # Prefill calls of first chunks reaching at most this many positions replay graphs, all captured at

@@ -43,8 +43,7 @@ def _split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
-    if PDL:  # programmatic_launch.py: the dependent may be scheduled now; nothing is read or written
-        tl.extra.cuda.gdc_launch_dependents()  # before the previous kernel has ended
+    if PDL:  # programmatic_launch.py: nothing is read or written before the previous kernel has ended
         tl.extra.cuda.gdc_wait()
     row_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -103,6 +102,8 @@ def _split_kernel(
         running_sum = running_sum * correction + tl.sum(probs, 1)
         acc = acc * correction[:, None] + tl.dot(probs.to(dtype), values)
         running_max = new_max
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
 
     out_offsets = (row * Q_HEADS + head * GROUP + group_rows)[:, None] * HEAD_DIM + dims[None, :]
     if SPLITS == 1:

@@ -17,11 +17,6 @@ Here a layer is 4 launches besides attention, for up to 16 rows:
   split order, so the result does not depend on timing) and the residual, as the decode attention
   kernel merges its splits. Serves the output projection and down.
 
-Launched with programmatic dependent launch (programmatic_launch.py), a kernel lets its dependent be
-scheduled as soon as it starts, and asks L2 for its own weights before it waits for its predecessor:
-weights are never written by a step, so they may be read early, and the memory system streams one
-kernel's weights while the kernel before it still computes (the gap a persistent kernel would close).
-
 `norm_linear` of a single row (one stream decoding alone, the latency case) multiplies without tl.dot,
 whose smallest tile is 16 rows, in fp32 throughout: its normalised input is not rounded to the model
 dtype. Past 16 rows cuBLAS's matmuls are faster and the general path runs. The results equal the general
@@ -48,31 +43,6 @@ ADD_TILE = (32, 128, 4, 5)
 TARGET_PROGRAMS = 264
 MAX_SPLITS = 8
 MAX_ROWS = 16  # tl.dot's row block; more rows take the general path (past 16 rows cuBLAS is faster)
-LINE_BYTES = 128  # an L2 request's unit, what `_prefetch_l2` asks for per address
-
-
-@triton.jit
-def _prefetch_l2(w_ptr, rows, real_rows, start, length, K: tl.constexpr, LINES: tl.constexpr,
-                 LINE_ELEMENTS: tl.constexpr):
-    """Asks L2 for positions [start, start + length) of the weight rows `rows` (K positions each), one
-    request per line; nothing waits for the lines. Lanes past the range ask for the weight's first line."""
-    offsets = tl.arange(0, LINES) * LINE_ELEMENTS
-    wanted = real_rows[:, None] & (offsets < length)[None, :]
-    addresses = tl.where(wanted, w_ptr + rows[:, None] * K + start + offsets[None, :], w_ptr)
-    tl.inline_asm_elementwise("{ prefetch.global.L2 [$1]; mov.u32 $0, 0; }", "=r,l", [addresses],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _programmatic_start(w_ptr, rows, real_rows, start, length, second_w_ptr, K: tl.constexpr,
-                        LINES: tl.constexpr, LINE_ELEMENTS: tl.constexpr, SECOND: tl.constexpr):
-    """A PDL launch's start: the dependent may be scheduled now; this program's weights (and, with
-    SECOND, the same rows of a second weight) are asked of L2; then wait for the predecessor's results."""
-    tl.extra.cuda.gdc_launch_dependents()
-    _prefetch_l2(w_ptr, rows, real_rows, start, length, K, LINES, LINE_ELEMENTS)
-    if SECOND:
-        _prefetch_l2(second_w_ptr, rows, real_rows, start, length, K, LINES, LINE_ELEMENTS)
-    tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
@@ -94,17 +64,16 @@ def _row_rstd(x_ptr, rows, real_rows, stride_x, K: tl.constexpr, eps, BLOCK_K: t
 def _norm_gemv_kernel(
     x_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, eps,
     K: tl.constexpr, N: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr,
-    LINE_ELEMENTS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """`_norm_linear_kernel` for one row, without tl.dot (whose 16-row tile would be 15/16 padding): the
     products summed elementwise in fp32 and reduced once at the end. The norm's statistic is summed in
     the same pass and applies to the sums (a prologue pass over the row delays every weight load by its
     latency: +3 µs a layer on an H200), so the normalised input is never rounded to the model dtype."""
+    if PDL:  # programmatic_launch.py: nothing is read or written before the previous kernel has ended
+        tl.extra.cuda.gdc_wait()
     columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     real_columns = columns < N
-    if PDL:  # programmatic_launch.py: only weights are read before the previous kernel has ended
-        _programmatic_start(w_ptr, columns, real_columns, 0, K, w_ptr + N * K, K, LINES, LINE_ELEMENTS, GATED)
     dtype = w_ptr.dtype.element_ty
     squares = tl.zeros([BLOCK_K], tl.float32)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -121,6 +90,8 @@ def _norm_gemv_kernel(
         if GATED:
             up = tl.load(w_ptr + (columns[:, None] + N) * K + k[None, :], mask=weight_mask, other=0.0)
             up_acc += up.to(tl.float32) * weighted[None, :]
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     rstd = tl.rsqrt(tl.sum(squares, 0) / K + eps)
     out = tl.sum(acc, 1) * rstd
     if HAS_BIAS:
@@ -137,16 +108,15 @@ def _norm_linear_kernel(
     x_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, M, stride_x, stride_out, eps,
     K: tl.constexpr, N: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-    LINES: tl.constexpr, LINE_ELEMENTS: tl.constexpr,
 ):
     """out[:, block] = rms_norm(x) @ W[block]^T (+ bias), or with GATED silu(gate) · up of the block's
     gate columns and the same columns of the up half (rows N.. of W)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     real_rows = rows < M
     real_columns = columns < N
-    if PDL:
-        _programmatic_start(w_ptr, columns, real_columns, 0, K, w_ptr + N * K, K, LINES, LINE_ELEMENTS, GATED)
     dtype = w_ptr.dtype.element_ty
     rstd = _row_rstd(x_ptr, rows, real_rows, stride_x, K, eps, BLOCK_K, BLOCK_M)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -164,6 +134,8 @@ def _norm_linear_kernel(
         if GATED:
             up = tl.load(w_ptr + (columns[:, None] + N) * K + k[None, :], mask=weight_mask, other=0.0)
             up_acc += tl.dot(normed, tl.trans(up))
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     if HAS_BIAS:
         acc += tl.load(bias_ptr + columns, mask=real_columns, other=0.0).to(tl.float32)[None, :]
     if GATED:  # from gate and up rounded as the matmul's output is; the product rounded once, as compiled
@@ -178,19 +150,16 @@ def _add_linear_kernel(
     x_ptr, w_ptr, residual_ptr, part_ptr, counters_ptr, M, stride_x, stride_residual,
     K: tl.constexpr, N: tl.constexpr, SPLIT_K: tl.constexpr, SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-    LINES: tl.constexpr, LINE_ELEMENTS: tl.constexpr,
 ):
     """residual[:, block] += x @ W[block]^T over this program's split of the K positions."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     block = tl.program_id(0)
     split = tl.program_id(1)
     columns = block * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     real_rows = rows < M
     real_columns = columns < N
-    if PDL:
-        first = split * SPLIT_K
-        _programmatic_start(w_ptr, columns, real_columns, first, tl.minimum(SPLIT_K, K - first), w_ptr, K,
-                            LINES, LINE_ELEMENTS, False)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for step in range(SPLIT_K // BLOCK_K):  # the last split's steps past K load nothing
         k = split * SPLIT_K + step * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -200,6 +169,8 @@ def _add_linear_kernel(
         weights = tl.load(w_ptr + columns[:, None] * K + k[None, :],
                           mask=real_columns[:, None] & real_k[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(weights))
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     out_mask = real_rows[:, None] & real_columns[None, :]
     residual_ptrs = residual_ptr + rows[:, None] * stride_residual + columns[None, :]
     if SPLITS == 1:
@@ -265,16 +236,14 @@ class DecodeLinears:
             _norm_gemv_kernel[(triton.cdiv(columns, block_n),)](
                 x, norm_weight, weight, bias_or_any, out, eps, K=positions, N=columns, GATED=gated,
                 HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, PDL=self.programmatic_launch,
-                **_lines(weight, positions), num_warps=warps, num_stages=stages,
-                **launch_options(self.programmatic_launch),
+                num_warps=warps, num_stages=stages, **launch_options(self.programmatic_launch),
             )
             return out
         block_n, block_k, warps, stages = GATED_TILE if gated else NORM_TILE
         _norm_linear_kernel[(triton.cdiv(columns, block_n),)](
             x, norm_weight, weight, bias_or_any, out, rows, x.stride(0), out.stride(0), eps, K=positions,
             N=columns, GATED=gated, HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
-            BLOCK_K=block_k, PDL=self.programmatic_launch, **_lines(weight, positions), num_warps=warps,
-            num_stages=stages,
+            BLOCK_K=block_k, PDL=self.programmatic_launch, num_warps=warps, num_stages=stages,
             **launch_options(self.programmatic_launch),
         )
         return out
@@ -297,16 +266,10 @@ class DecodeLinears:
         _add_linear_kernel[(blocks, splits)](
             x, weight, residual, self.parts, self.counters, rows, x.stride(0), residual.stride(0),
             K=positions, N=columns, SPLIT_K=split, SPLITS=splits, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
-            BLOCK_K=block_k, PDL=self.programmatic_launch, **_lines(weight, split), num_warps=warps,
-            num_stages=stages, **launch_options(self.programmatic_launch),
+            BLOCK_K=block_k, PDL=self.programmatic_launch, num_warps=warps, num_stages=stages,
+            **launch_options(self.programmatic_launch),
         )
         return residual
-
-
-def _lines(weight: Tensor, positions: int) -> dict[str, int]:
-    """`_prefetch_l2`'s constants for a program reading `positions` of each of its weight rows."""
-    per_line = LINE_BYTES // weight.element_size()
-    return {"LINES": triton.next_power_of_2(triton.cdiv(positions, per_line)), "LINE_ELEMENTS": per_line}
 
 
 def _check(x: Tensor, weight: Tensor, positions: int, rows: int) -> None:

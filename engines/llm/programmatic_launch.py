@@ -3,14 +3,11 @@
 A decode step at a few rows is a chain of short kernels (per layer: q|k|v, attention, o_proj, gate|up,
 down), each a few µs, and in a CUDA graph each one's launch begins only when the one before has ended.
 Launched with PDL, a kernel is scheduled while its predecessor still runs and waits on the device
-(`griddepcontrol.wait`, which returns once the predecessor has ended and its writes are visible) before
-it reads anything a step writes; each kernel lets its dependent be scheduled as soon as it starts
-(`griddepcontrol.launch_dependents`: the dependent's programs take free room on the multiprocessors, none
-is taken from programs of its own). Before waiting, the projection kernels ask L2 for their weights,
-which no step writes (decode_linear.py). So the results are those of plain launches, bit for bit; what
-overlaps is one kernel's launch, scheduling and weight traffic with the work of the one before. A kernel
-that waits is safe after any predecessor, PDL or not: without the signal the wait ends when the
-predecessor does.
+(`griddepcontrol.wait`) before it touches memory; the predecessor lets it start once all its programs are
+past their main loop (`griddepcontrol.launch_dependents`). The wait comes before every load and store,
+so the results are those of plain launches, bit for bit; what overlaps is the launch and scheduling of
+one kernel with the tail of the one before. A kernel that waits is safe after any predecessor, PDL or
+not: without the signal the wait ends when the predecessor does.
 """
 
 from __future__ import annotations

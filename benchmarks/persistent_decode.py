@@ -9,6 +9,11 @@ layer. Attention is left out of both (o_proj reads the first 896 values of q|k|v
 decode attention kernel's own time is in `decode_kernels.py --parts attention`.
 
     python benchmarks/persistent_decode.py [--json out.json] [--per-sm 1 2 4] [--tile-elements 2048 4096]
+                                           [--prefetch 0 1]
+
+Without prefetch each phase's loads start only after its barrier, and the memory system idles for a
+load's latency at each of the 96 barriers; `--prefetch 1` has every program ask L2 for its slice of
+the next phase's weights (which no phase writes) before it waits at the barrier.
 
 The persistent chain is checked against the same chain in PyTorch (fp32 reference, relative error),
 and a barrier that spins past its bound sets a flag instead of hanging (then the figures are void).
@@ -22,6 +27,7 @@ barrier alone).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -97,30 +103,64 @@ def _gemv(x_ptr, norm_ptr, w_ptr, out_ptr, residual_ptr, eps, program, programs,
 
 
 @triton.jit
+def _prefetch_slice(w_ptr, program, programs, K: tl.constexpr, N: tl.constexpr, GATED: tl.constexpr,
+                    LINES: tl.constexpr, LINE_ELEMENTS: tl.constexpr):
+    """Asks L2 for this program's rows of a phase's weight (as `_gemv` divides them: contiguous), one
+    request per line, without waiting; the lanes past them ask for the weight's first line."""
+    per_program = tl.cdiv(N, programs)
+    first = program * per_program
+    count = tl.minimum(per_program, N - first) * K
+    offsets = tl.arange(0, LINES) * LINE_ELEMENTS
+    for half in tl.static_range(2 if GATED else 1):
+        base = w_ptr + (half * N + first) * K
+        addresses = tl.where(offsets < count, base + offsets, w_ptr)
+        tl.inline_asm_elementwise("{ prefetch.global.L2 [$1]; mov.u32 $0, 0; }", "=r,l", [addresses],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _persistent_layers(
     residual_ptr, qkv_ptr, hidden_ptr, norms_ptr, qkv_w_ptr, o_w_ptr, gate_up_w_ptr, down_w_ptr,
     counter_ptr, error_ptr, eps, LAYER_COUNT: tl.constexpr,
     HIDDEN_SIZE: tl.constexpr, QKV_SIZE: tl.constexpr, INTER: tl.constexpr,
     QKV_BN: tl.constexpr, QKV_BK: tl.constexpr, O_BN: tl.constexpr, O_BK: tl.constexpr,
     GATE_BN: tl.constexpr, GATE_BK: tl.constexpr, DOWN_BN: tl.constexpr, DOWN_BK: tl.constexpr,
+    PREFETCH: tl.constexpr, QKV_LINES: tl.constexpr, O_LINES: tl.constexpr, GATE_LINES: tl.constexpr,
+    DOWN_LINES: tl.constexpr, LINE_ELEMENTS: tl.constexpr,
 ):
+    """With PREFETCH, each program asks L2 for its slice of the next phase's weights before it waits at
+    a barrier (weights do not depend on the barrier), so the memory system never idles across one."""
     program = tl.program_id(0)
     programs = tl.num_programs(0)
     for layer in range(LAYER_COUNT):
         norm1 = norms_ptr + (2 * layer) * HIDDEN_SIZE
         norm2 = norms_ptr + (2 * layer + 1) * HIDDEN_SIZE
+        qkv_w = qkv_w_ptr + layer * QKV_SIZE * HIDDEN_SIZE
+        o_w = o_w_ptr + layer * HIDDEN_SIZE * HIDDEN_SIZE
+        gate_up_w = gate_up_w_ptr + layer * 2 * INTER * HIDDEN_SIZE
+        down_w = down_w_ptr + layer * HIDDEN_SIZE * INTER
+        next_qkv_w = qkv_w_ptr + tl.minimum(layer + 1, LAYER_COUNT - 1) * QKV_SIZE * HIDDEN_SIZE
         phases = layer * 4  # barriers passed before this layer
-        _gemv(residual_ptr, norm1, qkv_w_ptr + layer * QKV_SIZE * HIDDEN_SIZE, qkv_ptr, residual_ptr, eps,
+        _gemv(residual_ptr, norm1, qkv_w, qkv_ptr, residual_ptr, eps,
               program, programs, HIDDEN_SIZE, QKV_SIZE, True, False, False, QKV_BN, QKV_BK)
+        if PREFETCH:
+            _prefetch_slice(o_w, program, programs, HIDDEN_SIZE, HIDDEN_SIZE, False, O_LINES, LINE_ELEMENTS)
         _grid_barrier(counter_ptr, error_ptr, (phases + 1) * programs)
-        _gemv(qkv_ptr, norm1, o_w_ptr + layer * HIDDEN_SIZE * HIDDEN_SIZE, qkv_ptr, residual_ptr, eps,
+        _gemv(qkv_ptr, norm1, o_w, qkv_ptr, residual_ptr, eps,
               program, programs, HIDDEN_SIZE, HIDDEN_SIZE, False, False, True, O_BN, O_BK)
+        if PREFETCH:
+            _prefetch_slice(gate_up_w, program, programs, HIDDEN_SIZE, INTER, True, GATE_LINES, LINE_ELEMENTS)
         _grid_barrier(counter_ptr, error_ptr, (phases + 2) * programs)
-        _gemv(residual_ptr, norm2, gate_up_w_ptr + layer * 2 * INTER * HIDDEN_SIZE, hidden_ptr, residual_ptr,
+        _gemv(residual_ptr, norm2, gate_up_w, hidden_ptr, residual_ptr,
               eps, program, programs, HIDDEN_SIZE, INTER, True, True, False, GATE_BN, GATE_BK)
+        if PREFETCH:
+            _prefetch_slice(down_w, program, programs, INTER, HIDDEN_SIZE, False, DOWN_LINES, LINE_ELEMENTS)
         _grid_barrier(counter_ptr, error_ptr, (phases + 3) * programs)
-        _gemv(hidden_ptr, norm2, down_w_ptr + layer * HIDDEN_SIZE * INTER, hidden_ptr, residual_ptr, eps,
+        _gemv(hidden_ptr, norm2, down_w, hidden_ptr, residual_ptr, eps,
               program, programs, INTER, HIDDEN_SIZE, False, False, True, DOWN_BN, DOWN_BK)
+        if PREFETCH:
+            _prefetch_slice(next_qkv_w, program, programs, HIDDEN_SIZE, QKV_SIZE, False, QKV_LINES,
+                            LINE_ELEMENTS)
         _grid_barrier(counter_ptr, error_ptr, (phases + 4) * programs)
 
 
@@ -166,9 +206,10 @@ def tile(columns: int, positions: int, programs: int, elements: int) -> dict[str
     return {"BN": block_n, "BK": min(triton.next_power_of_2(positions), max(16, elements // block_n))}
 
 
-def persistent(weights: Weights, residual: torch.Tensor, programs: int, elements: int, warps: int
-               ) -> tuple[Any, torch.Tensor, torch.Tensor]:
-    """A function launching the persistent chain on `residual` in place, its counter and error flag."""
+def persistent(weights: Weights, residual: torch.Tensor, programs: int, elements: int, warps: int,
+               prefetch: bool) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """A function launching the persistent chain on `residual` in place, its counter and error flag
+    (`prefetch`: each phase's weights asked of L2 before the barrier ahead of it)."""
     device = residual.device
     qkv = torch.empty(QKV, dtype=weights.dtype, device=device)
     hidden = torch.empty(INTERMEDIATE, dtype=weights.dtype, device=device)
@@ -179,13 +220,19 @@ def persistent(weights: Weights, residual: torch.Tensor, programs: int, elements
              for name, columns, positions in (("QKV", QKV, HIDDEN), ("O", HIDDEN, HIDDEN),
                                               ("GATE", INTERMEDIATE, HIDDEN), ("DOWN", HIDDEN, INTERMEDIATE))}
     sizes = {f"{name}_{part}": size for name, parts in tiles.items() for part, size in parts.items()}
+    line_elements = 128 // weights.qkv.element_size()  # a 128-byte line
+    lines = {f"{name}_LINES": triton.next_power_of_2(triton.cdiv(triton.cdiv(columns, programs) * positions,
+                                                                 line_elements))
+             for name, columns, positions in (("QKV", QKV, HIDDEN), ("O", HIDDEN, HIDDEN),
+                                              ("GATE", INTERMEDIATE, HIDDEN), ("DOWN", HIDDEN, INTERMEDIATE))}
 
     def run() -> None:
         counter.zero_()
         _persistent_layers[(programs,)](
             residual, qkv, hidden, weights.norms, weights.qkv, weights.o, weights.gate_up, weights.down,
             counter, error, EPS, LAYER_COUNT=LAYERS, HIDDEN_SIZE=HIDDEN, QKV_SIZE=QKV, INTER=INTERMEDIATE,
-            **sizes, num_warps=warps, num_stages=3, **options,
+            **sizes, PREFETCH=prefetch, **lines, LINE_ELEMENTS=line_elements, num_warps=warps, num_stages=3,
+            **options,
         )
 
     return run, counter, error
@@ -245,6 +292,8 @@ def main() -> None:
                         help="programs per multiprocessor (8 warps at 1, 4 warps above)")
     parser.add_argument("--tile-elements", type=int, nargs="+", default=[2048, 4096],
                         help="weights per program and loop step (the accumulator's size)")
+    parser.add_argument("--prefetch", type=int, nargs="+", choices=(0, 1), default=[0, 1],
+                        help="1: each phase's weights asked of L2 before the barrier ahead of it")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
@@ -257,26 +306,28 @@ def main() -> None:
                 [(sms * per_sm, 8 if per_sm == 1 else 4) for per_sm in args.per_sm])
     results: dict[str, Any] = {"multiprocessors": sms, "weights_mb_per_layer":
                                (QKV + HIDDEN + 2 * INTERMEDIATE + INTERMEDIATE) * HIDDEN * 2 / 1e6}
-    for programs, warps in launches:
-        for elements in args.tile_elements:
-            name = f"persistent_{programs}x{warps}w_tile{elements}"
-            residual = start.clone()
-            run, _, error = persistent(weights, residual, programs, elements, warps)
-            try:
-                run()
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-            except (RuntimeError, triton.TritonError) as failure:  # too many to be co-resident, or too big
-                results[name] = {"failed": str(failure)[-400:]}  # the cause ends the message
-                print(json.dumps({name: results[name]}))
-                continue
-            figures: dict[str, Any] = {"error_vs_reference": relative_error(residual, expected),
-                                       "barrier_timed_out": bool(error.item())}
-            if device.type == "cuda" and not figures["barrier_timed_out"]:
-                figures["us_per_layer"], figures["timed_as"] = us_per_layer(run)
-                figures["barrier_timed_out"] = bool(error.item())
-            results[name] = figures
-            print(json.dumps({name: figures}))
+    sweep = itertools.product(launches, args.tile_elements, args.prefetch)
+    for (programs, warps), elements, prefetch in sweep:
+        if prefetch and device.type != "cuda":
+            continue  # the interpreter runs no inline PTX
+        name = f"persistent_{programs}x{warps}w_tile{elements}" + ("_prefetch" if prefetch else "")
+        residual = start.clone()
+        run, _, error = persistent(weights, residual, programs, elements, warps, bool(prefetch))
+        try:
+            run()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        except (RuntimeError, triton.TritonError) as failure:  # too many to be co-resident, or too big
+            results[name] = {"failed": str(failure)[-400:]}  # the cause ends the message
+            print(json.dumps({name: results[name]}))
+            continue
+        figures: dict[str, Any] = {"error_vs_reference": relative_error(residual, expected),
+                                   "barrier_timed_out": bool(error.item())}
+        if device.type == "cuda" and not figures["barrier_timed_out"]:
+            figures["us_per_layer"], figures["timed_as"] = us_per_layer(run)
+            figures["barrier_timed_out"] = bool(error.item())
+        results[name] = figures
+        print(json.dumps({name: figures}))
     if device.type == "cuda":
         residual = start.clone()
         run = fused_kernels(weights, residual)

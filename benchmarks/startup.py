@@ -3,7 +3,8 @@ which goes on between calls after ready: `warm_s`), cold and then warm.
 
     python3 benchmarks/startup.py --models /tmp/m --json startup.json -- --device cuda --max-streams 320
 
-The first start runs without any compiled artifacts (the models' compile cache is removed first); each
+The first start runs without any compiled artifacts (the models' compile cache is removed first, and the
+folders TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR name where they are set); each
 later start reuses what the previous ones left beside the models, as a restart on the same machine (or
 with the same models volume) does. Each start's server log is kept next to the JSON; the JSON lists when
 the log lines that end the phases came (engines loaded, LLM engine ready, token2wav warmed up) and the
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import re
 import shutil
 import signal
@@ -107,9 +109,12 @@ def main() -> int:
         print("startup.py: --profile needs py-spy on PATH (benchmarks/wheels.sh, then on_device.sh)",
               file=sys.stderr)
         return 2
-    cache = args.models / "compile-cache"
     if not args.keep_cache:
-        shutil.rmtree(cache, ignore_errors=True)
+        # The service compiles into the folders the environment names, where it names them (some GPU
+        # images set TORCHINDUCTOR_CACHE_DIR), else beside the models: a cold start clears both.
+        named = [os.environ.get(variable) for variable in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")]
+        for cache in [args.models / "compile-cache", *(Path(folder) for folder in named if folder)]:
+            shutil.rmtree(cache, ignore_errors=True)
     results = []
     for index in range(args.starts):
         name = f"{args.json.stem}-start{index + 1}"

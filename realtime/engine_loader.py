@@ -89,6 +89,17 @@ def import_compiler() -> None:
     import torch._inductor.compile_fx  # noqa: F401
 
 
+def prepare_compilation(models_dir: Path, device: torch.device) -> Path | None:
+    """Point the compilers' caches beside the models (engines/compilation.py), then import them
+    (`import_compiler`); returns Inductor's folder in use. In this order because importing Dynamo sets
+    TORCHINDUCTOR_CACHE_DIR to Inductor's default in /tmp where it is unset, which then read as a folder
+    the environment names: every start compiled into /tmp, and a restart in a fresh container compiled
+    everything again."""
+    cache = keep_compiled_artifacts(compile_cache_dir(models_dir, device))
+    import_compiler()
+    return cache
+
+
 def load_engines(config: ServiceConfig, on_llms: LLMsChosen | None = None) -> LoadedEngines:
     """The engines over `config.models_dir` on the devices of `config.device_plan`, backends picked by
     engines/*/auto.py (blocking: call it off the event loop). RuntimeError says why a backend asked for
@@ -113,9 +124,8 @@ def load_engines(config: ServiceConfig, on_llms: LLMsChosen | None = None) -> Lo
                 if torch.device(name).type == "cuda"]
         cache = None  # where compiled artifacts are kept (on GPUs; None: nowhere writable)
         if gpus:
-            import_compiler()
+            cache = prepare_compilation(config.models_dir, gpus[0])
             use_tf32_matmuls()
-            cache = keep_compiled_artifacts(compile_cache_dir(config.models_dir, gpus[0]))
             logger.info("compiled kernels cached in %s", cache or "Inductor's default folder")
         slots = config.llm_slots or config.max_streams
         # Constructing an LLM engine is cheap: its weights load when it starts. First: which kind it is

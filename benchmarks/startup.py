@@ -110,8 +110,8 @@ def main() -> int:
               file=sys.stderr)
         return 2
     if not args.keep_cache:
-        # The service compiles into the folders the environment names, where it names them (some GPU
-        # images set TORCHINDUCTOR_CACHE_DIR), else beside the models: a cold start clears both.
+        # The service compiles into the folders the environment names where it names them, else beside
+        # the models: a cold start clears both.
         named = [os.environ.get(variable) for variable in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")]
         for cache in [args.models / "compile-cache", *(Path(folder) for folder in named if folder)]:
             shutil.rmtree(cache, ignore_errors=True)

@@ -4,11 +4,12 @@ which goes on between calls after ready: `warm_s`), cold and then warm.
     python3 benchmarks/startup.py --models /tmp/m --json startup.json -- --device cuda --max-streams 320
 
 The first start runs without any compiled artifacts (the models' compile cache is removed first, and the
-folders TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR name where they are set); each
-later start reuses what the previous ones left beside the models, as a restart on the same machine (or
-with the same models volume) does. Each start's server log is kept next to the JSON; the JSON lists when
-the log lines that end the phases came (engines loaded, LLM engine ready, token2wav warmed up) and the
-durations the log reports (token2wav weights, LLM weights and graph captures, token2wav warm-up), which
+folders TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR name where they are set); each later start reuses
+what the previous ones left beside the models, as a restart with the same models volume does
+(Inductor's default folder in /tmp is cleared before every start, as a new container has it). Each
+start's server log is kept next to the JSON; the JSON lists when the log lines that end the phases came
+(engines loaded, LLM engine ready, token2wav warmed up) and the durations the log reports (token2wav
+weights, LLM weights and graph captures, token2wav warm-up), which
 overlap since the LLM engine builds while token2wav warms up.
 
 With `--profile`, py-spy (from benchmarks/wheels.sh's wheels, through on_device.sh) samples each start
@@ -23,12 +24,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import getpass
 import json
 import os
 import re
 import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -51,6 +54,7 @@ DURATIONS = {  # seconds the log reports for parts of the phases (which may over
     "token2wav_warmup_s": re.compile(r"token2wav warmed up for batches .* in ([\d.]+) s"),
 }
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})")
+CACHE = re.compile(r"compiled kernels cached in (\S.*)$")  # the folder the start compiled into
 PROFILE_HZ = 50
 
 
@@ -76,7 +80,9 @@ def one_start(models: Path, serve_args: list[str], log: Path, timeout_s: float,
         warm_s = time.time() - started
     marks: dict[str, float] = {}
     durations: dict[str, float] = {}
+    cache = None
     for line in log.read_text(errors="replace").splitlines():
+        cache = cache or (found.group(1) if (found := CACHE.search(line)) else None)
         for name, pattern in DURATIONS.items():
             found = pattern.search(line)
             if found and name not in durations:
@@ -90,7 +96,12 @@ def one_start(models: Path, serve_args: list[str], log: Path, timeout_s: float,
                 marks[name] = round(at - started, 1)
     return {"ready_s": None if ready_s is None else round(ready_s, 1),
             "warm_s": None if warm_s is None else round(warm_s, 1), "marks_s": marks,
-            "durations_s": durations, "log": log.name}
+            "durations_s": durations, "compile_cache": cache, "log": log.name}
+
+
+# Inductor's own default folder (torch._inductor.runtime.cache_dir_utils.default_cache_dir), where the
+# service compiled until `2ac2907` without saying so: restarts found it warm on the same machine only.
+INDUCTOR_TMP = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
 
 
 def main() -> int:
@@ -117,6 +128,8 @@ def main() -> int:
             shutil.rmtree(cache, ignore_errors=True)
     results = []
     for index in range(args.starts):
+        # Every start as in a new container that keeps only the models volume: /tmp is empty.
+        shutil.rmtree(INDUCTOR_TMP, ignore_errors=True)
         name = f"{args.json.stem}-start{index + 1}"
         log = args.json.with_name(f"{name}.log")
         stacks = args.json.with_name(f"{name}.prof.txt")
@@ -130,7 +143,8 @@ def main() -> int:
         results.append(result)
         print(f"start {index + 1} ({result['cache_before']} cache): ready in {result['ready_s']} s, warm-up "
               f"done in {result['warm_s']} s; "
-              f"phases {result['marks_s']}; {result['durations_s']}", flush=True)
+              f"phases {result['marks_s']}; {result['durations_s']}; compiled into {result['compile_cache']}",
+              flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "serve_args": args.serve_args, "starts": results}
     args.json.write_text(json.dumps(report, indent=2))

@@ -27,5 +27,5 @@ if [ ! -f "$MODELS/realtime-manifest.json" ]; then
     echo "built full synthetic models in $MODELS in $(( $(date +%s) - started )) s"
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-python3 -c "import torch; print('torch', torch.__version__)"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 exec "$@"

@@ -127,21 +127,23 @@ def bf16(*shape: int) -> torch.Tensor:
 
 
 def linear_cases() -> Iterator[tuple[str, Callable[[], object]]]:
-    """A layer's four projections at one row (the GEMV) and at 16 (tl.dot), plainly and with PDL."""
+    """A layer's four projections at one row (the GEMV) and at 16 (tl.dot), plainly and with PDL, and one
+    row's with the GEMV's loop unrolled."""
     norm = torch.ones(HIDDEN, dtype=torch.bfloat16)
-    for rows in (1, 16):
-        for programmatic in (False, True):
-            linears = DecodeLinears(HIDDEN, INTERMEDIATE, CPU, programmatic)
-            residual = bf16(rows, HIDDEN)
-            label = f"{rows} row{'s' if rows > 1 else ''}{', PDL' if programmatic else ''}"
-            yield f"q|k|v, {label}", partial(linears.norm_linear, residual, norm, 1e-6, bf16(QKV, HIDDEN),
-                                             bf16(QKV))
-            yield f"o_proj, {label}", partial(linears.add_linear_, residual, bf16(rows, HIDDEN),
-                                              bf16(HIDDEN, HIDDEN))
-            yield f"gate|up, {label}", partial(linears.norm_linear, residual, norm, 1e-6,
-                                               bf16(2 * INTERMEDIATE, HIDDEN), None, gated=True)
-            yield f"down, {label}", partial(linears.add_linear_, residual, bf16(rows, INTERMEDIATE),
-                                            bf16(HIDDEN, INTERMEDIATE))
+    variants = ((1, False, False), (1, True, False), (1, True, True), (16, False, False), (16, True, False))
+    for rows, programmatic, unrolled in variants:
+        linears = DecodeLinears(HIDDEN, INTERMEDIATE, CPU, programmatic, unrolled)
+        residual = bf16(rows, HIDDEN)
+        label = (f"{rows} row{'s' if rows > 1 else ''}{', PDL' if programmatic else ''}"
+                 f"{', unrolled' if unrolled else ''}")
+        yield f"q|k|v, {label}", partial(linears.norm_linear, residual, norm, 1e-6, bf16(QKV, HIDDEN),
+                                         bf16(QKV))
+        yield f"o_proj, {label}", partial(linears.add_linear_, residual, bf16(rows, HIDDEN),
+                                          bf16(HIDDEN, HIDDEN))
+        yield f"gate|up, {label}", partial(linears.norm_linear, residual, norm, 1e-6,
+                                           bf16(2 * INTERMEDIATE, HIDDEN), None, gated=True)
+        yield f"down, {label}", partial(linears.add_linear_, residual, bf16(rows, INTERMEDIATE),
+                                        bf16(HIDDEN, INTERMEDIATE))
 
 
 def attention_cases() -> Iterator[tuple[str, Callable[[], object]]]:

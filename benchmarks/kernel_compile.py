@@ -36,8 +36,8 @@ from triton.runtime.jit import JITFunction
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-from engines.llm.decode_attention import decode_attention  # noqa: E402
-from engines.llm.decode_linear import DecodeLinears  # noqa: E402
+from engines.llm.decode_attention import DecodeAttention  # noqa: E402
+from engines.llm.decode_linear import MAX_ROWS, DecodeLinears  # noqa: E402
 from engines.llm.sampling import SamplingSlots  # noqa: E402
 from engines.token2wav.snake import snake  # noqa: E402
 
@@ -92,6 +92,7 @@ class KernelReport:
     case: str
     kernel: str
     warps: int
+    pdl: bool  # launched with programmatic dependent launch
     registers: int | None
     spill_stores: int | None
     spill_loads: int | None
@@ -147,17 +148,17 @@ def linear_cases() -> Iterator[tuple[str, Callable[[], object]]]:
 
 
 def attention_cases() -> Iterator[tuple[str, Callable[[], object]]]:
-    """The decode attention kernel at the decode buckets' shapes; PDL where the engine uses it."""
-    for rows, kv_len in ((1, 256), (16, 512), (64, 1024), (128, 1024)):
-        for programmatic in (False, True) if rows <= 16 else (False,):
+    """The decode attention kernel at the decode buckets' shapes, as the torch engine builds it on Hopper
+    (PDL asked for, at the rows the projection kernels serve) and plainly."""
+    for programmatic in (True, False):
+        attention = DecodeAttention(128, KV_HEADS, CPU, programmatic, programmatic_max_rows=MAX_ROWS)
+        for rows, kv_len in ((1, 256), (16, 512), (17, 512), (64, 1024), (128, 1024)):
             qkv = bf16(rows, Q_HEADS + 2 * KV_HEADS, HEAD_DIM)
             rope = (bf16(rows, HEAD_DIM), bf16(rows, HEAD_DIM))
             cache = bf16(rows, 2 * KV_HEADS, kv_len, HEAD_DIM)
             positions = torch.zeros(rows, dtype=torch.int64)
-            counters = torch.zeros(rows * KV_HEADS, dtype=torch.int32)
-            yield (f"attention, {rows} rows at {kv_len}{', PDL' if programmatic else ''}",
-                   partial(decode_attention, qkv, rope, cache, 0, positions, kv_len, counters,
-                           programmatic_launch=programmatic))
+            yield (f"attention, {rows} rows at {kv_len}{', PDL asked' if programmatic else ''}",
+                   partial(attention, qkv, rope, cache, 0, positions, kv_len))
 
 
 def sampling_cases() -> Iterator[tuple[str, Callable[[], object]]]:
@@ -194,7 +195,8 @@ def main() -> int:
     args = parser.parse_args()
     reports: list[KernelReport] = []
     failures = 0
-    print(f"{'case':<34} {'kernel':<26} {'warps':>5} {'regs':>5} {'spill st/ld':>11} {'shared':>7}")
+    print(f"{'case':<38} {'kernel':<26} {'warps':>5} {'PDL':>3} {'regs':>5} {'spill st/ld':>11} "
+          f"{'shared':>7}")
     with compile_only(GPUTarget("cuda", args.arch, 32)) as launched, torch.no_grad():
         for case, call in (case for part in args.parts for case in CASES[part]()):
             launched.clear()
@@ -202,16 +204,17 @@ def main() -> int:
                 call()
             except Exception as failure:  # the compiler's message ends with the cause
                 failures += 1
-                print(f"{case:<34} FAILED: {str(failure)[-300:]}")
+                print(f"{case:<38} FAILED: {str(failure)[-300:]}")
                 continue
             for name, kernel in launched:
                 figures = ptxas_figures(kernel.asm["ptx"])
-                report = KernelReport(case, name, kernel.metadata.num_warps, figures["registers"],
-                                      figures["spill_stores"], figures["spill_loads"], kernel.metadata.shared)
+                report = KernelReport(case, name, kernel.metadata.num_warps, bool(kernel.metadata.launch_pdl),
+                                      figures["registers"], figures["spill_stores"], figures["spill_loads"],
+                                      kernel.metadata.shared)
                 reports.append(report)
                 spills = f"{report.spill_stores}/{report.spill_loads}"
-                print(f"{case:<34} {name:<26} {report.warps:>5} {report.registers!s:>5} {spills:>11} "
-                      f"{report.shared_bytes:>7}")
+                print(f"{case:<38} {name:<26} {report.warps:>5} {'yes' if report.pdl else 'no':>3} "
+                      f"{report.registers!s:>5} {spills:>11} {report.shared_bytes:>7}")
     if args.json is not None:
         args.json.write_text(json.dumps([asdict(report) for report in reports], indent=1))
     return 1 if failures else 0

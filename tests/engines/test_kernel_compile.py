@@ -55,3 +55,10 @@ def test_every_engine_kernel_compiles_for_hopper(tmp_path: Path) -> None:
     assert {kernel["kernel"] for kernel in kernels} == KERNELS
     # ptxas read every one of them (registers are what the table is for).
     assert all(kernel["registers"] for kernel in kernels)
+    # PDL where asked, and the attention kernel only at the rows the projection kernels serve (16); the
+    # sampler and Snake never.
+    for kernel in kernels:
+        asked = "PDL" in kernel["case"]
+        if kernel["kernel"] == "_split_kernel":  # "attention, <rows> rows at <positions>[, PDL asked]"
+            asked = asked and int(kernel["case"].split(", ")[1].split()[0]) <= 16
+        assert kernel["pdl"] == asked, kernel

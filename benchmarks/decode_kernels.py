@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
+from engines.config import LLMConfig  # noqa: E402
 from engines.llm import programmatic_launch, sampling_kernel  # noqa: E402
 from engines.llm.base import SamplingParams  # noqa: E402
 from engines.llm.decode_attention import decode_attention, split_length  # noqa: E402
@@ -41,6 +42,7 @@ from engines.llm.qwen2 import (  # noqa: E402
     rope_tables,
 )
 from engines.llm.sampling import SamplingSlots  # noqa: E402
+from engines.llm.torch_runner import TorchLLMConfig  # noqa: E402
 
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, HIDDEN, THETA = 24, 14, 2, 64, 896, 1e6
 INTERMEDIATE, EPS = 4864, 1e-6
@@ -192,7 +194,8 @@ def linear_figures(rows: int, kernels: LayerKernels) -> dict[str, Any]:
     return figures
 
 
-SPEECH_VOCAB, STOP_TOKENS, RAS_HISTORY = 6564, (6561, 6562, 6563), 32
+LLM = LLMConfig()
+SPEECH_VOCAB, RAS_HISTORY = LLM.speech_vocab, TorchLLMConfig().ras_history
 
 
 def sampling_figures(rows: int) -> dict[str, Any]:
@@ -209,8 +212,8 @@ def sampling_figures(rows: int) -> dict[str, Any]:
     figures: dict[str, Any] = {"rows": rows}
     module_warps = sampling_kernel.NUM_WARPS
     for name, fused, warp_counts in (("eager", False, (0,)), ("fused", True, (4, 8, 16))):
-        slots = SamplingSlots(rows, SPEECH_VOCAB, RAS_HISTORY, STOP_TOKENS, 6561, DEVICE, compiled=not fused,
-                              fused=fused)
+        slots = SamplingSlots(rows, SPEECH_VOCAB, RAS_HISTORY, LLM.stop_tokens, LLM.eos_token, DEVICE,
+                              compiled=not fused, fused=fused)
         slots.configure(torch.arange(rows, device=DEVICE),
                         [(SamplingParams(), 0, row) for row in range(rows)])
         for warps in warp_counts:
@@ -219,7 +222,7 @@ def sampling_figures(rows: int) -> dict[str, Any]:
             figures[key] = graph_us(lambda _, slots=slots: slots.sample_and_record(logits, slice(0, rows),
                                                                                    active), layers=1)
     sampling_kernel.NUM_WARPS = module_warps
-    plain = SamplingSlots(rows, SPEECH_VOCAB, RAS_HISTORY, STOP_TOKENS, 6561, DEVICE, fused=True)
+    plain = SamplingSlots(rows, SPEECH_VOCAB, RAS_HISTORY, LLM.stop_tokens, LLM.eos_token, DEVICE, fused=True)
     plain.configure(torch.arange(rows, device=DEVICE),
                     [(SamplingParams(use_ras=False), 0, row) for row in range(rows)])
     figures["fused_no_ras_us"] = graph_us(lambda _: plain.sample_and_record(logits, slice(0, rows), active),

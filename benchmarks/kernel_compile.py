@@ -36,14 +36,19 @@ from triton.runtime.jit import JITFunction
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
+from engines.config import LLMConfig  # noqa: E402
 from engines.llm.decode_attention import DecodeAttention  # noqa: E402
 from engines.llm.decode_linear import MAX_ROWS, DecodeLinears  # noqa: E402
 from engines.llm.sampling import SamplingSlots  # noqa: E402
+from engines.llm.torch_runner import TorchLLMConfig  # noqa: E402
 from engines.token2wav.snake import snake  # noqa: E402
 
 CPU = torch.device("cpu")
-HIDDEN, INTERMEDIATE, QKV, HEAD_DIM, Q_HEADS, KV_HEADS = 896, 4864, 1152, 64, 14, 2  # CosyVoice2's Qwen2
-SPEECH_VOCAB, STOP_TOKENS, RAS_HISTORY = 6564, (6561, 6562, 6563), 32
+LLM = LLMConfig()  # CosyVoice2's, with its Qwen2
+HIDDEN, INTERMEDIATE, HEAD_DIM = LLM.qwen.hidden_size, LLM.qwen.intermediate_size, LLM.qwen.head_dim
+Q_HEADS, KV_HEADS = LLM.qwen.num_heads, LLM.qwen.num_kv_heads
+QKV = (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
+RAS_HISTORY = TorchLLMConfig().ras_history
 
 
 class CompileOnlyDriver:
@@ -164,10 +169,11 @@ def attention_cases() -> Iterator[tuple[str, Callable[[], object]]]:
 def sampling_cases() -> Iterator[tuple[str, Callable[[], object]]]:
     """The fused sampler (one program per row; its shape does not depend on the rows)."""
     rows = 16
-    slots = SamplingSlots(rows, SPEECH_VOCAB, RAS_HISTORY, STOP_TOKENS, STOP_TOKENS[0], CPU, fused=True)
+    slots = SamplingSlots(rows, LLM.speech_vocab, RAS_HISTORY, LLM.stop_tokens, LLM.eos_token, CPU,
+                          fused=True)
     active = torch.ones(rows, dtype=torch.bool)
     for dtype in (torch.float32, torch.bfloat16):
-        logits = torch.zeros(rows, SPEECH_VOCAB, dtype=dtype)
+        logits = torch.zeros(rows, LLM.speech_vocab, dtype=dtype)
         yield (f"sampling, {str(dtype).removeprefix('torch.')} logits",
                partial(slots.sample_and_record, logits, slice(0, rows), active))
 

@@ -45,6 +45,9 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 from engines.llm.decode_linear import DecodeLinears  # noqa: E402
 
 LAYERS, HIDDEN, QKV, INTERMEDIATE, EPS = 24, 896, 1152, 4864, 1e-6
+# A layer's phases as the kernel names their constants: (name, output columns, input positions).
+PHASES = (("QKV", QKV, HIDDEN), ("O", HIDDEN, HIDDEN), ("GATE", INTERMEDIATE, HIDDEN),
+          ("DOWN", HIDDEN, INTERMEDIATE))
 # Polls of a barrier before it gives up (legitimate waits are a few µs); a constexpr, as compiled kernels
 # may read no other globals.
 MAX_SPINS = tl.constexpr(1 << 16)
@@ -217,14 +220,12 @@ def persistent(weights: Weights, residual: torch.Tensor, programs: int, elements
     error = torch.zeros(1, dtype=torch.int32, device=device)
     options: dict[str, Any] = {} if os.environ.get("TRITON_INTERPRET") else {"launch_cooperative_grid": True}
     tiles = {name: tile(columns, positions, programs, elements // (2 if name == "GATE" else 1))
-             for name, columns, positions in (("QKV", QKV, HIDDEN), ("O", HIDDEN, HIDDEN),
-                                              ("GATE", INTERMEDIATE, HIDDEN), ("DOWN", HIDDEN, INTERMEDIATE))}
+             for name, columns, positions in PHASES}
     sizes = {f"{name}_{part}": size for name, parts in tiles.items() for part, size in parts.items()}
     line_elements = 128 // weights.qkv.element_size()  # a 128-byte line
     lines = {f"{name}_LINES": triton.next_power_of_2(triton.cdiv(triton.cdiv(columns, programs) * positions,
                                                                  line_elements))
-             for name, columns, positions in (("QKV", QKV, HIDDEN), ("O", HIDDEN, HIDDEN),
-                                              ("GATE", INTERMEDIATE, HIDDEN), ("DOWN", HIDDEN, INTERMEDIATE))}
+             for name, columns, positions in PHASES}
 
     def run() -> None:
         counter.zero_()

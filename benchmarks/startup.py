@@ -99,8 +99,10 @@ def one_start(models: Path, serve_args: list[str], log: Path, timeout_s: float,
             "durations_s": durations, "compile_cache": cache, "log": log.name}
 
 
-# Inductor's own default folder (torch._inductor.runtime.cache_dir_utils.default_cache_dir), where the
-# service compiled until `2ac2907` without saying so: restarts found it warm on the same machine only.
+# Inductor's own default folder, where the service compiled until `2ac2907` without saying so (restarts
+# found it warm on the same machine only). Its rule is written out rather than taken from
+# torch._inductor.runtime.cache_dir_utils.default_cache_dir: importing that sets TORCHINDUCTOR_CACHE_DIR
+# in this process, which the servers it starts would inherit as a folder the environment names.
 INDUCTOR_TMP = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
 
 

@@ -180,11 +180,8 @@ def linear_figures(rows: int, kernels: LayerKernels) -> dict[str, Any]:
     copies = {"qkv": len(qkv_w), "o_proj": len(o_w), "gate_up": len(gate_up_w), "down": len(down_w)}
     figures: dict[str, Any] = {"rows": rows}
     paths = [("general", general_ops), ("fused", fused_ops(linears))]
-    pdl = programmatic_launch.supported(DEVICE)
-    if pdl:  # the same kernels launched with PDL
+    if programmatic_launch.supported(DEVICE):  # the same kernels launched with PDL
         paths.append(("fused_pdl", fused_ops(DecodeLinears(HIDDEN, INTERMEDIATE, DEVICE, True))))
-    if rows == 1:  # one row's GEMV with its K loop unrolled (launched as the engine would: PDL where it can)
-        paths.append(("fused_unrolled", fused_ops(DecodeLinears(HIDDEN, INTERMEDIATE, DEVICE, pdl, True))))
     for path, ops in paths:
         if path != "general" and not linears.serves(rows):
             continue

@@ -133,15 +133,12 @@ def bf16(*shape: int) -> torch.Tensor:
 
 
 def linear_cases() -> Iterator[tuple[str, Callable[[], object]]]:
-    """A layer's four projections at one row (the GEMV) and at 16 (tl.dot), plainly and with PDL, and one
-    row's with the GEMV's loop unrolled."""
+    """A layer's four projections at one row (the GEMV) and at 16 (tl.dot), plainly and with PDL."""
     norm = torch.ones(HIDDEN, dtype=torch.bfloat16)
-    variants = ((1, False, False), (1, True, False), (1, True, True), (16, False, False), (16, True, False))
-    for rows, programmatic, unrolled in variants:
-        linears = DecodeLinears(HIDDEN, INTERMEDIATE, CPU, programmatic, unrolled)
+    for rows, programmatic in ((1, False), (1, True), (16, False), (16, True)):
+        linears = DecodeLinears(HIDDEN, INTERMEDIATE, CPU, programmatic)
         residual = bf16(rows, HIDDEN)
-        label = (f"{rows} row{'s' if rows > 1 else ''}{', PDL' if programmatic else ''}"
-                 f"{', unrolled' if unrolled else ''}")
+        label = f"{rows} row{'s' if rows > 1 else ''}{', PDL' if programmatic else ''}"
         yield f"q|k|v, {label}", partial(linears.norm_linear, residual, norm, 1e-6, bf16(QKV, HIDDEN),
                                          bf16(QKV))
         yield f"o_proj, {label}", partial(linears.add_linear_, residual, bf16(rows, HIDDEN),

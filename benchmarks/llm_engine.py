@@ -233,8 +233,6 @@ def main() -> None:
     parser.add_argument("--label", default="")
     parser.add_argument("--programmatic-launch", action=argparse.BooleanOptionalAction, default=True,
                         help="decode kernels launched with PDL (TorchLLMConfig.programmatic_launch)")
-    parser.add_argument("--unrolled-gemv", action="store_true",
-                        help="one row's GEMV with its loop unrolled (TorchLLMConfig.unrolled_gemv)")
     parser.add_argument("--dump-tokens", type=Path,
                         help="instead: write the tokens of 6 seeded requests decoded in fp32 "
                              "(to compare engines)")
@@ -252,8 +250,7 @@ def main() -> None:
 
     engine = TorchLLMEngine.from_models_dir(args.models, device=args.device, max_slots=args.slots,
                                             max_context=args.context,
-                                            programmatic_launch=args.programmatic_launch,
-                                            unrolled_gemv=args.unrolled_gemv)
+                                            programmatic_launch=args.programmatic_launch)
     started = time.perf_counter()
     loop.run_until_complete(engine.start())
     figures: dict[str, Any] = {"label": args.label, "start_s": time.perf_counter() - started}

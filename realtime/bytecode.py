@@ -9,21 +9,39 @@ wrote. It must run before the heavy imports, and only when the installation lack
 prefix Python no longer reads the `__pycache__` folders next to the sources. The processes the service
 spawns (a cold start's compile workers, which import Dynamo and Inductor) inherit the folder through
 the environment: they read what the parent or a sibling wrote instead of compiling it again.
+
+When that folder is new, `keep_bytecode` first compiles the largest packages a start imports, whole, in
+as many processes as there are cores (`compile_packages`): importing compiles one module at a time in
+the main process (and again in every compile worker that imports before it is written), ~15 s of a cold
+start on the GPU bench image, while compiling all of torch takes ~11 s of CPU, a second or two of 16 cores.
 """
 
 from __future__ import annotations
 
+import compileall
 import importlib.util
+import logging
 import os
 import sys
+import time
+from collections.abc import Iterable
 from pathlib import Path
 
+logger = logging.getLogger(__name__)
 
-def keep_bytecode(directory: Path, package: str = "torch") -> Path | None:
+# The packages most of a start's imported modules come from (a CPU start: ~2900 modules, 1289 of torch, 420
+# of sympy, 285 of networkx, 87 of numpy, 51 of mpmath; Inductor brings triton's on a GPU). The rest
+# (the standard library, the service's own small dependencies) compile as they are imported.
+LARGE_PACKAGES = ("torch", "sympy", "networkx", "numpy", "mpmath", "triton")
+
+
+def keep_bytecode(directory: Path, package: str = "torch",
+                  precompile: Iterable[str] = LARGE_PACKAGES) -> Path | None:
     """Cache bytecode under `directory` if `package` (not imported yet) comes without any; returns the
     folder, or None when the installation has bytecode, a prefix is set already or `directory` cannot
     be created. Writing there is allowed even under PYTHONDONTWRITEBYTECODE, which keeps files out of
-    the installation, not out of a cache of our own."""
+    the installation, not out of a cache of our own. Where the folder holds no bytecode of `package`
+    yet, the packages `precompile` names are compiled into it first (`compile_packages`)."""
     spec = importlib.util.find_spec(package)
     if sys.pycache_prefix is not None or spec is None or spec.origin is None:
         return None
@@ -37,4 +55,22 @@ def keep_bytecode(directory: Path, package: str = "torch") -> Path | None:
     sys.dont_write_bytecode = False
     os.environ["PYTHONPYCACHEPREFIX"] = str(directory)
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    if not Path(importlib.util.cache_from_source(spec.origin)).is_file():
+        compile_packages(precompile)
     return directory
+
+
+def compile_packages(packages: Iterable[str], workers: int | None = None) -> None:
+    """Compile the whole source tree of each installed package of `packages` into the bytecode cache now
+    in use (`sys.pycache_prefix` and the environment's PYTHONPYCACHEPREFIX, for the worker processes), in
+    `workers` processes (default: one per core). A file that does not compile is left to the import."""
+    started = time.perf_counter()
+    folders = []
+    for name in packages:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            folders.extend(spec.submodule_search_locations)
+    for folder in folders:
+        compileall.compile_dir(folder, quiet=2, workers=workers or 0)
+    logger.info("bytecode of %d package folders compiled in %.1f s", len(folders),
+                time.perf_counter() - started)

@@ -61,36 +61,18 @@ def _row_rstd(x_ptr, rows, real_rows, stride_x, K: tl.constexpr, eps, BLOCK_K: t
 
 
 @triton.jit
-def _gemv_tile(x_ptr, norm_ptr, w_ptr, columns, real_columns, k0, squares, acc, up_acc,
-               K: tl.constexpr, N: tl.constexpr, GATED: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One BLOCK_K step of `_norm_gemv_kernel`: the accumulators after positions k0..k0 + BLOCK_K."""
-    k = k0 + tl.arange(0, BLOCK_K)
-    real_k = k < K
-    x = tl.load(x_ptr + k, mask=real_k, other=0.0).to(tl.float32)
-    squares += x * x
-    weighted = x * tl.load(norm_ptr + k, mask=real_k, other=0.0).to(tl.float32)
-    weight_mask = real_columns[:, None] & real_k[None, :]
-    weights = tl.load(w_ptr + columns[:, None] * K + k[None, :], mask=weight_mask, other=0.0)
-    acc += weights.to(tl.float32) * weighted[None, :]
-    if GATED:
-        up = tl.load(w_ptr + (columns[:, None] + N) * K + k[None, :], mask=weight_mask, other=0.0)
-        up_acc += up.to(tl.float32) * weighted[None, :]
-    return squares, acc, up_acc
-
-
-@triton.jit
 def _norm_gemv_kernel(
     x_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, eps,
     K: tl.constexpr, N: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, UNROLL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """`_norm_linear_kernel` for one row, without tl.dot (whose 16-row tile would be 15/16 padding): the
     products summed elementwise in fp32 and reduced once at the end. The norm's statistic is summed in
     the same pass and applies to the sums (a prologue pass over the row delays every weight load by its
     latency: +3 µs a layer on an H200), so the normalised input is never rounded to the model dtype.
-    UNROLL: the K loop unrolled at compile time, so that every step's loads can be in flight together
-    (the loop as compiled waits for each step's loads before the next step's, in gate|up; ptxas unrolls
-    q|k|v's by itself); the same sums in the same order."""
+    The K loop is unrolled at compile time so that every step's loads are in flight together: as a
+    loop, ptxas waited for each step's loads before the next step's (H200, one row: q|k|v 4.1 -> 2.4 µs,
+    gate|up 7.1 -> 6.1 µs; docs/benchmarks.md, 28th session)."""
     if PDL:  # programmatic_launch.py: nothing is read or written before the previous kernel has ended
         tl.extra.cuda.gdc_wait()
     columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -99,23 +81,18 @@ def _norm_gemv_kernel(
     squares = tl.zeros([BLOCK_K], tl.float32)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     up_acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    if UNROLL:
-        for k0 in tl.static_range(0, K, BLOCK_K):
-            squares, acc, up_acc = _gemv_tile(x_ptr, norm_ptr, w_ptr, columns, real_columns, k0, squares, acc,
-                                              up_acc, K, N, GATED, BLOCK_K)
-    else:  # the loop as measured in the 25th-27th sessions (written out: as a call, ptxas unrolls it)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            real_k = k < K
-            x = tl.load(x_ptr + k, mask=real_k, other=0.0).to(tl.float32)
-            squares += x * x
-            weighted = x * tl.load(norm_ptr + k, mask=real_k, other=0.0).to(tl.float32)
-            weight_mask = real_columns[:, None] & real_k[None, :]
-            weights = tl.load(w_ptr + columns[:, None] * K + k[None, :], mask=weight_mask, other=0.0)
-            acc += weights.to(tl.float32) * weighted[None, :]
-            if GATED:
-                up = tl.load(w_ptr + (columns[:, None] + N) * K + k[None, :], mask=weight_mask, other=0.0)
-                up_acc += up.to(tl.float32) * weighted[None, :]
+    for k0 in tl.static_range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        real_k = k < K
+        x = tl.load(x_ptr + k, mask=real_k, other=0.0).to(tl.float32)
+        squares += x * x
+        weighted = x * tl.load(norm_ptr + k, mask=real_k, other=0.0).to(tl.float32)
+        weight_mask = real_columns[:, None] & real_k[None, :]
+        weights = tl.load(w_ptr + columns[:, None] * K + k[None, :], mask=weight_mask, other=0.0)
+        acc += weights.to(tl.float32) * weighted[None, :]
+        if GATED:
+            up = tl.load(w_ptr + (columns[:, None] + N) * K + k[None, :], mask=weight_mask, other=0.0)
+            up_acc += up.to(tl.float32) * weighted[None, :]
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     rstd = tl.rsqrt(tl.sum(squares, 0) / K + eps)
@@ -234,11 +211,9 @@ class DecodeLinears:
     `qwen2.LayerKernels.decode_linears` takes. Calls run one after another on one stream."""
 
     def __init__(self, hidden: int, intermediate: int, device: torch.device,
-                 programmatic_launch: bool = False, unrolled_gemv: bool = False) -> None:
-        """`programmatic_launch`: launch with PDL (programmatic_launch.py; the caller checks `supported`).
-        `unrolled_gemv`: one row's K loop unrolled (`_norm_gemv_kernel`'s UNROLL; not measured yet)."""
+                 programmatic_launch: bool = False) -> None:
+        """`programmatic_launch`: launch with PDL (programmatic_launch.py; the caller checks `supported`)."""
         self.programmatic_launch = programmatic_launch
-        self.unrolled_gemv = unrolled_gemv
         blocks = triton.cdiv(hidden, ADD_TILE[0])
         widest = max(blocks * triton.cdiv(positions, split_length(hidden, positions))
                      for positions in (hidden, intermediate))
@@ -264,7 +239,7 @@ class DecodeLinears:
             _norm_gemv_kernel[(triton.cdiv(columns, block_n),)](
                 x, norm_weight, weight, bias_or_any, out, eps, K=positions, N=columns, GATED=gated,
                 HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, PDL=self.programmatic_launch,
-                UNROLL=self.unrolled_gemv, num_warps=warps, num_stages=stages,
+                num_warps=warps, num_stages=stages,
                 **launch_options(self.programmatic_launch),
             )
             return out

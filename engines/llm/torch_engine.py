@@ -294,7 +294,7 @@ class TorchLLMEngine(LLMEngine):
                     from engines.llm.decode_linear import MAX_ROWS, DecodeLinears
 
                     linears = DecodeLinears(qwen.hidden_size, qwen.intermediate_size, config.torch_device,
-                                            programmatic, config.unrolled_gemv)
+                                            programmatic)
                     kernels = replace(kernels, decode_linears=linears)
                     chained_rows = MAX_ROWS
                 kernel = decode_attention.DecodeAttention(config.max_slots, qwen.num_kv_heads,

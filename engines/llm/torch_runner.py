@@ -58,9 +58,6 @@ class TorchLLMConfig:
     # launched with programmatic dependent launch (engines/llm/programmatic_launch.py) at the rows the
     # projections serve (H200: decode steps 8 % shorter at 1 and 16 rows; docs/benchmarks.md, 27th session)
     programmatic_launch: bool = True
-    # Only used with the decode projections: one row's GEMV with its K loop unrolled at compile time, so
-    # that all its loads are in flight together (decode_linear.py, UNROLL). Off until measured.
-    unrolled_gemv: bool = False
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     min_kv_bucket: int = 256  # attended cache lengths: doubling from here up to max_context
     # Prefill calls of first chunks reaching at most this many positions replay graphs, all captured at

@@ -110,25 +110,6 @@ def test_split_sums_replay_in_a_cuda_graph() -> None:
     assert not torch.equal(captured, start)
 
 
-@pytest.mark.parametrize("gated", [False, True])
-def test_the_unrolled_gemv_equals_the_loop(gated: bool) -> None:
-    """One row's GEMV with its K loop unrolled sums the same products in the same order: the same bits."""
-    from engines.llm.decode_linear import DecodeLinears
-
-    generator = torch.Generator(device=CUDA).manual_seed(7)
-
-    def randn(*shape: int, scale: float = 1.0, offset: float = 0.0) -> torch.Tensor:
-        return (torch.randn(shape, generator=generator, device=CUDA) * scale + offset).to(torch.bfloat16)
-
-    residual, norm_weight = randn(1, HIDDEN, scale=3.0, offset=0.5), randn(HIDDEN, scale=0.3, offset=1.0)
-    weight = randn(2 * INTERMEDIATE if gated else QKV, HIDDEN, scale=0.05)
-    bias = None if gated else randn(QKV, scale=0.5)
-    outputs = [DecodeLinears(HIDDEN, INTERMEDIATE, CUDA, unrolled_gemv=unrolled).norm_linear(
-                   residual, norm_weight, EPS, weight, bias, gated=gated) for unrolled in (False, True)]
-    assert torch.equal(*outputs)
-    assert outputs[0].abs().sum() > 0
-
-
 @pytest.mark.parametrize("rows", [1, 5])
 def test_programmatic_launches_in_a_graph_equal_plain_ones(rows: int) -> None:
     """Three layers' chain of decode kernels (q|k|v, attention with its cache write, o_proj, gate|up,

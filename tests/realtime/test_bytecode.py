@@ -20,6 +20,7 @@ def package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     source = tmp_path / "site" / "bytecode_probe" / "__init__.py"
     source.parent.mkdir(parents=True)
     source.write_text("VALUE = 1\n")
+    (source.parent / "part.py").write_text("PART = 2\n")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     monkeypatch.setattr(sys, "pycache_prefix", None)
     monkeypatch.setattr(sys, "dont_write_bytecode", True)
@@ -32,7 +33,7 @@ def package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_an_installation_without_bytecode_caches_it_beside_the_models(package: Path, tmp_path: Path) -> None:
     cache = tmp_path / "models" / "compile-cache" / "bytecode"
-    assert keep_bytecode(cache, "bytecode_probe") == cache
+    assert keep_bytecode(cache, "bytecode_probe", precompile=()) == cache
     assert sys.pycache_prefix == str(cache) and not sys.dont_write_bytecode
     assert cache.is_dir()
     # A process the service spawns (compile workers) reads and writes the same folder.
@@ -55,3 +56,19 @@ def test_a_prefix_chosen_already_stays(package: Path, tmp_path: Path,
     monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path / "chosen"))
     assert keep_bytecode(tmp_path / "cache", "bytecode_probe") is None
     assert sys.pycache_prefix == str(tmp_path / "chosen")
+
+
+def test_a_new_cache_holds_the_large_packages_before_their_import(package: Path, tmp_path: Path) -> None:
+    """A first start compiles the named packages whole, in worker processes, into the new folder; a start
+    that finds them there compiles nothing again."""
+    cache = tmp_path / "cache"
+    assert keep_bytecode(cache, "bytecode_probe", precompile=("bytecode_probe", "no_such_package")) == cache
+    compiled = [Path(importlib.util.cache_from_source(str(source)))
+                for source in (package, package.parent / "part.py")]
+    assert all(path.is_file() and path.is_relative_to(cache) for path in compiled)
+    assert "bytecode_probe" not in sys.modules
+    written = [path.stat().st_mtime_ns for path in compiled]
+    sys.pycache_prefix = None
+    assert keep_bytecode(cache, "bytecode_probe", precompile=("bytecode_probe",)) == cache
+    assert [path.stat().st_mtime_ns for path in compiled] == written
+    assert importlib.import_module("bytecode_probe.part").PART == 2

@@ -13,24 +13,22 @@ the caller's capture stream, one per memory pool: the allocator reuses a pool's 
 stream that freed them, so graphs sharing a pool must be captured on one stream. The LLM captures on a
 high-priority stream and token2wav on normal ones, so one engine's capture stream is never another
 thread's working stream (torch hands out streams of each priority from a small shared pool,
-round-robin). Graphs are captured one at a time in the process (`_CAPTURING`), warm-up run included: a
-first run may compile, and Triton's autotuning synchronises the device, which CUDA forbids while another
-thread captures.
+round-robin). Graphs are captured one at a time in the process, warm-up run included, under
+engines/exclusive.py's lock: a first run may compile, and Triton's autotuning synchronises the device,
+which CUDA forbids while another thread captures.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-# One capture (with its warm-up run) at a time in the process: the device, not an object, is what the
-# captures share (see the module docstring).
-_CAPTURING = threading.Lock()
+from engines.exclusive import EXCLUSIVE
+
 # Below this share of the device free, a capture first releases the allocator's cached blocks.
 LOW_FREE_SHARE = 0.2
 
@@ -39,7 +37,7 @@ def empty_cache() -> None:
     """`torch.cuda.empty_cache()` between captures: PyTorch's allocator asserts when its cache is emptied
     while any thread of the process captures a graph (on any device), so this waits for the capture under
     way, if any, to end."""
-    with _CAPTURING:
+    with EXCLUSIVE:
         torch.cuda.empty_cache()
 
 
@@ -95,7 +93,7 @@ def capture_graph(fn: Callable[[], object], pool: Any, stream: torch.cuda.Stream
     """
     current = torch.cuda.current_stream(stream.device)
     graph = torch.cuda.CUDAGraph()
-    with _CAPTURING:
+    with EXCLUSIVE:
         free, total = torch.cuda.mem_get_info(stream.device)
         if free < LOW_FREE_SHARE * total:
             # Without torch.cuda.graph's empty_cache before every capture, blocks cached for other

@@ -37,6 +37,7 @@ import torch
 import torch.fx.experimental._config as fx_config
 
 from engines.compilation import device_name
+from engines.exclusive import EXCLUSIVE
 from engines.files import sweep_aside, write_whole
 
 logger = logging.getLogger(__name__)
@@ -180,7 +181,10 @@ class PrecompiledFunction:
 
     def __call__(self, *args: Any) -> Any:
         if self._failed:
-            return self.jit(*args)
+            if self._sealed:  # it traces no more (the service's "eager_on_recompile" stance)
+                return self.jit(*args)
+            with EXCLUSIVE:  # a new class traces (engines/exclusive.py)
+                return self.jit(*args)
         with self._mode():
             for index, variant in enumerate(self._variants):
                 if variant.guard_check(*args):
@@ -206,7 +210,8 @@ class PrecompiledFunction:
     def _compile(self, args: tuple[Any, ...]) -> Any:
         """A new variant for `args`' class, saved; None when the compile failed (then `jit` serves)."""
         try:
-            with self._settings():
+            # Tracing replaces nn.Module.__call__ for every thread while it runs (engines/exclusive.py).
+            with EXCLUSIVE, self._settings():
                 compiled = torch.compile(self.fn, dynamic=self.dynamic, fullgraph=True)
                 variant = compiled.aot_compile((args, {}))  # type: ignore[attr-defined]
             variant.disable_guard_check()  # __call__ checks them before calling

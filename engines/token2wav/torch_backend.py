@@ -24,6 +24,7 @@ from typing import Literal
 import torch
 
 from engines.config import TOKEN_MEL_RATIO, HiFTConfig, ModelPaths, configs_for_models_dir
+from engines.exclusive import EXCLUSIVE
 from engines.token2wav.base import (
     ChunkJob,
     LaunchedChunks,
@@ -199,7 +200,9 @@ class TorchToken2Wav(Token2Wav):
         return self.flow.device
 
     def prepare_speaker(self, voice: VoicePrompt) -> TorchSpeaker:
-        return TorchSpeaker(self.flow.prepare_speaker(voice))
+        # At a start it runs the modules beside an LLM build, which may trace (engines/exclusive.py).
+        with EXCLUSIVE:
+            return TorchSpeaker(self.flow.prepare_speaker(voice))
 
     def open_stream(self, speaker: SpeakerState) -> TorchStream:
         if not isinstance(speaker, TorchSpeaker):

@@ -31,6 +31,7 @@ import torch
 
 from engines.config import PRE_LOOKAHEAD, TOKEN_MEL_RATIO
 from engines.cuda_graphs import usable_bytes
+from engines.exclusive import EXCLUSIVE
 from engines.token2wav.base import ChunkJob, SpeakerState, WarmupSteps
 from engines.token2wav.batching import round_up
 from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker
@@ -130,17 +131,19 @@ def _chunk_pass(t2w: TorchToken2Wav, speaker: SpeakerState, batch: int, hops: Se
                 tokens: torch.Tensor, last: bool = True) -> WarmupSteps:
     """`batch` streams of `speaker` in step through chunks of `hops` tokens, then (`last`) a final chunk
     of the lookahead alone: one `yield` after each call. The streams close at the end, or when the pass
-    is closed early."""
+    is closed early. Each call holds engines/exclusive.py's lock: an LLM building beside it may trace."""
     streams = [t2w.open_stream(speaker) for _ in range(batch)]
     try:
         start = 0
         for hop in hops:
             piece = tokens[start : start + hop + PRE_LOOKAHEAD]
-            t2w.run_chunks([ChunkJob(stream, piece, last=False) for stream in streams])
+            with EXCLUSIVE:
+                t2w.run_chunks([ChunkJob(stream, piece, last=False) for stream in streams])
             start += hop
             yield
         if last:
-            t2w.run_chunks([ChunkJob(stream, tokens[start:], last=True) for stream in streams])
+            with EXCLUSIVE:
+                t2w.run_chunks([ChunkJob(stream, tokens[start:], last=True) for stream in streams])
             yield
     finally:
         for stream in streams:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engines import cuda_graphs
+from engines.exclusive import EXCLUSIVE
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -67,7 +68,7 @@ def test_free_bytes_does_not_wait_for_a_capture_under_way() -> None:
     held = torch.empty(256 << 20, dtype=torch.uint8, device=device)
     del held  # now cached, unused
     measured: list[int] = []
-    with cuda_graphs._CAPTURING:  # as a capture whose warm-up compiles holds it
+    with EXCLUSIVE:  # as a capture whose warm-up compiles holds it
         reader = threading.Thread(target=lambda: measured.append(cuda_graphs.free_bytes(device)))
         reader.start()
         reader.join(10)

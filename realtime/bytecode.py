@@ -21,10 +21,12 @@ from __future__ import annotations
 import compileall
 import importlib.util
 import logging
+import multiprocessing
 import os
 import sys
 import time
 from collections.abc import Iterable
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -62,15 +64,24 @@ def keep_bytecode(directory: Path, package: str = "torch",
 
 def compile_packages(packages: Iterable[str], workers: int | None = None) -> None:
     """Compile the whole source tree of each installed package of `packages` into the bytecode cache now
-    in use (`sys.pycache_prefix` and the environment's PYTHONPYCACHEPREFIX, for the worker processes), in
-    `workers` processes (default: one per core). A file that does not compile is left to the import."""
+    in use (`sys.pycache_prefix`, and the environment's PYTHONPYCACHEPREFIX for the worker processes), in
+    one pool of `workers` processes (default: one per core) over all their files (a pool per package
+    took ~20 % longer on 2 cores). A file that does not compile is left to the import."""
     started = time.perf_counter()
-    folders = []
+    sources: list[str] = []
     for name in packages:
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.submodule_search_locations:
-            folders.extend(spec.submodule_search_locations)
-    for folder in folders:
-        compileall.compile_dir(folder, quiet=2, workers=workers or 0)
-    logger.info("bytecode of %d package folders compiled in %.1f s", len(folders),
+            for folder in spec.submodule_search_locations:
+                sources.extend(str(path) for path in Path(folder).rglob("*.py"))
+    # A fresh server process per worker (as compileall does where fork is the default): the caller may
+    # have threads.
+    context = multiprocessing.get_context("forkserver")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        compiled = sum(pool.map(_compile_quietly, sources, chunksize=64))
+    logger.info("bytecode of %d modules (%d compiled) in %.1f s", len(sources), compiled,
                 time.perf_counter() - started)
+
+
+def _compile_quietly(source: str) -> bool:
+    return bool(compileall.compile_file(source, quiet=2))

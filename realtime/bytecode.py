@@ -12,8 +12,9 @@ the environment: they read what the parent or a sibling wrote instead of compili
 
 When that folder is new, `keep_bytecode` first compiles the largest packages a start imports, whole, in
 as many processes as there are cores (`compile_packages`): importing compiles one module at a time in
-the main process (and again in every compile worker that imports before it is written), ~15 s of a cold
-start on the GPU bench image, while compiling all of torch takes ~11 s of CPU, a second or two of 16 cores.
+the main process (and again in every compile worker that imports before it is written), ~17 s of a cold
+start on the GPU bench image, while the six packages compiled whole took 3.6–4.0 s of its 16 cores
+(H200 cold start 72.5 -> 55.1 s; docs/benchmarks.md, twenty-eighth session).
 """
 
 from __future__ import annotations
@@ -78,10 +79,11 @@ def compile_packages(packages: Iterable[str], workers: int | None = None) -> Non
     # have threads.
     context = multiprocessing.get_context("forkserver")
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-        compiled = sum(pool.map(_compile_quietly, sources, chunksize=64))
-    logger.info("bytecode of %d modules (%d compiled) in %.1f s", len(sources), compiled,
-                time.perf_counter() - started)
+        written = sum(pool.map(_compile_quietly, sources, chunksize=64))
+    logger.info("bytecode of %d modules in %.1f s (%d left to their import)", len(sources),
+                time.perf_counter() - started, len(sources) - written)
 
 
 def _compile_quietly(source: str) -> bool:
+    """Whether `source`'s bytecode is in the cache now (written, or up to date already)."""
     return bool(compileall.compile_file(source, quiet=2))

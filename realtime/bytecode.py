@@ -44,7 +44,8 @@ def keep_bytecode(directory: Path, package: str = "torch",
     folder, or None when the installation has bytecode, a prefix is set already or `directory` cannot
     be created. Writing there is allowed even under PYTHONDONTWRITEBYTECODE, which keeps files out of
     the installation, not out of a cache of our own. Where the folder holds no bytecode of `package`
-    yet, the packages `precompile` names are compiled into it first (`compile_packages`)."""
+    yet, the packages `precompile` names are compiled into it first (`compile_packages`; ~140 MB for the
+    six of LARGE_PACKAGES), unless that fails (logged: the imports then compile what they need)."""
     spec = importlib.util.find_spec(package)
     if sys.pycache_prefix is not None or spec is None or spec.origin is None:
         return None
@@ -59,7 +60,11 @@ def keep_bytecode(directory: Path, package: str = "torch",
     os.environ["PYTHONPYCACHEPREFIX"] = str(directory)
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     if not Path(importlib.util.cache_from_source(spec.origin)).is_file():
-        compile_packages(precompile)
+        try:
+            compile_packages(precompile)
+        except Exception as exc:  # only a head start: the imports compile what they need
+            logger.warning("bytecode not compiled ahead (%s: %s); modules compile as they are imported",
+                           type(exc).__name__, exc)
     return directory
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import os
 import subprocess
 import sys
@@ -22,6 +23,8 @@ def package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     source.write_text("VALUE = 1\n")
     (source.parent / "part.py").write_text("PART = 2\n")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    for name in ("bytecode_probe", "bytecode_probe.part"):  # imported by an earlier test: import anew
+        monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.setattr(sys, "pycache_prefix", None)
     monkeypatch.setattr(sys, "dont_write_bytecode", True)
     monkeypatch.setenv("PYTHONPYCACHEPREFIX", "unset")  # recorded, so that teardown restores it
@@ -72,3 +75,22 @@ def test_a_new_cache_holds_the_large_packages_before_their_import(package: Path,
     assert keep_bytecode(cache, "bytecode_probe", precompile=("bytecode_probe",)) == cache
     assert [path.stat().st_mtime_ns for path in compiled] == written
     assert importlib.import_module("bytecode_probe.part").PART == 2
+
+
+def test_a_failed_head_start_leaves_the_start_to_compile_on_import(
+        package: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Compiling ahead is an optimisation: where its worker processes cannot start, the service starts
+    all the same and its imports write the bytecode."""
+    import realtime.bytecode as bytecode
+
+    def no_processes(*args: object, **kwargs: object) -> None:
+        raise OSError("no process may be started here")
+
+    monkeypatch.setattr(bytecode, "ProcessPoolExecutor", no_processes)
+    cache = tmp_path / "cache"
+    with caplog.at_level(logging.WARNING, logger="realtime.bytecode"):
+        assert keep_bytecode(cache, "bytecode_probe", precompile=("bytecode_probe",)) == cache
+    assert "bytecode not compiled ahead (OSError: no process may be started here)" in caplog.text
+    assert importlib.import_module("bytecode_probe.part").PART == 2
+    assert Path(importlib.util.cache_from_source(str(package.parent / "part.py"))).is_file()

@@ -71,8 +71,9 @@ def keep_bytecode(directory: Path, package: str = "torch",
 def compile_packages(packages: Iterable[str], workers: int | None = None) -> None:
     """Compile the whole source tree of each installed package of `packages` into the bytecode cache now
     in use (`sys.pycache_prefix`, and the environment's PYTHONPYCACHEPREFIX for the worker processes), in
-    one pool of `workers` processes (default: one per core) over all their files (a pool per package
-    took ~20 % longer on 2 cores). A file that does not compile is left to the import."""
+    one pool of `workers` processes (default: one per core this process may run on) over all their
+    files (a pool per package took ~20 % longer on 2 cores). A file that does not compile is left to the
+    import."""
     started = time.perf_counter()
     sources: list[str] = []
     for name in packages:
@@ -83,6 +84,7 @@ def compile_packages(packages: Iterable[str], workers: int | None = None) -> Non
     # A fresh server process per worker (as compileall does where fork is the default): the caller may
     # have threads.
     context = multiprocessing.get_context("forkserver")
+    workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None)
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
         written = sum(pool.map(_compile_quietly, sources, chunksize=64))
     logger.info("bytecode of %d modules in %.1f s (%d left to their import)", len(sources),

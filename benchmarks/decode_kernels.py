@@ -3,9 +3,10 @@ path (rope, cache write, SDPA over the masked bucket), RMSNorm eager against com
 and projections (everything but attention) through cuBLAS and the compiled elementwise kernels against
 engines/llm/decode_linear.py's fused kernels (launched plainly and, on Hopper or later, with programmatic
 dependent launch: `fused_pdl`), and a step's sampling and record (`SamplingSlots`) eager
-against engines/llm/sampling_kernel.py at each of its warp counts.
+against engines/llm/sampling_kernel.py at each of its warp counts. `--parts tiles` (not by default)
+sweeps the tiles of one row's GEMV and of the split-K adds (`tile_sweep_figures`).
 
-    python benchmarks/decode_kernels.py --json out.json [--parts attention norm linears sampling]
+    python benchmarks/decode_kernels.py --json out.json [--parts attention norm linears sampling tiles]
 
 Each variant is captured 24 times (once per layer, each layer its own cache like the model's) in one
 CUDA graph; the figure is the graph's replay time over 24 (device time, CUDA events, median of 5 runs
@@ -17,10 +18,12 @@ inputs per shape).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +33,7 @@ import torch.nn.functional as F
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from engines.config import LLMConfig  # noqa: E402
-from engines.llm import programmatic_launch, sampling_kernel  # noqa: E402
+from engines.llm import decode_linear, programmatic_launch, sampling_kernel  # noqa: E402
 from engines.llm.base import SamplingParams  # noqa: E402
 from engines.llm.decode_attention import decode_attention, split_length  # noqa: E402
 from engines.llm.decode_linear import DecodeLinears  # noqa: E402
@@ -135,60 +138,141 @@ def norm_figures(rows: int) -> dict[str, Any]:
     }
 
 
+@dataclass
+class LinearInputs:
+    """A layer's projection weights in copies (each op cycles through enough of them to fill L2 twice
+    over: 24 of o_proj's 1.6 MB would fit), the rows' residual, and fixed attention output and MLP
+    hidden rows."""
+
+    rows: int
+    qkv_w: list[torch.Tensor]
+    qkv_b: list[torch.Tensor]
+    o_w: list[torch.Tensor]
+    gate_up_w: list[torch.Tensor]
+    down_w: list[torch.Tensor]
+    norms: list[list[torch.Tensor]]  # the q|k|v's and gate|up's RMSNorm weights, one per copy
+    attended: torch.Tensor
+    hidden: torch.Tensor
+    residual: torch.Tensor
+
+    @classmethod
+    def random(cls, rows: int) -> LinearInputs:
+        l2_bytes = torch.cuda.get_device_properties(DEVICE).L2_cache_size
+
+        def weights(*shape: int, scale: float = 0.05, copies: int = 0) -> list[torch.Tensor]:
+            copy_bytes = torch.Size(shape).numel() * torch.finfo(DTYPE).bits // 8
+            copies = copies or max(LAYERS, -(-2 * l2_bytes // copy_bytes))
+            return [(torch.randn(shape, device=DEVICE) * scale).to(DTYPE) for _ in range(copies)]
+
+        qkv_columns = (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
+        qkv_w, gate_up_w = weights(qkv_columns, HIDDEN), weights(2 * INTERMEDIATE, HIDDEN)
+        return cls(
+            rows, qkv_w, weights(qkv_columns, scale=1.0, copies=len(qkv_w)), weights(HIDDEN, HIDDEN),
+            gate_up_w, weights(HIDDEN, INTERMEDIATE),
+            [[(1 + torch.rand(HIDDEN, device=DEVICE)).to(DTYPE) for _ in range(len(weight))]
+             for weight in (qkv_w, gate_up_w)],
+            torch.randn(rows, HIDDEN, device=DEVICE, dtype=DTYPE),
+            torch.randn(rows, INTERMEDIATE, device=DEVICE, dtype=DTYPE),
+            torch.randn(rows, HIDDEN, device=DEVICE, dtype=DTYPE),
+        )
+
+    def copies(self, name: str) -> int:
+        weights = {"qkv": self.qkv_w, "o_proj": self.o_w, "gate_up": self.gate_up_w, "down": self.down_w}
+        return len(weights[name])
+
+    def fused_ops(self, linears: DecodeLinears) -> dict[str, Callable[[int], object]]:
+        return {
+            "qkv": lambda layer: linears.norm_linear(self.residual, self.norms[0][layer], EPS,
+                                                     self.qkv_w[layer], self.qkv_b[layer]),
+            "o_proj": lambda layer: linears.add_linear_(self.residual, self.attended, self.o_w[layer]),
+            "gate_up": lambda layer: linears.norm_linear(self.residual, self.norms[1][layer], EPS,
+                                                         self.gate_up_w[layer], None, gated=True),
+            "down": lambda layer: linears.add_linear_(self.residual, self.hidden, self.down_w[layer]),
+        }
+
+
 def linear_figures(rows: int, kernels: LayerKernels) -> dict[str, Any]:
     """A layer's work besides attention, op by op and in all: the general path against the fused kernels.
-    Each layer has its own weights (30 MB a layer: the 24 do not fit in L2, as in the model); an op alone
-    cycles through enough copies of its weight to fill L2 twice over (24 of o_proj's 1.6 MB would fit).
-    The attention output and the MLP's hidden rows are fixed random tensors."""
-    l2_bytes = torch.cuda.get_device_properties(DEVICE).L2_cache_size
-
-    def weights(*shape: int, scale: float = 0.05, copies: int = 0) -> list[torch.Tensor]:
-        copy_bytes = torch.Size(shape).numel() * torch.finfo(DTYPE).bits // 8
-        copies = copies or max(LAYERS, -(-2 * l2_bytes // copy_bytes))
-        return [(torch.randn(shape, device=DEVICE) * scale).to(DTYPE) for _ in range(copies)]
-
-    qkv_columns = (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
-    qkv_w = weights(qkv_columns, HIDDEN)
-    qkv_b = weights(qkv_columns, scale=1.0, copies=len(qkv_w))
-    o_w, down_w = weights(HIDDEN, HIDDEN), weights(HIDDEN, INTERMEDIATE)
-    gate_up_w = weights(2 * INTERMEDIATE, HIDDEN)
-    norms = [[(1 + torch.rand(HIDDEN, device=DEVICE)).to(DTYPE) for _ in range(len(weight))]
-             for weight in (qkv_w, gate_up_w)]
-    attended = torch.randn(rows, HIDDEN, device=DEVICE, dtype=DTYPE)
-    hidden = torch.randn(rows, INTERMEDIATE, device=DEVICE, dtype=DTYPE)
-    residual = torch.randn(rows, HIDDEN, device=DEVICE, dtype=DTYPE)
+    Each layer has its own weights (30 MB a layer: the 24 do not fit in L2, as in the model)."""
+    inputs = LinearInputs.random(rows)
+    norms, residual = inputs.norms, inputs.residual
     x = residual.view(rows, 1, HIDDEN)
     linears = DecodeLinears(HIDDEN, INTERMEDIATE, DEVICE)
     general_ops: dict[str, Callable[[int], object]] = {
-        "qkv": lambda layer: F.linear(kernels.rms_norm(x, norms[0][layer], EPS), qkv_w[layer], qkv_b[layer]),
-        "o_proj": lambda layer: residual.addmm_(attended, o_w[layer].t()),
+        "qkv": lambda layer: F.linear(kernels.rms_norm(x, norms[0][layer], EPS), inputs.qkv_w[layer],
+                                      inputs.qkv_b[layer]),
+        "o_proj": lambda layer: residual.addmm_(inputs.attended, inputs.o_w[layer].t()),
         "gate_up": lambda layer: kernels.silu_mul(F.linear(kernels.rms_norm(x, norms[1][layer], EPS),
-                                                           gate_up_w[layer])),
-        "down": lambda layer: residual.addmm_(hidden, down_w[layer].t()),
+                                                           inputs.gate_up_w[layer])),
+        "down": lambda layer: residual.addmm_(inputs.hidden, inputs.down_w[layer].t()),
     }
-
-    def fused_ops(linears: DecodeLinears) -> dict[str, Callable[[int], object]]:
-        return {
-            "qkv": lambda layer: linears.norm_linear(residual, norms[0][layer], EPS, qkv_w[layer],
-                                                     qkv_b[layer]),
-            "o_proj": lambda layer: linears.add_linear_(residual, attended, o_w[layer]),
-            "gate_up": lambda layer: linears.norm_linear(residual, norms[1][layer], EPS, gate_up_w[layer],
-                                                         None, gated=True),
-            "down": lambda layer: linears.add_linear_(residual, hidden, down_w[layer]),
-        }
-
-    copies = {"qkv": len(qkv_w), "o_proj": len(o_w), "gate_up": len(gate_up_w), "down": len(down_w)}
     figures: dict[str, Any] = {"rows": rows}
-    paths = [("general", general_ops), ("fused", fused_ops(linears))]
+    paths = [("general", general_ops), ("fused", inputs.fused_ops(linears))]
     if programmatic_launch.supported(DEVICE):  # the same kernels launched with PDL
-        paths.append(("fused_pdl", fused_ops(DecodeLinears(HIDDEN, INTERMEDIATE, DEVICE, True))))
+        paths.append(("fused_pdl", inputs.fused_ops(DecodeLinears(HIDDEN, INTERMEDIATE, DEVICE, True))))
     for path, ops in paths:
         if path != "general" and not linears.serves(rows):
             continue
         for name, op in ops.items():
-            figures[f"{path}_{name}_us"] = graph_us(op, copies[name])
+            figures[f"{path}_{name}_us"] = graph_us(op, inputs.copies(name))
         figures[f"{path}_us"] = graph_us(lambda layer, ops=ops: [op(layer) for op in ops.values()])
     return figures
+
+
+# The tile sweep's candidates: one row's GEMV (BLOCK_N, BLOCK_K, warps; its K loop is unrolled, so no
+# pipeline stages) and the split-K adds (BLOCK_N, BLOCK_K, warps, stages) with the programs they aim for
+# and their most splits. The engine's own come first. 32 columns at 4 warps are left out: gate|up spills
+# there (248-5116 bytes; benchmarks/kernel_compile.py's driver, sm_90).
+GEMV_TILES = [(block_n, block_k, warps, 3) for block_n in (8, 16, 32) for block_k in (64, 128, 256)
+              for warps in (4, 8) if (block_n, warps) != (32, 4)]
+ADD_TILES = [(block_n, block_k, warps, stages, programs, splits)
+             for block_n in (16, 32) for block_k in (64, 128) for warps in (4, 8) for stages in (3, 5)
+             for programs in (264, 528) for splits in (8, 16)]
+
+
+@contextlib.contextmanager
+def linear_tiles(**constants: Any) -> Iterator[None]:
+    """decode_linear's module constants (read at each launch) set while inside, restored after."""
+    before = {name: getattr(decode_linear, name) for name in constants}
+    for name, value in constants.items():
+        setattr(decode_linear, name, value)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            setattr(decode_linear, name, value)
+
+
+def tile_sweep_figures() -> Iterator[dict[str, Any]]:
+    """µs per call of one row's GEMV (q|k|v, gate|up) at each of GEMV_TILES, and of the split-K adds
+    (o_proj, down) at 1 and 16 rows at each of ADD_TILES, launched as the engine launches them (PDL where
+    the GPU has it). A configuration that does not compile or run is reported with its error."""
+    pdl = programmatic_launch.supported(DEVICE)
+    inputs = {rows: LinearInputs.random(rows) for rows in (1, 16)}
+    engine_gemv = decode_linear.ONE_ROW_TILE
+    engine_add = (*decode_linear.ADD_TILE, decode_linear.TARGET_PROGRAMS, decode_linear.MAX_SPLITS)
+    for tile in dict.fromkeys([engine_gemv, *GEMV_TILES]):
+        figures: dict[str, Any] = {"kernel": "gemv", "tile": tile, "engine": tile == engine_gemv}
+        try:
+            with linear_tiles(ONE_ROW_TILE=tile):
+                ops = inputs[1].fused_ops(DecodeLinears(HIDDEN, INTERMEDIATE, DEVICE, pdl))
+                for name in ("qkv", "gate_up"):
+                    figures[f"{name}_us"] = graph_us(ops[name], inputs[1].copies(name))
+        except Exception as exc:  # a tile this GPU cannot run (shared memory, registers)
+            figures["error"] = f"{type(exc).__name__}: {exc}"[:200]
+        yield figures
+    for config in dict.fromkeys([engine_add, *ADD_TILES]):
+        figures = {"kernel": "add", "tile": config, "engine": config == engine_add}
+        try:
+            with linear_tiles(ADD_TILE=config[:4], TARGET_PROGRAMS=config[4], MAX_SPLITS=config[5]):
+                for rows, rows_inputs in inputs.items():
+                    linears = DecodeLinears(HIDDEN, INTERMEDIATE, DEVICE, pdl)
+                    ops = rows_inputs.fused_ops(linears)
+                    for name in ("o_proj", "down"):
+                        figures[f"{name}_{rows}_us"] = graph_us(ops[name], rows_inputs.copies(name))
+        except Exception as exc:
+            figures["error"] = f"{type(exc).__name__}: {exc}"[:200]
+        yield figures
 
 
 LLM = LLMConfig()
@@ -231,7 +315,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--parts", nargs="+", choices=("attention", "norm", "linears", "sampling"),
+    parser.add_argument("--parts", nargs="+", choices=("attention", "norm", "linears", "sampling", "tiles"),
                         default=["attention", "norm", "linears", "sampling"])
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -244,6 +328,7 @@ def main() -> None:
         "norm": ("rms_norm", lambda: (norm_figures(rows) for rows in (1, 16, 64, 128))),
         "linears": ("linears", lambda: (linear_figures(rows, kernels) for rows in (1, 2, 4, 8, 16, 32))),
         "sampling": ("sampling", lambda: (sampling_figures(rows) for rows in (1, 16, 64, 128))),
+        "tiles": ("tiles", tile_sweep_figures),
     }
     results: dict[str, Any] = {key: [] for key, _ in parts.values()}
     with torch.no_grad():

@@ -48,6 +48,7 @@ PHASES = {  # when each phase ended, read off the log's time stamps
     "ready": re.compile(r"runtime ready"),
 }
 DURATIONS = {  # seconds the log reports for parts of the phases (which may overlap)
+    "bytecode_s": re.compile(r"bytecode of \d+ modules in ([\d.]+) s"),
     "token2wav_load_s": re.compile(r"token2wav \S+ loaded on \S+ in ([\d.]+) s"),
     "llm_weights_s": re.compile(r"torch LLM weights and cache ready in ([\d.]+) s"),
     "llm_graphs_s": re.compile(r"CUDA graphs captured in ([\d.]+) s"),

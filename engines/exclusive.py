@@ -10,8 +10,9 @@ Two kinds of start-up work change state that every thread of the process sees:
   a submodule": a cold start's voice preparation on the token2wav thread while the LLM thread compiled
   its fused functions, docs/benchmarks.md, twenty-eighth session).
 
-`EXCLUSIVE` is held for each of those and for the start-up calls that run modules beside them (a
-voice's preparation, the token2wav warm-up's chunk passes). It is reentrant: a capture's warm-up run
+`EXCLUSIVE` is held for each of those (a kept function's compile, and every call of a compiled function
+that is not kept until it is sealed) and for the start-up calls that run modules beside them (a voice's
+preparation, the token2wav warm-up's chunk passes). It is reentrant: a capture's warm-up run
 or a voice's preparation may compile inside it. Serving calls do not take it: by then nothing compiles
 (the kept functions are sealed), and a capture lets other threads launch meanwhile (its capture mode is
 thread-local).

@@ -111,18 +111,37 @@ def compile_kept(fn: Callable[..., Any], root: Path | None, name: str, modules: 
     it."""
     jit = torch.compile(fn, dynamic=True, fullgraph=True)
     if root is None or not supported():
-        return jit
+        return TracedInProcess(jit)
     keys = ("size-oblivious",) if size_oblivious else ()
     folder = variant_folder(root, name, modules, keys, device)
-    return jit if folder is None else PrecompiledFunction(fn, folder, jit, inference=inference,
-                                                          size_oblivious=size_oblivious)
+    return TracedInProcess(jit) if folder is None else PrecompiledFunction(
+        fn, folder, jit, inference=inference, size_oblivious=size_oblivious)
 
 
 def seal_kept(*functions: Callable[..., Any]) -> None:
-    """`PrecompiledFunction.seal` for those of `functions` that are kept ones (`compile_kept`)."""
+    """`seal` those of `functions` that `compile_kept` made (`PrecompiledFunction`, `TracedInProcess`)."""
     for function in functions:
-        if isinstance(function, PrecompiledFunction):
+        if isinstance(function, PrecompiledFunction | TracedInProcess):
             function.seal()
+
+
+class TracedInProcess:
+    """A `torch.compile`d function whose shape classes are not kept (no folder, or a torch without the
+    ahead-of-time API): a call may trace, so calls hold engines/exclusive.py's lock until `seal` (after
+    the warm-up, under the service's "eager_on_recompile" stance, nothing traces)."""
+
+    def __init__(self, jit: Callable[..., Any]) -> None:
+        self.jit = jit
+        self._sealed = False
+
+    def seal(self) -> None:
+        self._sealed = True
+
+    def __call__(self, *args: Any) -> Any:
+        if self._sealed:
+            return self.jit(*args)
+        with EXCLUSIVE:
+            return self.jit(*args)
 
 
 class PrecompiledFunction:

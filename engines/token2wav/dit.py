@@ -35,7 +35,7 @@ from torch import nn
 
 from engines.checkpoints import store_as_parts
 from engines.config import DiTConfig
-from engines.precompiled import PrecompiledFunction, seal_kept, supported, variant_folder
+from engines.precompiled import PrecompiledFunction, TracedInProcess, seal_kept, supported, variant_folder
 from engines.token2wav import attention as attention_module
 from engines.token2wav.attention import aligned_bias, attention_with_lse, merge_attention
 from engines.token2wav.batching import frame_index
@@ -458,7 +458,7 @@ class DiT(nn.Module):
         limited = torch._dynamo.config.patch(recompile_limit=RAGGED_SHAPE_CLASSES,
                                              specialize_float=True)(compiled)
         jit = fx_config.patch(use_duck_shape=False)(limited)  # type: ignore[attr-defined]
-        self._ragged_block = jit
+        self._ragged_block = TracedInProcess(jit)
         if precompiled is not None and backend == "inductor" and supported():
             weight = self.in_proj.weight
             folder = block_folder(precompiled, self.cfg, weight.dtype, weight.device)

@@ -118,3 +118,18 @@ def test_an_ahead_of_time_compile_traces_holding_the_lock(tmp_path: Path,
         sampler.join(10)
     assert function.compiled == 1 and not function.failed
     assert taken_while_tracing and not any(taken_while_tracing)
+
+
+def test_a_compiled_function_that_is_not_kept_traces_under_the_lock_until_sealed() -> None:
+    """`compile_kept` without a folder gives a `torch.compile`d function that traces in each process: its
+    calls hold the lock until sealed, then none does."""
+    from engines.precompiled import TracedInProcess, compile_kept, seal_kept
+
+    def owned() -> bool:
+        return EXCLUSIVE._is_owned()  # type: ignore[attr-defined]
+
+    function = TracedInProcess(owned)
+    assert function() is True
+    seal_kept(function)
+    assert function() is False
+    assert isinstance(compile_kept(scaled_norm, None, "norm", (), None, inference=False), TracedInProcess)

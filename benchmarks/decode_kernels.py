@@ -25,6 +25,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -231,16 +232,16 @@ ADD_TILES = [(block_n, block_k, warps, stages, programs, splits)
 
 
 @contextlib.contextmanager
-def linear_tiles(**constants: Any) -> Iterator[None]:
-    """decode_linear's module constants (read at each launch) set while inside, restored after."""
-    before = {name: getattr(decode_linear, name) for name in constants}
+def module_constants(module: ModuleType, **constants: Any) -> Iterator[None]:
+    """`module`'s constants (the kernels read them at each launch) set while inside, restored after."""
+    before = {name: getattr(module, name) for name in constants}
     for name, value in constants.items():
-        setattr(decode_linear, name, value)
+        setattr(module, name, value)
     try:
         yield
     finally:
         for name, value in before.items():
-            setattr(decode_linear, name, value)
+            setattr(module, name, value)
 
 
 def tile_sweep_figures() -> Iterator[dict[str, Any]]:
@@ -254,7 +255,7 @@ def tile_sweep_figures() -> Iterator[dict[str, Any]]:
     for tile in dict.fromkeys([engine_gemv, *GEMV_TILES]):
         figures: dict[str, Any] = {"kernel": "gemv", "tile": tile, "engine": tile == engine_gemv}
         try:
-            with linear_tiles(ONE_ROW_TILE=tile):
+            with module_constants(decode_linear, ONE_ROW_TILE=tile):
                 ops = inputs[1].fused_ops(DecodeLinears(HIDDEN, INTERMEDIATE, DEVICE, pdl))
                 for name in ("qkv", "gate_up"):
                     figures[f"{name}_us"] = graph_us(ops[name], inputs[1].copies(name))
@@ -264,7 +265,8 @@ def tile_sweep_figures() -> Iterator[dict[str, Any]]:
     for config in dict.fromkeys([engine_add, *ADD_TILES]):
         figures = {"kernel": "add", "tile": config, "engine": config == engine_add}
         try:
-            with linear_tiles(ADD_TILE=config[:4], TARGET_PROGRAMS=config[4], MAX_SPLITS=config[5]):
+            with module_constants(decode_linear, ADD_TILE=config[:4], TARGET_PROGRAMS=config[4],
+                                  MAX_SPLITS=config[5]):
                 for rows, rows_inputs in inputs.items():
                     linears = DecodeLinears(HIDDEN, INTERMEDIATE, DEVICE, pdl)
                     ops = rows_inputs.fused_ops(linears)
@@ -291,18 +293,16 @@ def sampling_figures(rows: int) -> dict[str, Any]:
     logits = logits.to(DTYPE)
     active = torch.ones(rows, dtype=torch.bool, device=DEVICE)
     figures: dict[str, Any] = {"rows": rows}
-    module_warps = sampling_kernel.NUM_WARPS
     for name, fused, warp_counts in (("eager", False, (0,)), ("fused", True, (4, 8, 16))):
         slots = SamplingSlots(rows, SPEECH_VOCAB, RAS_HISTORY, LLM.stop_tokens, LLM.eos_token, DEVICE,
                               compiled=not fused, fused=fused)
         slots.configure(torch.arange(rows, device=DEVICE),
                         [(SamplingParams(), 0, row) for row in range(rows)])
         for warps in warp_counts:
-            sampling_kernel.NUM_WARPS = warps  # read at each launch; the eager path ignores it
             key = f"{name}_{warps}w_us" if fused else f"{name}_us"
-            figures[key] = graph_us(lambda _, slots=slots: slots.sample_and_record(logits, slice(0, rows),
-                                                                                   active), layers=1)
-    sampling_kernel.NUM_WARPS = module_warps
+            with module_constants(sampling_kernel, NUM_WARPS=warps):  # the eager path ignores it
+                figures[key] = graph_us(lambda _, slots=slots: slots.sample_and_record(
+                    logits, slice(0, rows), active), layers=1)
     plain = SamplingSlots(rows, SPEECH_VOCAB, RAS_HISTORY, LLM.stop_tokens, LLM.eos_token, DEVICE, fused=True)
     plain.configure(torch.arange(rows, device=DEVICE),
                     [(SamplingParams(use_ras=False), 0, row) for row in range(rows)])

@@ -161,7 +161,7 @@ class PrecompiledFunction:
                  specialize_float: bool = True, duck_shape: bool = False, inference: bool = True,
                  size_oblivious: bool = False) -> None:
         self.fn = fn
-        self.jit = jit
+        self.jit = TracedInProcess(jit)  # what serves where an ahead-of-time compile fails
         self.inference = inference
         self.folder = folder
         self.dynamic = dynamic
@@ -197,13 +197,11 @@ class PrecompiledFunction:
         if not self._failed:
             self._load()
         self._sealed = True
+        self.jit.seal()
 
     def __call__(self, *args: Any) -> Any:
         if self._failed:
-            if self._sealed:  # it traces no more (the service's "eager_on_recompile" stance)
-                return self.jit(*args)
-            with EXCLUSIVE:  # a new class traces (engines/exclusive.py)
-                return self.jit(*args)
+            return self.jit(*args)
         with self._mode():
             for index, variant in enumerate(self._variants):
                 if variant.guard_check(*args):

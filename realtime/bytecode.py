@@ -81,9 +81,9 @@ def compile_packages(packages: Iterable[str], workers: int | None = None) -> Non
         if spec is not None and spec.submodule_search_locations:
             for folder in spec.submodule_search_locations:
                 sources.extend(str(path) for path in Path(folder).rglob("*.py"))
-    # A fresh server process per worker (as compileall does where fork is the default): the caller may
-    # have threads.
-    context = multiprocessing.get_context("forkserver")
+    # Fresh interpreters (the caller may have threads, so no fork), and no forkserver left running for
+    # the service's lifetime: the workers end with the pool.
+    context = multiprocessing.get_context("spawn")
     workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None)
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
         written = sum(pool.map(_compile_quietly, sources, chunksize=64))

@@ -70,6 +70,7 @@ def test_a_new_cache_holds_the_large_packages_before_their_import(package: Path,
                 for source in (package, package.parent / "part.py")]
     assert all(path.is_file() and path.is_relative_to(cache) for path in compiled)
     assert "bytecode_probe" not in sys.modules
+    assert not [command for command in child_commands() if "spawn_main" in command or "forkserver" in command]
     written = [path.stat().st_mtime_ns for path in compiled]
     sys.pycache_prefix = None
     assert keep_bytecode(cache, "bytecode_probe", precompile=("bytecode_probe",)) == cache
@@ -94,3 +95,10 @@ def test_a_failed_head_start_leaves_the_start_to_compile_on_import(
     assert "bytecode not compiled ahead (OSError: no process may be started here)" in caplog.text
     assert importlib.import_module("bytecode_probe.part").PART == 2
     assert Path(importlib.util.cache_from_source(str(package.parent / "part.py"))).is_file()
+
+
+def child_commands() -> list[str]:
+    """The command lines of this process's children (Linux)."""
+    children = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split()
+    return [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode() for pid in children
+            if Path(f"/proc/{pid}/cmdline").exists()]

@@ -49,3 +49,50 @@ async def test_quick_text_is_cut_on_the_loop_and_other_text_on_a_worker_thread(l
     loop = threading.get_ident()
     assert [text for text, _ in cut_on] == texts
     assert [thread == loop for _, thread in cut_on] == [True, False, False]
+
+
+def _held(runtime) -> int:
+    stats = runtime._running().llms[0].stats()
+    return stats.active + stats.waiting
+
+
+async def test_quick_text_reaches_the_llm_when_the_session_starts(live_server, monkeypatch, eventually):
+    """A burst's sessions each hand their LLM request over in `start`, not a loop turn later: a task's
+    first step runs only after every step queued before it, so each request used to wait until the
+    whole burst was admitted."""
+    runtime = live_server.runtime
+    llm = runtime._running().llms[0]
+    submitted: list[str] = []
+    submit = llm.submit
+
+    def recording(request):
+        submitted.append(request.request_id)
+        return submit(request)
+
+    monkeypatch.setattr(llm, "submit", recording)
+    sessions = [runtime.speak(SpeechRequest(f"Hello number {word}.",
+                                            sampling=SamplingParams(seed=i, fixed_length=2)))
+                for i, word in enumerate(["one", "two", "three"])]
+    try:
+        for count, session in enumerate(sessions, start=1):
+            session.start()  # no await: the loop takes no turn between these
+            assert len(submitted) == count
+            assert submitted[-1].startswith(session.session_id)
+        for session in sessions:
+            assert sum([chunk.pcm.size async for chunk in session]) > 0
+    finally:
+        for session in sessions:
+            await session.aclose()
+    await eventually(lambda: _held(runtime) == 0)
+
+
+async def test_a_session_closed_before_its_first_turn_cancels_its_llm_request(live_server, eventually):
+    """The request `start` submitted is the session's to release, also when its task never ran."""
+    runtime = live_server.runtime
+    await eventually(lambda: _held(runtime) == 0)
+    session = runtime.speak(SpeechRequest("Hello there.", sampling=SamplingParams(seed=3, fixed_length=500)))
+    session.start()
+    assert _held(runtime) == 1
+    await session.aclose()  # before the loop ran the session's task
+    await eventually(lambda: _held(runtime) == 0)
+    assert not runtime._sessions

@@ -585,10 +585,6 @@ class Runtime:
             self.voices.remove(voice_id, requester)
         self._forget_voice(voice_id)
 
-    def voice_ready(self, voice_id: str) -> bool:
-        """Whether `voice_id` is prepared here: then `speak` needs no `ensure_voice` first."""
-        return voice_id in self._prepared
-
     async def ensure_voice(self, voice_id: str) -> None:
         """Make usable here a voice that another replica stored in the shared voices directory, before
         its first use; transports call it before `speak`. One stat when there is nothing to do; loads

@@ -258,11 +258,9 @@ class Session:
         self._voice = voice
         self._prompt = prompt
         self._prepare_segments = segments
-        # Quick text (a fraction of a millisecond) is cut on the loop, in `start`: a worker thread's round
-        # trip through the GIL and the event loop costs more, and a burst of sessions queues behind those
-        # hops.
+        # Quick text (a fraction of a millisecond) is cut here: a worker thread's round trip through the
+        # GIL and the event loop costs more, and a burst of sessions queues behind those hops.
         self._prepare_on_loop = prepare_on_loop
-        self._start_failure: Exception | None = None  # what cutting or submitting in `start` raised
         self._segments: list[Segment] = []  # once prepared
         self._engines = engines
         self._metrics = metrics
@@ -306,27 +304,7 @@ class Session:
     def start(self) -> None:
         """Begin synthesis now rather than at the first iteration (to have audio ready sooner)."""
         if self._task is None and not self._done:
-            if self._prepare_on_loop:
-                self._prepare_now()
             self._task = asyncio.create_task(self._produce(), name=f"tts-session-{self.session_id}")
-
-    def _prepare_now(self) -> None:
-        """Cut quick text and submit its first LLM request here, not in the task: the loop runs a new
-        task's first step only after the steps already queued, so in a burst every session's request
-        waited until all the burst's arrivals were admitted (the LLM then prefilled them late and in one
-        clump). What this raises, the task raises on its first step."""
-        try:
-            self._take_segments(self._prepare_segments())
-            self._upcoming = self._submit(0)
-        except Exception as exc:  # noqa: BLE001 - handed to `_produce`, which reports each kind
-            self._start_failure = exc
-
-    def _take_segments(self, segments: Sequence[Segment]) -> None:
-        if not segments:
-            raise ServiceError("empty_text", "text is empty or only whitespace")
-        self._segments = list(segments)
-        self._metrics.text_prepared.observe(self._clock() - self._created)
-        self._prepared.set()
 
     def __aiter__(self) -> Session:
         return self
@@ -353,9 +331,6 @@ class Session:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self._upcoming is not None:  # submitted in `start`, by a task cancelled before its first step
-            self._upcoming.cancel()
-            self._upcoming = None
         self._release_admission()
         # Wake a consumer that another task may have left waiting on the queue.
         while not self._out.empty():
@@ -380,11 +355,16 @@ class Session:
     async def _produce(self) -> None:
         started = self._clock()
         try:
-            if self._start_failure is not None:
-                raise self._start_failure
-            if not self._prepare_on_loop:
-                # Normalising and cutting the text may take a while: off the event loop, after admission.
-                self._take_segments(await asyncio.to_thread(self._prepare_segments))
+            # Normalising and cutting the text may take a while: off the event loop, after admission,
+            # unless it is quick (`TextFrontend.prepares_quickly`).
+            if self._prepare_on_loop:
+                self._segments = list(self._prepare_segments())
+            else:
+                self._segments = list(await asyncio.to_thread(self._prepare_segments))
+            if not self._segments:
+                raise ServiceError("empty_text", "text is empty or only whitespace")
+            self._metrics.text_prepared.observe(self._clock() - self._created)
+            self._prepared.set()
             for index, segment in enumerate(self._segments):
                 token_stream, self._upcoming = self._upcoming or self._submit(index), None
                 await self._speak_segment(segment, token_stream, index + 1)

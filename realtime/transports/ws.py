@@ -69,7 +69,7 @@ class _ContextRunner:
     when the socket closes; a later context with the same id gets a new runner.
     """
 
-    def __init__(self, connection: _Connection, start: StartContext, first_text: str) -> None:
+    def __init__(self, connection: _Connection, start: StartContext) -> None:
         self._connection = connection
         self._start = start
         # None: the context ended; no text follows. The protocol refuses texts beyond
@@ -89,25 +89,7 @@ class _ContextRunner:
             if start.encoding is Encoding.OPUS
             else None
         )
-        # The first text's session, opened here rather than by the task (or what opening it raised, which
-        # the task reports): the loop runs a new task's first step only after every step queued before
-        # it, so in a burst each context's LLM request waited until all the burst's messages were read.
-        self._first: Session | Exception | None = self._open_now(first_text)
-        if self._first is None:  # its voice must be loaded first: the task opens it
-            self._texts.put_nowait(first_text)
         self._task = asyncio.create_task(self._run(), name=f"ws-context-{start.context_id}")
-
-    def _open_now(self, text: str) -> Session | Exception | None:
-        """`_open` without awaiting, started, where the voice is ready (None where it is not)."""
-        runtime = self._connection.runtime
-        if not runtime.voice_ready(self._start.voice):
-            return None
-        try:
-            session = runtime.speak(self._request(text), continuing=True)
-        except Exception as exc:  # noqa: BLE001 - reported by the task, as `_open`'s would be
-            return exc
-        session.start()
-        return session
 
     def speak(self, text: str) -> None:
         self._texts.put_nowait(text)
@@ -121,9 +103,6 @@ class _ContextRunner:
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError, TimeoutError):
             await asyncio.wait_for(self._task, CANCEL_TIMEOUT_S)
-        first, self._first = self._first, None  # opened for a task cancelled before its first step
-        if isinstance(first, Session):
-            await first.aclose()
 
     async def _run(self) -> None:
         """Drain one session after another. While one is sent, the next queued text's session is
@@ -132,10 +111,6 @@ class _ContextRunner:
         session: Session | None = None
         upcoming: Session | None = None
         try:
-            first, self._first = self._first, None
-            if isinstance(first, Exception):
-                raise first
-            upcoming = first
             while True:
                 if upcoming is None:
                     text, self._deferred = self._deferred, None
@@ -192,14 +167,14 @@ class _ContextRunner:
         return upcoming
 
     async def _open(self, text: str) -> Session:
-        # Text of an open context is work accepted already: a drain lets it finish.
-        return await self._connection.runtime.open_session(self._request(text), continuing=True)
-
-    def _request(self, text: str) -> SpeechRequest:
         start = self._start
         sampling = SamplingParams(seed=start.seed, fixed_length=start.fixed_length)
-        return SpeechRequest(text=text, voice=start.voice, speed=start.speed, sampling=sampling,
-                             instructions=start.instructions, language=start.language, mode=start.mode)
+        # Text of an open context is work accepted already: a drain lets it finish.
+        return await self._connection.runtime.open_session(
+            SpeechRequest(text=text, voice=start.voice, speed=start.speed, sampling=sampling,
+                          instructions=start.instructions, language=start.language, mode=start.mode),
+            continuing=True,
+        )
 
     async def _send(
         self, chunk: AudioChunk, resampler: Resampler, encoder: StreamEncoder, offset_s: float
@@ -386,12 +361,10 @@ class _Connection:
                 # The policy looks again only where it asks to: a Wake that it still wants comes after
                 # the Speak; an end or a flush speaks everything and wants none.
                 self._cancel_wake(action.context.context_id)
-                context_id = action.context.context_id
-                runner = self._runners.get(context_id)
+                runner = self._runners.get(action.context.context_id)
                 if runner is None:
-                    self._runners[context_id] = _ContextRunner(self, action.context, action.text)
-                else:
-                    runner.speak(action.text)
+                    runner = self._runners[action.context.context_id] = _ContextRunner(self, action.context)
+                runner.speak(action.text)
             elif isinstance(action, Wake):
                 self._cancel_wake(action.context_id)
                 self._wakes[action.context_id] = asyncio.get_running_loop().call_later(

@@ -205,30 +205,3 @@ async def test_a_pause_speaks_waiting_text_and_a_cancel_leaves_its_timer_nothing
             assert frames.empty()
         finally:
             await demux.aclose()
-
-
-async def test_contexts_cancelled_with_their_first_text_free_their_sessions(live_server, eventually):
-    """A context's first text opens its session as the message is read (ws.py: `_ContextRunner`), before
-    the context's task has run; a cancel read right after it, in the same turn of the loop, must still
-    close that session and its LLM request."""
-    runtime = live_server.runtime
-    llm = runtime._running().llms[0]
-    async with connect(f"{live_server.ws_url}/v1/ws") as ws:
-        demux = Demux(ws, native_context)
-        try:
-            for index in range(8):
-                context_id = f"gone-{index}"
-                frames = [{"type": "start", "context_id": context_id, "fixed_length": 500, "seed": index},
-                          {"type": "text", "context_id": context_id, "text": "Hello there."},
-                          {"type": "end", "context_id": context_id},
-                          {"type": "cancel", "context_id": context_id}]
-                for frame in frames:
-                    await ws.send(json.dumps(frame))
-                async with asyncio.timeout(30):
-                    while isinstance(message := await demux.queue(context_id).get(), bytes):
-                        pass
-                assert json.loads(message) == {"type": "done", "context_id": context_id, "cancelled": True}
-        finally:
-            await demux.aclose()
-    await eventually(lambda: runtime.stats().active_streams == 0)
-    await eventually(lambda: llm.stats().active + llm.stats().waiting == 0)

@@ -1,7 +1,9 @@
 """Where a burst's first audio goes between the clients and the server: per stream, from the client's
-`start` to the server's session (admission), to the server's first audio (synthesis), to the client's
-first audio frame (delivery), on one clock (CLOCK_MONOTONIC: `time.perf_counter` and `time.monotonic`
-read it in both processes on Linux).
+`start` to the server's session (admission), to its LLM request's submission (text cut on the loop or a
+worker thread), to its first speech token on the host (the LLM's queue and prefill), to the server's
+first audio (the first chunk's tokens and token2wav), to the client's first audio frame (delivery), on
+one clock (CLOCK_MONOTONIC: `time.perf_counter` and `time.monotonic` read it in both processes on
+Linux).
 
     python3 benchmarks/first_audio_gap.py --models /tmp/m --streams 16 64 -- --device cuda --max-streams 320
 
@@ -36,17 +38,38 @@ SERVER = """
 import os, sys, threading, time
 sys.path.insert(0, sys.argv[2])  # the repository this script belongs to
 import realtime.session as session
+# A record: [seed, created, first audio, first LLM request submitted, its first token on the loop].
 records, path = {}, sys.argv[1]
-created_init, emit = session.Session.__init__, session.Session._emit
+first_streams, wrapped = {}, set()  # token stream id -> its record; token stream classes wrapped
+created_init, emit, submit = session.Session.__init__, session.Session._emit, session.Session._submit
 def init(self, *args, **kwargs):
     created_init(self, *args, **kwargs)
-    records[self.session_id] = [self.request.sampling.seed, time.perf_counter(), None]
+    records[self.session_id] = [self.request.sampling.seed, time.perf_counter(), None, None, None]
 async def first_emit(self, pcm, *args, **kwargs):
     record = records.get(self.session_id)
     if record is not None and record[2] is None and pcm.size:
         record[2] = time.perf_counter()
     await emit(self, pcm, *args, **kwargs)
-session.Session.__init__, session.Session._emit = init, first_emit
+def wrap_first_token(cls):
+    anext_ = cls.__anext__
+    async def first_token(stream):
+        tokens = await anext_(stream)
+        record = first_streams.pop(id(stream), None)
+        if record is not None:
+            record[4] = time.perf_counter()
+        return tokens
+    cls.__anext__ = first_token
+def submitted(self, index):
+    stream = submit(self, index)
+    record = records.get(self.session_id)
+    if record is not None and index == 0:
+        record[3] = time.perf_counter()
+        first_streams[id(stream)] = record
+        if type(stream) not in wrapped:
+            wrapped.add(type(stream))
+            wrap_first_token(type(stream))
+    return stream
+session.Session.__init__, session.Session._emit, session.Session._submit = init, first_emit, submitted
 def dump():
     written = None
     while True:
@@ -72,21 +95,25 @@ def report(streams: int, results: list[StreamResult], server: list[list[float]])
               if math.isfinite(r.first_chunk_s)}
     if not client:
         return f"{streams} streams: no first audio came back"
-    by_seed: dict[int, tuple[float, float]] = {}
-    for seed, created, audio in sorted(server, key=lambda record: record[1]):
-        by_seed.setdefault(int(seed), (created, audio))  # a context's first text (its first session)
-    rows = [(sent, by_seed[seed][0], by_seed[seed][1], received)
-            for seed, (sent, received) in client.items() if seed in by_seed]
+    by_seed: dict[int, tuple[float, float, float, float]] = {}
+    for seed, created, audio, submitted, first_token in sorted(server, key=lambda record: record[1]):
+        # A context's first text (its first session).
+        by_seed.setdefault(int(seed), (created, submitted, first_token, audio))
+    rows = [(sent, *by_seed[seed], received) for seed, (sent, received) in client.items() if seed in by_seed]
     if not rows:
         return f"{streams} streams: no server record matched the clients' seeds"
     t0 = min(sent for sent, *_ in rows)
     parts = {
-        "start → session": [created - sent for sent, created, _, _ in rows],
-        "session → server audio": [audio - created for _, created, audio, _ in rows],
-        "server audio → client": [received - audio for _, _, audio, received in rows],
-        "start → client audio": [received - sent for sent, _, _, received in rows],
-        "session created (after first start)": [created - t0 for _, created, _, _ in rows],
-        "server audio (after first start)": [audio - t0 for _, _, audio, _ in rows],
+        "start → session": [created - sent for sent, created, *_ in rows],
+        "session → LLM request": [submitted - created for _, created, submitted, *_ in rows],
+        "LLM request → first token": [token - submitted for _, _, submitted, token, *_ in rows],
+        "first token → server audio": [audio - token for *_, token, audio, _ in rows],
+        "server audio → client": [received - audio for *_, audio, received in rows],
+        "start → client audio": [received - sent for sent, *_, received in rows],
+        "session created (after first start)": [created - t0 for _, created, *_ in rows],
+        "LLM request (after first start)": [submitted - t0 for _, _, submitted, *_ in rows],
+        "first token (after first start)": [token - t0 for _, _, _, token, *_ in rows],
+        "server audio (after first start)": [audio - t0 for *_, audio, _ in rows],
     }
     lines = [f"{streams} streams ({len(rows)} matched): ms p50 / mean / max"]
     for name, values in parts.items():

@@ -14,7 +14,7 @@ loads the variants instead of compiling them (on an H100 host: 12 workers done ~
 jobs, docs/benchmarks.md nineteenth session).
 
 Each list is one chunk of the warm-up's schedule and attention layout at every batch size, largest
-first, as the warm-up runs them (`flow_dit.compile_job_shapes`): a class is compiled at the shapes the
+first, as the warm-up runs them (`warmup_shapes.compile_job_shapes`): a class is compiled at the shapes the
 warm-up would have compiled it at (Inductor picks its kernels' configurations by the first shapes), and
 a worker that meets a class another has saved meanwhile loads it instead. A worker that fails is
 logged; the warm-up compiles what is missing, as without workers.

@@ -42,6 +42,7 @@ from engines.token2wav.hift_stream import HiFTStream, launch_vocode_streams
 from engines.token2wav.stream_memory import stream_state_bytes
 from engines.token2wav.torch_warmup import Phases, staged_warmup
 from engines.token2wav.vocoder_graphs import FINAL_CHUNK_FRAMES, GraphedVocoder
+from engines.token2wav.warmup_shapes import reserve_graphs, start_compiling_blocks
 from engines.voice import VoicePrompt
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ def schedule_hops(graph_hops: Sequence[int]) -> tuple[int, ...]:
 
 def compile_worker_count(graph_hops: Sequence[int]) -> int:
     """A cold start's DiT block compile workers: one per chunk the warm-up's streams run (`schedule_hops`
-    and the final one) and attention layout (two: flow_dit.compile_job_shapes) where the cores allow,
+    and the final one) and attention layout (two: warmup_shapes.compile_job_shapes) where the cores allow,
     else one per chunk (the split's lists are then merged back)."""
     chunks = len(schedule_hops(graph_hops)) + 1
     return 2 * chunks if 2 * chunks <= len(os.sched_getaffinity(0)) else chunks
@@ -274,7 +275,7 @@ class TorchToken2Wav(Token2Wav):
             phases.end("compile workers (the wait for them)")
         voice = _dit_speaker(speaker)
         if isinstance(self.flow, DiTFlow) and voice is not None:
-            self.flow.reserve_graphs(batches, hops, voice)
+            reserve_graphs(self.flow, batches, hops, voice)
         yield from staged_warmup(self, speaker, voice, batches, hops, phases)
 
     def release_warmup(self) -> None:
@@ -304,7 +305,7 @@ class TorchToken2Wav(Token2Wav):
             return None
         hops, prompt_frames = schedule_hops(self.graph_hops), voice.prompt_frames
         try:
-            return flow.start_compiling_blocks(batches, hops, prompt_frames, idle)
+            return start_compiling_blocks(flow, batches, hops, prompt_frames, idle)
         except Exception as exc:  # no processes on this host, say: compile in the warm-up as before
             if idle is not None:
                 idle.stop()

@@ -6,7 +6,7 @@ at every batch size, and the final chunks' shapes): ~30 s of an H100 restart, ea
 hundreds of milliseconds of host time (docs/benchmarks.md, twentieth session), while serving needs few of
 them at once. The first stage runs, largest shapes first:
 - every chunk of the largest batch through the schedule, and that batch's later solve and encoder graphs
-  (`DiTFlow.later_graph_shapes`): the graphs' memory pools reach their peak before traffic (final-chunk
+  (`warmup_shapes.later_graph_shapes`): the graphs' memory pools reach their peak before traffic (final-chunk
   vocoder graphs are bounded by the largest chunk graph), so that memory admission, measured once the
   first stage is done, sees it;
 - a first chunk at every other batch size: a new stream's first audio never runs eagerly.
@@ -37,6 +37,7 @@ from engines.token2wav.batching import round_up
 from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker
 from engines.token2wav.graphs import GraphedEncoder, GraphedSolver
 from engines.token2wav.vocoder_graphs import GraphedVocoder, VocodeShape
+from engines.token2wav.warmup_shapes import later_graph_shapes, planned_solve_shapes
 
 if TYPE_CHECKING:
     from engines.token2wav.torch_backend import TorchToken2Wav
@@ -52,7 +53,7 @@ def staged_warmup(t2w: TorchToken2Wav, speaker: SpeakerState, voice: DiTSpeaker 
     """The warm-up of `t2w` with `speaker`'s streams (`voice`: its DiT flow state, if any) at each of
     `batches` through chunks of `hops` tokens and a last one: the first stage until the first `yield`,
     then one step per `yield` (see the module docstring). The graphs' buffers must be sized first
-    (`DiTFlow.reserve_graphs`); `phases` goes on timing the caller's first-stage work."""
+    (`warmup_shapes.reserve_graphs`); `phases` goes on timing the caller's first-stage work."""
     tokens = torch.zeros(sum(hops) + PRE_LOOKAHEAD, dtype=torch.int64)
     largest, *others = sorted(batches, reverse=True)
     graph_sets = _graph_sets(t2w)
@@ -159,7 +160,7 @@ def _later_flow_captures(flow: object, batches: Sequence[int]) -> WarmupSteps:
     """Capture the solve and encoder graphs at `batches` rows that chunk passes do not meet, one per
     `yield` (the shapes follow from what the passes before met; those captured already are skipped)."""
     if isinstance(flow, DiTFlow):
-        for shape in flow.later_graph_shapes(batches):
+        for shape in later_graph_shapes(flow, batches):
             if flow.capture_graph(shape):
                 yield
 
@@ -172,9 +173,9 @@ def _graphs_of_pass(t2w: TorchToken2Wav, voice: DiTSpeaker | None, batch: int, h
     longest steps, up to ~0.7 s on an H100, which a call arriving meanwhile waits for)."""
     flow, vocoder = t2w.flow, t2w.vocoder_graphs
     if isinstance(flow, DiTFlow) and voice is not None:
-        planned = flow.planned_solve_shapes([batch], hops, voice.prompt_frames)
+        planned = planned_solve_shapes(flow, [batch], hops, voice.prompt_frames)
         solves = [shape for shapes in planned for shape in shapes if flow.buckets.shape(shape) == shape]
-        for planned_shape in [*solves, *flow.later_graph_shapes([batch])]:
+        for planned_shape in [*solves, *later_graph_shapes(flow, [batch])]:
             if flow.capture_graph(planned_shape):
                 yield
     rows = None if vocoder is None else round_up(batch, vocoder.batches)

@@ -18,6 +18,14 @@ from engines.token2wav.batching import Buckets, EncodeShape, SolveShape
 from engines.token2wav.block_compile import BlockCompileJob, guarded_state
 from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker
 from engines.token2wav.graphs import EncoderLayout
+from engines.token2wav.warmup_shapes import (
+    compile_job_shapes,
+    encoder_capture_shapes,
+    planned_encoder_history,
+    planned_solve_shapes,
+    reserve_graphs,
+    start_compiling_blocks,
+)
 
 # Small buckets for the tiny models: frames of hops 5 / 8 / 12 and of the last chunk (the lookahead).
 BUCKETS = Buckets(batch=(1, 2, 4), frames=(6, 10, 16, 24), prompt_frames=(32, 64), own_frames=(8, 16, 32),
@@ -74,7 +82,7 @@ def test_planned_solve_shapes_are_those_the_chunk_pass_solves(capped: bool) -> N
         flow.limit_solve_memory(1)  # every batch of more than one row exceeds it: one row per solve
     batches = (4, 2, 1)
     solved = chunk_pass(flow, speaker, batches)
-    planned = flow.planned_solve_shapes(batches, HOPS, speaker.prompt_frames)
+    planned = planned_solve_shapes(flow, batches, HOPS, speaker.prompt_frames)
     assert planned == solved
     assert any(shape.own_frames == 0 for shape in planned[0])  # first chunks, then cached ones
     assert all(shape.own_frames > 0 for shape in planned[1])
@@ -92,10 +100,10 @@ def test_planned_encoder_history_is_the_most_the_chunk_pass_encodes_at() -> None
     run_in_step(flow, speaker, (4, 2, 1))
     met = {shape.history for shape in encoder.runs}
     assert len(met) > 1  # the pass grows the history: sizing for its first shape would not do
-    planned = flow.planned_encoder_history(HOPS, speaker.encoder.num_tokens)
+    planned = planned_encoder_history(flow, HOPS, speaker.encoder.num_tokens)
     assert planned == max(met)
     # The shape the buffers are sized for holds every buffer of every shape the warm-up then captures.
-    captures = flow.encoder_capture_shapes((4, 2, 1), planned)
+    captures = encoder_capture_shapes(flow, (4, 2, 1), planned)
     layout = EncoderLayout(flow.cfg.encoder, flow.cfg.output_size, flow.dtype, flow.device)
 
     def sizes(shape: EncodeShape) -> dict[str, int]:
@@ -136,7 +144,7 @@ def test_workers_compile_the_classes_the_warm_up_then_loads(
     assert block is not None and block.variants == 0
     speaker = kept.prepare_speaker(make_voice(1, 12))
     kept.use_bucketed_solver(None, BUCKETS)
-    planned = kept.planned_solve_shapes((2,), HOPS[:2], speaker.prompt_frames)[:2]  # first, second chunks
+    planned = planned_solve_shapes(kept, (2,), HOPS[:2], speaker.prompt_frames)[:2]  # first, second chunks
     matmul = torch.backends.cuda.matmul.fp32_precision
     conv = torch.backends.cudnn.conv.fp32_precision  # type: ignore[attr-defined]
     jobs = [BlockCompileJob(kept.cfg, kept.dtype, "cpu", block.folder, tuple(shapes),
@@ -285,7 +293,7 @@ def test_jobs_carry_the_parents_state_and_a_restart_starts_none(tmp_path: Path,
     the folder holds a variant (a restart) nothing is started and idle workers are stopped."""
     import pickle
 
-    import engines.token2wav.flow_dit as flow_dit
+    import engines.token2wav.warmup_shapes as warmup_shapes
 
     started: list[list[BlockCompileJob]] = []
 
@@ -295,16 +303,16 @@ def test_jobs_carry_the_parents_state_and_a_restart_starts_none(tmp_path: Path,
             started.append(jobs)
             return cls()
 
-    monkeypatch.setattr(flow_dit, "BlockCompileWorkers", Recorded)
+    monkeypatch.setattr(warmup_shapes, "BlockCompileWorkers", Recorded)
     flow = seeded_flow().requires_grad_(True)  # as a loaded flow
     flow.use_bucketed_solver(None, BUCKETS)
     flow.decoder.estimator.compile_blocks(precompiled=tmp_path)
     block = flow.decoder.estimator.kept_block
     assert block is not None
     speaker = flow.prepare_speaker(make_voice(1, 12))
-    assert flow.start_compiling_blocks((2, 1), HOPS, speaker.prompt_frames) is not None
+    assert start_compiling_blocks(flow, (2, 1), HOPS, speaker.prompt_frames) is not None
     (jobs,) = started
-    planned = flow.planned_solve_shapes((2, 1), HOPS, speaker.prompt_frames)
+    planned = planned_solve_shapes(flow, (2, 1), HOPS, speaker.prompt_frames)
     # The tiny buckets' batches (2 and 1 streams) are all of the one-call attention layout: one job per chunk.
     assert [job.shapes for job in jobs] == [tuple(shapes) for shapes in planned]
     for job in jobs:
@@ -314,10 +322,10 @@ def test_jobs_carry_the_parents_state_and_a_restart_starts_none(tmp_path: Path,
         assert pickle.loads(pickle.dumps(job)) == job
     chunks = len(planned)
     idle = IdleWorkers(chunks, running=chunks)  # spawned early, all still waiting: they take the jobs
-    assert flow.start_compiling_blocks((2, 1), HOPS, speaker.prompt_frames, idle) is idle  # type: ignore[arg-type]
+    assert start_compiling_blocks(flow, (2, 1), HOPS, speaker.prompt_frames, idle) is idle  # type: ignore[arg-type]
     assert idle.calls == [f"run {chunks}"] and len(started) == 1
     ended = IdleWorkers(chunks, running=chunks - 1)  # one gave up waiting: fresh ones take the jobs
-    assert isinstance(flow.start_compiling_blocks((2, 1), HOPS, speaker.prompt_frames, ended),  # type: ignore[arg-type]
+    assert isinstance(start_compiling_blocks(flow, (2, 1), HOPS, speaker.prompt_frames, ended),  # type: ignore[arg-type]
                       Recorded)
     assert ended.calls == ["stop"] and len(started) == 2
     stream = flow.open_stream(speaker)  # one chunk compiles (and keeps) a class: no longer a cold start
@@ -325,7 +333,7 @@ def test_jobs_carry_the_parents_state_and_a_restart_starts_none(tmp_path: Path,
         flow.chunks([stream], [torch.zeros(HOPS[0] + PRE_LOOKAHEAD, dtype=torch.int64)], [False])
     assert block.variants >= 1
     spare = IdleWorkers(chunks, running=chunks)
-    assert flow.start_compiling_blocks((2, 1), HOPS, speaker.prompt_frames, spare) is None  # type: ignore[arg-type]
+    assert start_compiling_blocks(flow, (2, 1), HOPS, speaker.prompt_frames, spare) is None  # type: ignore[arg-type]
     assert spare.calls == ["stop"] and len(started) == 2
 
 
@@ -334,7 +342,6 @@ def test_a_chunks_shapes_split_by_attention_layout_while_there_are_workers_for_t
     rows and those within it (two shape classes a single worker would compile one after the other), in
     their planned order; where that makes more lists than workers, one list per chunk."""
     from engines.token2wav.dit import ONE_CALL_MAX_ROWS
-    from engines.token2wav.flow_dit import compile_job_shapes
 
     small = ONE_CALL_MAX_ROWS // 2  # streams
     first = [SolveShape(batch, 30, 0, 256, 30) for batch in (64, 32, small, 1)]
@@ -383,11 +390,11 @@ def test_on_cuda_the_workers_compile_every_class_of_the_chunk_pass(tmp_path: Pat
     assert block is not None and block.variants == 0
     speaker = flow.prepare_speaker(make_voice(1, 12))
     batches = (4, 2, 1)
-    workers = flow.start_compiling_blocks(batches, HOPS, speaker.prompt_frames, idle)
+    workers = start_compiling_blocks(flow, batches, HOPS, speaker.prompt_frames, idle)
     assert workers is idle and workers.wait() == len(HOPS) + 1
     assert block.variants == 0  # saved by the workers; the flow's block loads them when it meets them
     # As TorchToken2Wav.warmup: the graphs' buffers sized first (outside inference mode).
-    flow.reserve_graphs(batches, HOPS, speaker)
+    reserve_graphs(flow, batches, HOPS, speaker)
     run_in_step(flow, speaker, batches)
     assert block.compiled == 0 and block.variants > 0
     assert idle_workers_for_cold_start(kept, TRIMMING, torch.float16, cuda, len(HOPS) + 1) is None

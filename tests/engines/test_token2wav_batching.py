@@ -31,6 +31,7 @@ from engines.token2wav.graphs import EagerEncoder, EncoderInputs, EncoderLayout,
 from engines.token2wav.hift import HiFTGenerator
 from engines.token2wav.solve_memory import SolveMemory
 from engines.token2wav.torch_backend import TorchStream, TorchToken2Wav
+from engines.token2wav.warmup_shapes import later_graph_shapes, planned_solve_shapes
 from engines.voice import VoicePrompt
 
 CONFIGS = ModelConfigs.tiny()
@@ -335,7 +336,7 @@ def test_solve_graphs_cover_every_chunk_length_cached_and_short_last_chunks_befo
            SolveShape(64, 100, 100, 256, 100), SolveShape(32, 400, 200, 256, 200)]
     # What `later_graph_shapes` reads of a GraphedSolver: the shapes met (no encoder graphs here).
     monkeypatch.setattr(DiTFlow, "graphs", property(lambda self: SimpleNamespace(shapes=met)))
-    later = flow.later_graph_shapes([64, 32])
+    later = later_graph_shapes(flow, [64, 32])
     cached = {SolveShape(b, f, 200, 256, 200) for b in (64, 32) for f in Buckets().frames}
     after_first = {SolveShape(b, f, 32, 256, min(82, 32 + f)) for b in (64, 32) for f in (30, 50)}
     after_second = {SolveShape(b, f, 100, 256, 100) for b in (64, 32) for f in (30, 50, 100)}
@@ -859,7 +860,7 @@ def test_a_staged_warm_up_captures_a_pass_s_graphs_before_the_pass(monkeypatch: 
         captured.append(shape)
         return True
 
-    monkeypatch.setattr(DiTFlow, "later_graph_shapes", lambda self, batches: [later])
+    monkeypatch.setattr(torch_warmup, "later_graph_shapes", lambda flow, batches: [later])
     monkeypatch.setattr(DiTFlow, "capture_graph", capture_flow_graph)
     hift, graph_hops = CONFIGS.hift, (4, 10)
     vocoded: list[VocodeShape] = []
@@ -879,8 +880,9 @@ def test_a_staged_warm_up_captures_a_pass_s_graphs_before_the_pass(monkeypatch: 
     t2w = SimpleNamespace(flow=flow, vocoder_graphs=vocoder)
     hops = schedule_hops(graph_hops)
     steps = sum(1 for _ in torch_warmup._graphs_of_pass(t2w, voice, 3, hops))  # type: ignore[arg-type]
-    planned = list(dict.fromkeys(shape for shapes in flow.planned_solve_shapes([3], hops, voice.prompt_frames)
-                                 for shape in shapes if flow.buckets.shape(shape) == shape))
+    per_chunk = planned_solve_shapes(flow, [3], hops, voice.prompt_frames)
+    planned = list(dict.fromkeys(shape for shapes in per_chunk for shape in shapes
+                                 if flow.buckets.shape(shape) == shape))
     assert planned and all(shape.batch == 4 for shape in planned)
     assert captured == [*planned, later]
     # The pass's later chunk after HiFT's cache (its first chunk's shape is the first stage's), then its

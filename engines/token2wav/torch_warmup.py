@@ -22,6 +22,7 @@ graphs. Without CUDA graphs all of it is the first stage.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -37,7 +38,7 @@ from engines.token2wav.batching import round_up
 from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker
 from engines.token2wav.graphs import GraphedEncoder, GraphedSolver
 from engines.token2wav.vocoder_graphs import GraphedVocoder, VocodeShape
-from engines.token2wav.warmup_shapes import later_graph_shapes, planned_solve_shapes
+from engines.token2wav.warmup_shapes import graphed_shapes, later_graph_shapes, planned_solve_shapes
 
 if TYPE_CHECKING:
     from engines.token2wav.torch_backend import TorchToken2Wav
@@ -133,18 +134,16 @@ def _chunk_pass(t2w: TorchToken2Wav, speaker: SpeakerState, batch: int, hops: Se
     """`batch` streams of `speaker` in step through chunks of `hops` tokens, then (`last`) a final chunk
     of the lookahead alone: one `yield` after each call. The streams close at the end, or when the pass
     is closed early. Each call holds engines/exclusive.py's lock: an LLM building beside it may trace."""
+    starts = list(itertools.accumulate(hops, initial=0))
+    pieces = [(tokens[start : start + hop + PRE_LOOKAHEAD], False)
+              for start, hop in zip(starts[:-1], hops, strict=True)]
+    if last:
+        pieces.append((tokens[starts[-1] :], True))
     streams = [t2w.open_stream(speaker) for _ in range(batch)]
     try:
-        start = 0
-        for hop in hops:
-            piece = tokens[start : start + hop + PRE_LOOKAHEAD]
+        for piece, final in pieces:
             with EXCLUSIVE:
-                t2w.run_chunks([ChunkJob(stream, piece, last=False) for stream in streams])
-            start += hop
-            yield
-        if last:
-            with EXCLUSIVE:
-                t2w.run_chunks([ChunkJob(stream, tokens[start:], last=True) for stream in streams])
+                t2w.run_chunks([ChunkJob(stream, piece, last=final) for stream in streams])
             yield
     finally:
         for stream in streams:
@@ -173,8 +172,7 @@ def _graphs_of_pass(t2w: TorchToken2Wav, voice: DiTSpeaker | None, batch: int, h
     longest steps, up to ~0.7 s on an H100, which a call arriving meanwhile waits for)."""
     flow, vocoder = t2w.flow, t2w.vocoder_graphs
     if isinstance(flow, DiTFlow) and voice is not None:
-        planned = planned_solve_shapes(flow, [batch], hops, voice.prompt_frames)
-        solves = [shape for shapes in planned for shape in shapes if flow.buckets.shape(shape) == shape]
+        solves = graphed_shapes(flow, planned_solve_shapes(flow, [batch], hops, voice.prompt_frames))
         for planned_shape in [*solves, *later_graph_shapes(flow, [batch])]:
             if flow.capture_graph(planned_shape):
                 yield

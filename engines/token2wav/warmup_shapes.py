@@ -63,11 +63,22 @@ def encoder_capture_shapes(flow: DiTFlow, batches: Iterable[int], reached: int) 
     """The encoder graphs of `later_graph_shapes` once streams reached `reached` history tokens: every
     chunk-token bucket at each of `batches` rows and each history bucket up to `reached`, largest first."""
     stride, buckets = flow.cfg.encoder.up_stride, flow.buckets
-    sizes = {round_up(b, buckets.batch) for b in batches}
-    rows = sorted((size for size in sizes if size is not None), reverse=True)
+    rows = _row_buckets(flow, batches)
     tokens = sorted((f // stride for f in buckets.frames if f % stride == 0), reverse=True)
     history = sorted((h for h in buckets.history_tokens if h <= reached), reverse=True)
     return [EncodeShape(b, t, h) for b in rows for t in tokens for h in history]
+
+
+def graphed_shapes(flow: DiTFlow, planned: Sequence[Sequence[SolveShape]]) -> list[SolveShape]:
+    """The shapes of `planned` (`planned_solve_shapes`) that are buckets, so have graphs (the others run
+    eagerly), in order."""
+    return [shape for shapes in planned for shape in shapes if flow.buckets.shape(shape) == shape]
+
+
+def _row_buckets(flow: DiTFlow, batches: Iterable[int]) -> list[int]:
+    """The row buckets of `batches` streams' calls, largest first (those past the buckets left out)."""
+    sizes = {round_up(b, flow.buckets.batch) for b in batches}
+    return sorted((size for size in sizes if size is not None), reverse=True)
 
 
 def later_graph_shapes(flow: DiTFlow, batches: Iterable[int]) -> list[SolveShape | EncodeShape]:
@@ -96,10 +107,8 @@ def _solve_capture_shapes(flow: DiTFlow, batches: Iterable[int], met: Sequence[S
     """The solves of `later_graph_shapes` after a chunk pass that solved `met` (see there)."""
     cached = max(met, key=lambda shape: (shape.own_frames, shape.kept_frames))
     prompts = {shape.prompt_frames for shape in met}
-    buckets = flow.buckets
-    sizes = {round_up(b, buckets.batch) for b in batches}
-    rows = sorted((size for size in sizes if size is not None), reverse=True)
-    frames = sorted(buckets.frames, reverse=True)
+    rows = _row_buckets(flow, batches)
+    frames = sorted(flow.buckets.frames, reverse=True)
     states = {(cached.own_frames, cached.kept_frames): frames[0]}
     for shape in met:
         if 0 < shape.own_frames < cached.own_frames:
@@ -124,8 +133,7 @@ def reserve_graphs(flow: DiTFlow, batches: Iterable[int], hops: Sequence[int], v
     if isinstance(encoder, GraphedEncoder) and reached is not None:
         encoder.reserve(encoder_capture_shapes(flow, batches, reached))
     if isinstance(flow.graphs, GraphedSolver):
-        planned = planned_solve_shapes(flow, batches, hops, voice.prompt_frames)
-        graphed = [shape for shapes in planned for shape in shapes if flow.buckets.shape(shape) == shape]
+        graphed = graphed_shapes(flow, planned_solve_shapes(flow, batches, hops, voice.prompt_frames))
         if graphed:
             flow.graphs.reserve([*graphed, *_solve_capture_shapes(flow, batches, graphed)])
 

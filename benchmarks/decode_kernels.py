@@ -4,7 +4,8 @@ and projections (everything but attention) through cuBLAS and the compiled eleme
 engines/llm/decode_linear.py's fused kernels (launched plainly and, on Hopper or later, with programmatic
 dependent launch: `fused_pdl`), and a step's sampling and record (`SamplingSlots`) eager
 against engines/llm/sampling_kernel.py at each of its warp counts. `--parts tiles` (not by default)
-sweeps the tiles of one row's GEMV and of the split-K adds (`tile_sweep_figures`).
+sweeps the tiles of one row's GEMVs and of the split-K adds (`tile_sweep_figures`); `--parts add_gemv` one
+row's add GEMV alone, against the split-K kernel at one row (`add_gemv_sweep`).
 
     python benchmarks/decode_kernels.py --json out.json [--parts attention norm linears sampling tiles]
 
@@ -226,6 +227,9 @@ def linear_figures(rows: int, kernels: LayerKernels) -> dict[str, Any]:
 # there (248-5116 bytes; benchmarks/kernel_compile.py's driver, sm_90).
 GEMV_TILES = [(block_n, block_k, warps, 3) for block_n in (8, 16, 32) for block_k in (64, 128, 256)
               for warps in (4, 8) if (block_n, warps) != (32, 4)]
+# One row's add GEMV (o_proj, down): (BLOCK_N, BLOCK_K, warps); unrolled too.
+ADD_GEMV_TILES = [(block_n, block_k, warps) for block_n in (4, 8, 16) for block_k in (64, 128, 256)
+                  for warps in (2, 4, 8)]
 ADD_TILES = [(block_n, block_k, warps, stages, programs, splits)
              for block_n in (16, 32) for block_k in (64, 128) for warps in (4, 8) for stages in (3, 5)
              for programs in (264, 528) for splits in (8, 16)]
@@ -245,11 +249,13 @@ def module_constants(module: ModuleType, **constants: Any) -> Iterator[None]:
 
 
 def tile_sweep_figures() -> Iterator[dict[str, Any]]:
-    """µs per call of one row's GEMV (q|k|v, gate|up) at each of GEMV_TILES, and of the split-K adds
-    (o_proj, down) at 1 and 16 rows at each of ADD_TILES, launched as the engine launches them (PDL where
-    the GPU has it). A configuration that does not compile or run is reported with its error."""
+    """µs per call of one row's GEMV (q|k|v, gate|up) at each of GEMV_TILES, of one row's add GEMV (o_proj,
+    down) at each of ADD_GEMV_TILES, and of the split-K adds at 16 rows at each of ADD_TILES, launched
+    as the engine launches them (PDL where the GPU has it). A configuration that does not compile or
+    run is reported with its error."""
     pdl = programmatic_launch.supported(DEVICE)
     inputs = {rows: LinearInputs.random(rows) for rows in (1, 16)}
+    yield from add_gemv_sweep(inputs[1], pdl)
     engine_gemv = decode_linear.ONE_ROW_TILE
     engine_add = (*decode_linear.ADD_TILE, decode_linear.TARGET_PROGRAMS, decode_linear.MAX_SPLITS)
     for tile in dict.fromkeys([engine_gemv, *GEMV_TILES]):
@@ -267,11 +273,42 @@ def tile_sweep_figures() -> Iterator[dict[str, Any]]:
         try:
             with module_constants(decode_linear, ADD_TILE=config[:4], TARGET_PROGRAMS=config[4],
                                   MAX_SPLITS=config[5]):
-                for rows, rows_inputs in inputs.items():
-                    linears = DecodeLinears(HIDDEN, INTERMEDIATE, DEVICE, pdl)
-                    ops = rows_inputs.fused_ops(linears)
-                    for name in ("o_proj", "down"):
-                        figures[f"{name}_{rows}_us"] = graph_us(ops[name], rows_inputs.copies(name))
+                ops = inputs[16].fused_ops(DecodeLinears(HIDDEN, INTERMEDIATE, DEVICE, pdl))
+                for name in ("o_proj", "down"):
+                    figures[f"{name}_16_us"] = graph_us(ops[name], inputs[16].copies(name))
+        except Exception as exc:
+            figures["error"] = f"{type(exc).__name__}: {exc}"[:200]
+        yield figures
+
+
+def add_gemv_sweep(inputs: LinearInputs, pdl: bool) -> Iterator[dict[str, Any]]:
+    """One row's o_proj and down: the split-K kernel the engine ran before `_add_gemv_kernel` (at the
+    engine's ADD_TILE), then the GEMV at each of ADD_GEMV_TILES for both (`--parts add_gemv` runs this
+    alone). Each GEMV's sum is checked against the split kernel's (`<name>_error`: relative to the
+    product, so that the residual does not hide a wrong one); `engine` names the projections whose tile
+    the engine uses."""
+    linears = DecodeLinears(HIDDEN, INTERMEDIATE, DEVICE, pdl)
+    operands = {"o_proj": (inputs.attended, inputs.o_w), "down": (inputs.hidden, inputs.down_w)}
+    split: dict[str, Any] = {"kernel": "add_split_1_row", "tile": (*decode_linear.ADD_TILE,
+                             decode_linear.TARGET_PROGRAMS, decode_linear.MAX_SPLITS)}
+    expected = {}
+    for name, (x, weights) in operands.items():
+        split[f"{name}_us"] = graph_us(lambda layer, x=x, weights=weights: linears.add_split_(
+            inputs.residual, x, weights[layer]), len(weights))
+        zeros = torch.zeros_like(inputs.residual)
+        expected[name] = linears.add_split_(zeros, x, weights[0]).float()
+    yield split
+    engine = {"o_proj": decode_linear.ONE_ROW_ADD_TILE_SHORT, "down": decode_linear.ONE_ROW_ADD_TILE_LONG}
+    for tile in dict.fromkeys([*engine.values(), *ADD_GEMV_TILES]):
+        figures: dict[str, Any] = {"kernel": "add_gemv", "tile": tile,
+                                   "engine": [name for name, used in engine.items() if used == tile]}
+        try:
+            with module_constants(decode_linear, ONE_ROW_ADD_TILE_SHORT=tile, ONE_ROW_ADD_TILE_LONG=tile):
+                for name, (x, weights) in operands.items():
+                    figures[f"{name}_us"] = graph_us(lambda layer, x=x, weights=weights: linears.add_gemv_(
+                        inputs.residual, x, weights[layer]), len(weights))
+                    got = linears.add_gemv_(torch.zeros_like(inputs.residual), x, weights[0]).float()
+                    figures[f"{name}_error"] = ((got - expected[name]).norm() / expected[name].norm()).item()
         except Exception as exc:
             figures["error"] = f"{type(exc).__name__}: {exc}"[:200]
         yield figures
@@ -315,7 +352,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--parts", nargs="+", choices=("attention", "norm", "linears", "sampling", "tiles"),
+    parser.add_argument("--parts", nargs="+",
+                        choices=("attention", "norm", "linears", "sampling", "tiles", "add_gemv"),
                         default=["attention", "norm", "linears", "sampling"])
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -329,6 +367,8 @@ def main() -> None:
         "linears": ("linears", lambda: (linear_figures(rows, kernels) for rows in (1, 2, 4, 8, 16, 32))),
         "sampling": ("sampling", lambda: (sampling_figures(rows) for rows in (1, 16, 64, 128))),
         "tiles": ("tiles", tile_sweep_figures),
+        "add_gemv": ("add_gemv", lambda: add_gemv_sweep(LinearInputs.random(1),
+                                                         programmatic_launch.supported(DEVICE))),
     }
     results: dict[str, Any] = {key: [] for key, _ in parts.values()}
     with torch.no_grad():

@@ -19,8 +19,10 @@ Here a layer is 4 launches besides attention, for up to 16 rows:
 
 `norm_linear` of a single row (one stream decoding alone, the latency case) multiplies without tl.dot,
 whose smallest tile is 16 rows, in fp32 throughout: its normalised input is not rounded to the model
-dtype. Past 16 rows cuBLAS's matmuls are faster and the general path runs. The results equal the general
-path's up to the order of fp32 sums and that rounding (tests/engines/test_llm_decode_linear.py).
+dtype. `add_linear_` of a single row is such a GEMV too, over all of K in each program (no split, so no
+partials, counters or second pass). Past 16 rows cuBLAS's matmuls are faster and the general path runs.
+The results equal the general path's up to the order of fp32 sums and that rounding
+(tests/engines/test_llm_decode_linear.py).
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ ONE_ROW_TILE = (16, 128, 8, 3)  # `_norm_gemv_kernel`: q|k|v is 72 programs, gat
 NORM_TILE = (16, 128, 8, 3)
 GATED_TILE = (32, 128, 8, 3)
 ADD_TILE = (32, 128, 4, 5)
+# `_add_gemv_kernel` (one row's adds; its K loop is unrolled): (BLOCK_N, BLOCK_K, num_warps) for rows of
+# at most SHORT_ROW positions (o_proj's 896) and for longer ones (down's 4864), the fastest of a sweep on
+# an H200 (docs/benchmarks.md, thirtieth session: 1.6 and 4.3 µs against the split-K kernel's 3.3 and 5.9).
+SHORT_ROW = 1024
+ONE_ROW_ADD_TILE_SHORT = (8, 64, 8)
+ONE_ROW_ADD_TILE_LONG = (4, 256, 16)
 # Programs `add_linear_` aims for (two per multiprocessor of an H100): 896 output columns are 28 blocks,
 # whose positions are split in up to MAX_SPLITS.
 TARGET_PROGRAMS = 264
@@ -103,6 +111,34 @@ def _norm_gemv_kernel(
         gate = out.to(dtype).to(tl.float32)
         out = gate * tl.sigmoid(gate) * (tl.sum(up_acc, 1) * rstd).to(dtype).to(tl.float32)
     tl.store(out_ptr + columns, out.to(dtype), mask=real_columns)
+
+
+@triton.jit
+def _add_gemv_kernel(
+    x_ptr, w_ptr, residual_ptr,
+    K: tl.constexpr, N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):
+    """`_add_linear_kernel` for one row: residual[block] += x @ W[block]^T with the products summed
+    elementwise in fp32 and reduced once at the end, every program over the whole row. The split-K
+    kernel's second pass (partials stored, a counter, the last split's loads of them) is two dependent
+    trips to global memory; here a program's only dependent trip is the residual's. The K loop is
+    unrolled, as in `_norm_gemv_kernel`, so that every step's loads are in flight together."""
+    if PDL:  # programmatic_launch.py: nothing is read or written before the previous kernel has ended
+        tl.extra.cuda.gdc_wait()
+    columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    real_columns = columns < N
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        real_k = k < K
+        x = tl.load(x_ptr + k, mask=real_k, other=0.0).to(tl.float32)
+        weights = tl.load(w_ptr + columns[:, None] * K + k[None, :],
+                          mask=real_columns[:, None] & real_k[None, :], other=0.0)
+        acc += weights.to(tl.float32) * x[None, :]
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    total = tl.sum(acc, 1) + tl.load(residual_ptr + columns, mask=real_columns, other=0.0).to(tl.float32)
+    tl.store(residual_ptr + columns, total.to(residual_ptr.dtype.element_ty), mask=real_columns)
 
 
 # The row count is not specialised on: Triton would compile M = 16 (divisible by 16) apart from 2..15.
@@ -254,12 +290,31 @@ class DecodeLinears:
 
     def add_linear_(self, residual: Tensor, x: Tensor, weight: Tensor) -> Tensor:
         """`residual += x @ weight^T` for rows x [M, K] and residual [M, N] (both unit stride along
-        their last axis); returns residual."""
+        their last axis); returns residual. One row takes `add_gemv_`, more `add_split_`."""
+        if x.shape[0] == 1:
+            return self.add_gemv_(residual, x, weight)
+        return self.add_split_(residual, x, weight)
+
+    def add_gemv_(self, residual: Tensor, x: Tensor, weight: Tensor) -> Tensor:
+        """`add_linear_` of one row through `_add_gemv_kernel`."""
         rows, positions = x.shape
         columns = weight.shape[0]
-        _check(x, weight, positions, rows)
-        if residual.shape != (rows, columns) or residual.stride(1) != 1:
-            raise ValueError(f"add_linear_ needs a residual of {(rows, columns)} with unit column stride")
+        _check_add(residual, x, weight)
+        if rows != 1:
+            raise ValueError(f"add_gemv_ takes one row, got {rows}")
+        block_n, block_k, warps = ONE_ROW_ADD_TILE_SHORT if positions <= SHORT_ROW else ONE_ROW_ADD_TILE_LONG
+        _add_gemv_kernel[(triton.cdiv(columns, block_n),)](
+            x, weight, residual, K=positions, N=columns, BLOCK_N=block_n, BLOCK_K=block_k,
+            PDL=self.programmatic_launch, num_warps=warps, num_stages=1,
+            **launch_options(self.programmatic_launch),
+        )
+        return residual
+
+    def add_split_(self, residual: Tensor, x: Tensor, weight: Tensor) -> Tensor:
+        """`add_linear_` of up to MAX_ROWS rows through the split-K `_add_linear_kernel`."""
+        rows, positions = x.shape
+        columns = weight.shape[0]
+        _check_add(residual, x, weight)
         block_n, block_k, warps, stages = ADD_TILE
         split = split_length(columns, positions)
         splits = triton.cdiv(positions, split)
@@ -274,6 +329,13 @@ class DecodeLinears:
             **launch_options(self.programmatic_launch),
         )
         return residual
+
+
+def _check_add(residual: Tensor, x: Tensor, weight: Tensor) -> None:
+    rows, positions = x.shape
+    _check(x, weight, positions, rows)
+    if residual.shape != (rows, weight.shape[0]) or residual.stride(1) != 1:
+        raise ValueError(f"add_linear_ needs a residual of {(rows, weight.shape[0])} with unit column stride")
 
 
 def _check(x: Tensor, weight: Tensor, positions: int, rows: int) -> None:

@@ -57,7 +57,7 @@ def test_projections_equal_their_definitions(rows: int, dtype: torch.dtype) -> N
     assert hidden.shape == (rows, INTERMEDIATE)
     assert relative_error(hidden, expected) < 1e-2
 
-    for x, weight in ((randn(rows, HIDDEN), randn(HIDDEN, HIDDEN, scale=0.05)),  # o_proj: 7 splits
+    for x, weight in ((randn(rows, HIDDEN), randn(HIDDEN, HIDDEN, scale=0.05)),  # o_proj: 7 splits past a row
                       (hidden, randn(HIDDEN, INTERMEDIATE, scale=0.05))):  # down
         product = x.float() @ weight.float().t()
         expected = (residual.float() + product).to(dtype)

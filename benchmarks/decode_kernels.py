@@ -225,11 +225,13 @@ def linear_figures(rows: int, kernels: LayerKernels) -> dict[str, Any]:
 # pipeline stages) and the split-K adds (BLOCK_N, BLOCK_K, warps, stages) with the programs they aim for
 # and their most splits. The engine's own come first. 32 columns at 4 warps are left out: gate|up spills
 # there (248-5116 bytes; benchmarks/kernel_compile.py's driver, sm_90).
+# 16 warps: the add GEMV's best for down (thirtieth session), not yet tried for these.
 GEMV_TILES = [(block_n, block_k, warps, 3) for block_n in (8, 16, 32) for block_k in (64, 128, 256)
-              for warps in (4, 8) if (block_n, warps) != (32, 4)]
-# One row's add GEMV (o_proj, down): (BLOCK_N, BLOCK_K, warps); unrolled too.
-ADD_GEMV_TILES = [(block_n, block_k, warps) for block_n in (4, 8, 16) for block_k in (64, 128, 256)
-                  for warps in (2, 4, 8)]
+              for warps in (4, 8, 16) if (block_n, warps) != (32, 4)]
+# One row's add GEMV (o_proj, down): (BLOCK_N, BLOCK_K, warps); unrolled too. 2 warps ran 2-5x slower than
+# 8 in the first sweep (docs/benchmarks.md, thirtieth session) and are left out.
+ADD_GEMV_TILES = [(block_n, block_k, warps) for block_n in (2, 4, 8, 16) for block_k in (64, 128, 256)
+                  for warps in (4, 8, 16)]
 ADD_TILES = [(block_n, block_k, warps, stages, programs, splits)
              for block_n in (16, 32) for block_k in (64, 128) for warps in (4, 8) for stages in (3, 5)
              for programs in (264, 528) for splits in (8, 16)]

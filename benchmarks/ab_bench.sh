@@ -7,8 +7,10 @@
 #       --no-search --no-baseline --server-arg=--device --server-arg=cuda
 #
 # The base tree runs first (its server compiles what the cache lacks), then this repository; ROUNDS
-# (default 1) repeats the pair, base and head alternating, since one burst's first-chunk figures move
-# by ~10 % between runs of the same code. Each run writes its JSON report to $OUT (or bench-results/)
+# (default 1) repeats the pair, since one burst's first-chunk figures move by ~10 % between runs of the
+# same code, in the order base head, head base, base head, ...: the second of two runs on one machine
+# can be slower for its place alone (token2wav calls 4-5 % at 16-64 streams, docs/benchmarks.md,
+# thirtieth session), so each side takes each place equally often over an even number of rounds. Each run writes its JSON report to $OUT (or bench-results/)
 # as ab-base-<round>.json and ab-head-<round>.json; the tables go to standard output without the
 # per-request log lines, and benchmarks/ab_summary.py ends with the p50 first chunk of every run per
 # level, side by side. BASE_SERVER_ARGS / HEAD_SERVER_ARGS (words) add server options to one side, so
@@ -29,7 +31,11 @@ MODELS=${MODELS:-/tmp/m}
 QUIET='INFO realtime.session\|INFO realtime.transports\|GET /metrics\|httpx\|WebSocket /v1/ws\|connection open'
 QUIET+='\|connection closed\|admitted: voice\|captured'
 for round in $(seq "${ROUNDS:-1}"); do
-for side in base head; do
+order="base head"
+if [ $((round % 2)) -eq 0 ]; then
+    order="head base"
+fi
+for side in $order; do
     tree=$PWD
     extra=${HEAD_SERVER_ARGS:-}
     if [ "$side" = base ]; then

@@ -1,0 +1,83 @@
+"""benchmarks/token2wav_batch.py against two trees on one machine, each side taking the first place as
+often as the second: token2wav's own call times, without a server, for a change inside the engine.
+
+    mkdir -p .gpu/base && git archive <commit> engines realtime scripts benchmarks pyproject.toml | \
+        tar -x -C .gpu/base          # here; .gpu/ is ignored, carry it with the call
+    bash benchmarks/on_device.sh python3 benchmarks/token2wav_ab.py .gpu/base --rounds 2 -- \
+        --models /tmp/m --size full --device cuda --batches 1 16 64 --hops 15 25 --repeats 5
+
+Round 1 runs base then head (this repository), round 2 head then base, and so on: two runs in a row on one
+machine differ for their place alone (the second ran 4-5 % slower at 16-64 streams, docs/benchmarks.md,
+thirtieth session), so a comparison wants an even number of rounds. Each run's JSON goes to --out
+(default $OUT, else bench-results/) as t2w-<side>-<round>.json and its table to standard output; the
+summary ends with, per batch and chunk, every run's ms per call and head / base of the means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parents[1]
+
+
+def run_order(rounds: int) -> list[tuple[int, str]]:
+    """(round, side) in the order they run: base first in odd rounds, head first in even ones."""
+    order = []
+    for round_ in range(1, rounds + 1):
+        sides = ("base", "head") if round_ % 2 else ("head", "base")
+        order.extend((round_, side) for side in sides)
+    return order
+
+
+def summary(reports: dict[tuple[int, str], dict[str, object]]) -> str:
+    """Per (batch, hop): each side's ms per call over its runs (in round order) and head / base of the
+    means."""
+    times: dict[tuple[int, int], dict[str, list[float]]] = {}
+    for (_, side), report in sorted(reports.items()):
+        for row in report["rows"]:  # type: ignore[attr-defined]
+            times.setdefault((row["batch"], row["hop"]), {"base": [], "head": []})[side].append(row["ms"])
+    lines = [f"{'streams':>7} {'hop':>4} {'base ms / call':>22} {'head ms / call':>22} {'head / base':>12}"]
+    for (batch, hop), sides in sorted(times.items()):
+        base, head = sides["base"], sides["head"]
+        ratio = statistics.fmean(head) / statistics.fmean(base) if base and head else float("nan")
+        lines.append(f"{batch:>7} {hop:>4} {' '.join(f'{ms:.1f}' for ms in base):>22} "
+                     f"{' '.join(f'{ms:.1f}' for ms in head):>22} {ratio:>12.3f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("base", type=Path, help="the base tree (holding benchmarks/token2wav_batch.py)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-results")))
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:split])
+    batch_args = argv[split + 1:]  # token2wav_batch.py's, after --
+    if args.rounds < 1:
+        parser.error("--rounds must be 1 or more")
+    if "--json" in batch_args:
+        parser.error("--json is this script's to set")
+    args.out.mkdir(parents=True, exist_ok=True)
+    trees = {"base": args.base.resolve(), "head": HERE}
+    reports: dict[tuple[int, str], dict[str, object]] = {}
+    for round_, side in run_order(args.rounds):
+        tree = trees[side]
+        report = args.out / f"t2w-{side}-{round_}.json"
+        print(f"== round {round_}, {side}: {tree}", flush=True)
+        path = os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))
+        subprocess.run([sys.executable, str(tree / "benchmarks" / "token2wav_batch.py"), *batch_args,
+                        "--json", str(report)], cwd=tree, env={**os.environ, "PYTHONPATH": path}, check=True)
+        reports[(round_, side)] = json.loads(report.read_text())
+    print(f"\n{summary(reports)}")
+
+
+if __name__ == "__main__":
+    main()

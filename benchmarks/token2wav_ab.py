@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parents[1]
 
 def run_order(rounds: int) -> list[tuple[int, str]]:
     """(round, side) in the order they run: base first in odd rounds, head first in even ones."""
-    order = []
+    order: list[tuple[int, str]] = []
     for round_ in range(1, rounds + 1):
         sides = ("base", "head") if round_ % 2 else ("head", "base")
         order.extend((round_, side) for side in sides)

@@ -6,9 +6,9 @@ often as the second: token2wav's own call times, without a server, for a change 
     bash benchmarks/on_device.sh python3 benchmarks/token2wav_ab.py .gpu/base --rounds 2 -- \
         --models /tmp/m --size full --device cuda --batches 1 16 64 --hops 15 25 --repeats 5
 
-Round 1 runs base then head (this repository), round 2 head then base, and so on: two runs in a row on one
-machine differ for their place alone (the second ran 4-5 % slower at 16-64 streams, docs/benchmarks.md,
-thirtieth session), so a comparison wants an even number of rounds. Each run's JSON goes to --out
+Round 1 runs base then head (this repository), round 2 head then base, and so on, so that over an even
+number of rounds an effect of the place cannot pass for one of the code (the DiT tail-fusion A/B's 4-5 %
+at 16-64 streams reversed with the order: docs/benchmarks.md, thirtieth session). Each run's JSON goes to --out
 (default $OUT, else bench-results/) as t2w-<side>-<round>.json and its table to standard output; the
 summary ends with, per batch and chunk, every run's ms per call and head / base of the means.
 """

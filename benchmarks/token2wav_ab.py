@@ -6,11 +6,15 @@ often as the second: token2wav's own call times, without a server, for a change 
     bash benchmarks/on_device.sh python3 benchmarks/token2wav_ab.py .gpu/base --rounds 2 -- \
         --models /tmp/m --size full --device cuda --batches 1 16 64 --hops 15 25 --repeats 5
 
+`--base-env` / `--head-env NAME=VALUE` (repeatable) set environment variables for one side, so BASE may be
+this repository itself for an A/B of a setting (Inductor's PDL: `. --head-env TORCHINDUCTOR_ENABLE_PDL=1`;
+the models' compile cache keeps such variants apart, engines/precompiled.py).
+
 Round 1 runs base then head (this repository), round 2 head then base, and so on, so that over an even
 number of rounds an effect of the place cannot pass for one of the code (the DiT tail-fusion A/B's 4-5 %
-at 16-64 streams reversed with the order: docs/benchmarks.md, thirtieth session). Each run's JSON goes to --out
-(default $OUT, else bench-results/) as t2w-<side>-<round>.json and its table to standard output; the
-summary ends with, per batch and chunk, every run's ms per call and head / base of the means.
+at 16-64 streams reversed with the order: docs/benchmarks.md, thirtieth session). Each run's JSON goes
+to --out (default $OUT, else bench-results/) as t2w-<side>-<round>.json and its table to standard output;
+the summary ends with, per batch and chunk, every run's ms per call and head / base of the means.
 """
 
 from __future__ import annotations
@@ -51,12 +55,24 @@ def summary(reports: dict[tuple[int, str], dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
+def environment(parser: argparse.ArgumentParser, assignments: list[str]) -> dict[str, str]:
+    """`NAME=VALUE` words as a mapping (a word without `=` is a usage error)."""
+    pairs = [word.partition("=") for word in assignments]
+    for word, (name, equals, _) in zip(assignments, pairs, strict=True):
+        if not name or not equals:
+            parser.error(f"{word!r} is not NAME=VALUE")
+    return {name: value for name, _, value in pairs}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("base", type=Path, help="the base tree (holding benchmarks/token2wav_batch.py)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-results")))
+    for side in ("base", "head"):
+        parser.add_argument(f"--{side}-env", action="append", default=[], metavar="NAME=VALUE",
+                            help=f"an environment variable for the {side} side's runs")
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
     args = parser.parse_args(argv[:split])
@@ -67,14 +83,18 @@ def main() -> None:
         parser.error("--json is this script's to set")
     args.out.mkdir(parents=True, exist_ok=True)
     trees = {"base": args.base.resolve(), "head": HERE}
+    settings = {"base": environment(parser, args.base_env), "head": environment(parser, args.head_env)}
     reports: dict[tuple[int, str], dict[str, object]] = {}
     for round_, side in run_order(args.rounds):
         tree = trees[side]
         report = args.out / f"t2w-{side}-{round_}.json"
-        print(f"== round {round_}, {side}: {tree}", flush=True)
+        extra = settings[side]
+        named = " ".join(f"{name}={value}" for name, value in extra.items())
+        print(f"== round {round_}, {side}: {tree} {named}", flush=True)
         path = os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))
         subprocess.run([sys.executable, str(tree / "benchmarks" / "token2wav_batch.py"), *batch_args,
-                        "--json", str(report)], cwd=tree, env={**os.environ, "PYTHONPATH": path}, check=True)
+                        "--json", str(report)], cwd=tree, env={**os.environ, **extra, "PYTHONPATH": path},
+                       check=True)
         reports[(round_, side)] = json.loads(report.read_text())
     print(f"\n{summary(reports)}")
 

@@ -10,10 +10,10 @@
 # (default 1) repeats the pair, since one burst's first-chunk figures move by ~10 % between runs of the
 # same code, in the order base head, head base, base head, ...: over an even number of rounds each side
 # runs first as often as second, so an effect of the place (warm caches, clocks) cannot pass for one of
-# the code (an engine A/B that reversed with the order: docs/benchmarks.md, thirtieth session). Each run writes its JSON report to $OUT (or bench-results/)
-# as ab-base-<round>.json and ab-head-<round>.json; the tables go to standard output without the
-# per-request log lines, and benchmarks/ab_summary.py ends with the p50 first chunk of every run per
-# level, side by side. BASE_SERVER_ARGS / HEAD_SERVER_ARGS (words) add server options to one side, so
+# the code (an engine A/B that reversed with the order: docs/benchmarks.md, thirtieth session). Each run
+# writes its JSON report to $OUT (or bench-results/) as ab-base-<round>.json and ab-head-<round>.json;
+# the tables go to standard output without the per-request log lines, and benchmarks/ab_summary.py
+# ends with the p50 first chunk of every run per level, side by side. BASE_SERVER_ARGS / HEAD_SERVER_ARGS (words) add server options to one side, so
 # BASE_TREE may be this repository itself for an A/B of an option:
 #
 #   BASE_SERVER_ARGS=--no-final-chunk-graphs bash benchmarks/on_device.sh bash benchmarks/ab_bench.sh . -- ...

@@ -297,9 +297,7 @@ class DecodeLinears:
 
     def add_gemv_(self, residual: Tensor, x: Tensor, weight: Tensor) -> Tensor:
         """`add_linear_` of one row through `_add_gemv_kernel`."""
-        rows, positions = x.shape
-        columns = weight.shape[0]
-        _check_add(residual, x, weight)
+        rows, positions, columns = _checked_add(residual, x, weight)
         if rows != 1:
             raise ValueError(f"add_gemv_ takes one row, got {rows}")
         block_n, block_k, warps = ONE_ROW_ADD_TILE_SHORT if positions <= SHORT_ROW else ONE_ROW_ADD_TILE_LONG
@@ -312,9 +310,7 @@ class DecodeLinears:
 
     def add_split_(self, residual: Tensor, x: Tensor, weight: Tensor) -> Tensor:
         """`add_linear_` of up to MAX_ROWS rows through the split-K `_add_linear_kernel`."""
-        rows, positions = x.shape
-        columns = weight.shape[0]
-        _check_add(residual, x, weight)
+        rows, positions, columns = _checked_add(residual, x, weight)
         block_n, block_k, warps, stages = ADD_TILE
         split = split_length(columns, positions)
         splits = triton.cdiv(positions, split)
@@ -331,11 +327,14 @@ class DecodeLinears:
         return residual
 
 
-def _check_add(residual: Tensor, x: Tensor, weight: Tensor) -> None:
+def _checked_add(residual: Tensor, x: Tensor, weight: Tensor) -> tuple[int, int, int]:
+    """The rows, input positions and output columns of `residual += x @ weight^T`, checked."""
     rows, positions = x.shape
+    columns = weight.shape[0]
     _check(x, weight, positions, rows)
-    if residual.shape != (rows, weight.shape[0]) or residual.stride(1) != 1:
-        raise ValueError(f"add_linear_ needs a residual of {(rows, weight.shape[0])} with unit column stride")
+    if residual.shape != (rows, columns) or residual.stride(1) != 1:
+        raise ValueError(f"add_linear_ needs a residual of {(rows, columns)} with unit column stride")
+    return rows, positions, columns
 
 
 def _check(x: Tensor, weight: Tensor, positions: int, rows: int) -> None:

@@ -35,6 +35,13 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.first_chunk_written = Histogram(
+            "tts_first_chunk_written_seconds",
+            "Time from a websocket context's first admitted request to the context's first audio written to "
+            "the socket (a context's later texts are left out: their first audio follows the audio before)",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.text_prepared = Histogram(
             "tts_text_prepare_seconds",
             "Time from an admitted request to its text normalised, cut and tokenised (the front-end's share "

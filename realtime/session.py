@@ -286,6 +286,10 @@ class Session:
 
     # -- consumer side ---------------------------------------------------------------------------
 
+    def since_admission(self) -> float:
+        """Seconds since the request was admitted, on the clock the session's latency metrics use."""
+        return self._clock() - self._created
+
     @property
     def usage(self) -> Usage:
         """Tokens so far (final once the iteration has ended)."""

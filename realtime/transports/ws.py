@@ -146,7 +146,10 @@ class _ContextRunner:
         offset_s = self._samples_out / start.sample_rate
         try:
             async for chunk in session:
+                context_first_audio = self._samples_out == 0 and chunk.pcm.size > 0
                 await self._send(chunk, resampler, encoder, offset_s)
+                if context_first_audio:
+                    self._connection.runtime.metrics.first_chunk_written.observe(session.since_admission())
                 if upcoming is None and self._deferred is None and not self._texts.empty():
                     text = self._texts.get_nowait()
                     assert text is not None, "a context is finished only once every text is spoken"

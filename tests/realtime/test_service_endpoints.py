@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import httpx
 import pytest
+from websockets.asyncio.client import connect
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -37,3 +41,24 @@ async def test_metrics_count_latency_and_errors(live_server):
     assert samples["tts_active_streams"] == 0
     assert "tts_token2wav_queue_depth" in samples
     assert samples['tts_errors_total{code="voice_not_found"}'] >= 1
+
+
+async def test_a_contexts_first_audio_written_is_counted_once_per_context(live_server):
+    """Two sentences in one context are two sessions (two first chunks in tts_first_chunk_latency_seconds),
+    but the client hears one first audio: tts_first_chunk_written_seconds counts it once."""
+    registry = live_server.runtime.metrics.registry
+
+    def count(name: str) -> float:
+        return registry.get_sample_value(f"{name}_count") or 0.0
+
+    written, sessions = count("tts_first_chunk_written_seconds"), count("tts_first_chunk_latency_seconds")
+    async with connect(f"{live_server.ws_url}/v1/ws") as ws:
+        await ws.send(json.dumps({"type": "start", "context_id": "two", "fixed_length": 2, "seed": 1}))
+        await ws.send(json.dumps({"type": "text", "context_id": "two", "text": "First one. Then another."}))
+        await ws.send(json.dumps({"type": "end", "context_id": "two"}))
+        async with asyncio.timeout(60):
+            async for frame in ws:
+                if isinstance(frame, str) and json.loads(frame)["type"] == "done":
+                    break
+    assert count("tts_first_chunk_latency_seconds") - sessions == 2
+    assert count("tts_first_chunk_written_seconds") - written == 1

@@ -57,7 +57,7 @@ from realtime.metrics import Metrics
 from realtime.placement import WorkerLoad, least_loaded, split_capacity
 from realtime.prompts import PromptCache, choose_mode
 from realtime.render import render_segment
-from realtime.schedule import EqualHops, ExponentialHops
+from realtime.schedule import EqualHops, ExponentialHops, Playback
 from realtime.session import PreparedVoice, Segment, ServiceError, Session, SpeechRequest, language_code
 from realtime.tasks import together
 from realtime.token2wav_worker import Token2WavWorker
@@ -365,13 +365,15 @@ class Runtime:
 
     # -- synthesis -----------------------------------------------------------------------------
 
-    async def open_session(self, request: SpeechRequest, continuing: bool = False) -> Session:
+    async def open_session(self, request: SpeechRequest, continuing: bool = False,
+                           playback: Playback | None = None) -> Session:
         """`speak`, once the request's voice is usable here: a voice another replica just stored in the
         shared directory is loaded first (`ensure_voice`). What transports call. Returns once the text is
         cut into segments (raising its ServiceError, such as `empty_text`), except for `continuing`
-        work, whose errors come from the iteration like any other."""
+        work, whose errors come from the iteration like any other. `playback`: the listener's timeline when
+        this request follows others to it (see `Playback`)."""
         await self.ensure_voice(request.voice)
-        session = self.speak(request, continuing)
+        session = self.speak(request, continuing, playback)
         if not continuing:
             try:
                 await session.prepare()
@@ -382,14 +384,15 @@ class Runtime:
                 raise
         return session
 
-    def speak(self, request: SpeechRequest, continuing: bool = False) -> Session:
+    def speak(self, request: SpeechRequest, continuing: bool = False,
+              playback: Playback | None = None) -> Session:
         """A session for `request`, admitted now; raises ServiceError when it cannot be served.
 
         `continuing`: the request carries on work accepted before a drain began (the next sentence of
         an open websocket context), which a drain lets finish; other new work is refused meanwhile.
         """
         with self._counting_errors():
-            return self._admit(request, continuing)
+            return self._admit(request, continuing, playback)
 
     @contextlib.contextmanager
     def _counting_errors(self) -> Iterator[None]:
@@ -399,7 +402,7 @@ class Runtime:
             self.metrics.error(exc.code)
             raise
 
-    def _admit(self, request: SpeechRequest, continuing: bool) -> Session:
+    def _admit(self, request: SpeechRequest, continuing: bool, playback: Playback | None) -> Session:
         if not self._accepting or (self._draining and not continuing):
             raise ServiceError("shutting_down", "the server is shutting down", 503, self.config.retry_after_s)
         voices = self._voice(request.voice)
@@ -440,6 +443,7 @@ class Runtime:
                 schedule=self.config.schedule,
                 retry_after_s=self.config.retry_after_s,
                 prepare_on_loop=self._running().text.prepares_quickly(request.text, SEGMENT_TOKENS),
+                playback=playback,
             )
         except BaseException:  # not handed to a session: nothing else would give the bytes back
             self._memory_budgets.release(index, reserved)
@@ -672,8 +676,8 @@ class _Engines:
             raise ServiceError("mode_not_supported", f"this server's {self.llm.name} LLM engine does not "
                                                      f"serve {mode} requests (it serves: {served})")
 
-    async def open_stream(self, speaker: SpeakerState) -> Token2WavStream:
-        return await self.worker.open_stream(speaker)
+    async def open_stream(self, speaker: SpeakerState, first_audio: bool = True) -> Token2WavStream:
+        return await self.worker.open_stream(speaker, first_audio)
 
     async def synthesize(
         self, stream: Token2WavStream, tokens: Sequence[int], last: bool, due: float

@@ -184,6 +184,35 @@ class ChunkScheduler:
         return chunk
 
 
+class Playback:
+    """One listener's audio timeline, shared by the sessions that speak to it one after another (a
+    websocket context's texts), on the sessions' clock: a chunk is due when the listener runs out of the
+    audio produced for it so far. So a later text's first chunk is not first audio: it has a deadline
+    behind the audio before it (a lower bound, since that text may still be producing)."""
+
+    def __init__(self) -> None:
+        self.started_at: float | None = None  # when the listener's first audio was produced
+        self.produced_s = 0.0
+
+    @property
+    def started(self) -> bool:
+        return self.started_at is not None
+
+    def due(self) -> float:
+        """When the listener needs the next chunk (-inf before its first audio)."""
+        return chunk_due(self.started_at, self.produced_s)
+
+    def ahead_s(self, now: float) -> float:
+        """Seconds of audio the listener has beyond what it played by `now` (0 before its first audio)."""
+        return 0.0 if self.started_at is None else self.produced_s - (now - self.started_at)
+
+    def produced(self, now: float, seconds: float) -> None:
+        """`seconds` more audio for the listener, produced at `now`."""
+        if self.started_at is None and seconds > 0:
+            self.started_at = now
+        self.produced_s += seconds
+
+
 def chunk_due(first_audio_at: float | None, audio_sent_s: float) -> float:
     """When a stream needs its next chunk: the moment its listener runs out of the audio sent so far
     (`first_audio_at` + `audio_sent_s`, on the clock `first_audio_at` was read from). Before any audio

@@ -44,7 +44,7 @@ from engines.llm.base import LLMError, LLMPrompt, LLMRequest, PromptMode, Sampli
 from engines.token2wav.base import SpeakerState, Token2WavStream
 from realtime.audio import MAX_SPEED, MIN_SPEED, TempoStretcher
 from realtime.metrics import Metrics
-from realtime.schedule import ChunkScheduler, Progress, ScheduleKind, chunk_due, make_policy
+from realtime.schedule import ChunkScheduler, Playback, Progress, ScheduleKind, make_policy
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +167,10 @@ class Engines(Protocol):
 
     def submit_llm(self, request: LLMRequest) -> TokenStream: ...
 
-    async def open_stream(self, speaker: SpeakerState) -> Token2WavStream: ...
+    async def open_stream(self, speaker: SpeakerState, first_audio: bool = True) -> Token2WavStream:
+        """A token2wav stream; `first_audio`: its first chunk is its listener's first audio (the worker
+        holds first-audio calls for such streams' first chunks)."""
+        ...
 
     async def synthesize(
         self, stream: Token2WavStream, tokens: Sequence[int], last: bool, due: float
@@ -252,6 +255,7 @@ class Session:
         schedule: ScheduleKind = ScheduleKind.EXPONENTIAL,
         retry_after_s: int = 1,
         prepare_on_loop: bool = False,
+        playback: Playback | None = None,
     ) -> None:
         self.session_id = session_id
         self.request = request
@@ -281,7 +285,10 @@ class Session:
         self._speech_tokens = 0
         self._samples_out = 0
         self._speech_s = 0.0
-        self._first_audio_at: float | None = None
+        self._first_audio_at: float | None = None  # this session's (its first chunk latency)
+        # The listener's timeline, which chunks are due by: shared with the sessions before and after
+        # this one on the same listener (a websocket context), else this session's own.
+        self._playback = playback or Playback()
         self._stretcher = TempoStretcher(request.speed) if request.speed != 1.0 else None
 
     # -- consumer side ---------------------------------------------------------------------------
@@ -437,7 +444,8 @@ class Session:
         stream: Token2WavStream | None = None
         tokens: list[int] = []
         try:
-            stream = await self._engines.open_stream(self._voice.speaker)
+            first_audio = not self._playback.started
+            stream = await self._engines.open_stream(self._voice.speaker, first_audio=first_audio)
             decode_started = self._clock()
             ended = False
             while not scheduler.finished:
@@ -463,7 +471,7 @@ class Session:
                         stream,
                         tokens[chunk.start : chunk.end],
                         chunk.last,
-                        due=chunk_due(self._first_audio_at, self._samples_out / SAMPLE_RATE),
+                        due=self._playback.due(),
                     )
                 chunk_end_s = segment_start_s + scheduler.offset / TOKEN_RATE_HZ
                 if chunk.last:
@@ -485,10 +493,8 @@ class Session:
     def _progress(self, tokens: int, decode_started: float) -> Progress:
         now = self._clock()
         elapsed = now - decode_started
-        ahead = 0.0
-        if self._first_audio_at is not None:
-            ahead = self._samples_out / SAMPLE_RATE - (now - self._first_audio_at)
-        return Progress(audio_ahead_s=ahead, tokens_per_s=tokens / elapsed if elapsed > 0 else 0.0)
+        return Progress(audio_ahead_s=self._playback.ahead_s(now),
+                        tokens_per_s=tokens / elapsed if elapsed > 0 else 0.0)
 
     async def _emit(self, pcm: np.ndarray, words: list[tuple[str, float, float, bool]], final: bool) -> None:
         speed = self.request.speed
@@ -507,9 +513,11 @@ class Session:
             words=tuple(WordTiming(w, s / speed, e / speed, est) for w, s, e, est in words),
             final=final,
         )
+        now = self._clock()
         if self._first_audio_at is None and pcm.size:
-            self._first_audio_at = self._clock()
-            self._metrics.first_chunk_latency.observe(self._first_audio_at - self._created)
+            self._first_audio_at = now
+            self._metrics.first_chunk_latency.observe(now - self._created)
+        self._playback.produced(now, pcm.size / SAMPLE_RATE)
         self._seq += 1
         self._samples_out += pcm.size
         self._metrics.audio_seconds.inc(pcm.size / SAMPLE_RATE)

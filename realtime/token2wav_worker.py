@@ -77,7 +77,9 @@ class _Lane:
         self.inbox: queue.SimpleQueue[_ChunkTask | _Call | None] = queue.SimpleQueue()
         self.assigned = 0  # streams routed here and not yet closed (event loop side)
         self.open_streams = 0  # streams opened here and not yet closed (this thread's side)
-        self.fresh: set[Token2WavStream] = set()  # opened here, no chunk received yet (this thread's side)
+        # Streams opened here for a listener's first audio whose first chunk has not come yet (this
+        # thread's side): the first-audio calls wait for them.
+        self.fresh: set[Token2WavStream] = set()
         self._policy = policy
         self._llm_steps = llm_steps
         self._llm_step = RecentStepTime()
@@ -427,13 +429,17 @@ class Token2WavWorker:
         """No warm-up is coming: `Token2Wav.release_warmup`."""
         await self.call(self._backend.release_warmup)
 
-    async def open_stream(self, speaker: SpeakerState) -> Token2WavStream:
+    async def open_stream(self, speaker: SpeakerState, first_audio: bool = True) -> Token2WavStream:
+        """A stream on the least loaded lane; `first_audio`: its first chunk is its listener's first audio,
+        which the lane's first-audio calls wait for (a later text or segment to a listener that has audio
+        already is not: its chunks have deadlines)."""
         lane = min(self._lanes, key=lambda candidate: candidate.assigned)
 
         def open_() -> Token2WavStream:
             stream = self._backend.open_stream(speaker)
             lane.open_streams += 1
-            lane.fresh.add(stream)
+            if first_audio:
+                lane.fresh.add(stream)
             return stream
 
         lane.assigned += 1

@@ -54,6 +54,7 @@ from realtime.protocol.core import (
 from realtime.protocol.elevenlabs import DEFAULT_OUTPUT_FORMAT, ElevenLabsDialect
 from realtime.protocol.native import NativeDialect
 from realtime.runtime import Runtime
+from realtime.schedule import Playback
 from realtime.session import AudioChunk, ServiceError, Session, SpeechRequest, WordTiming
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,9 @@ class _ContextRunner:
         self._deferred: str | None = None
         self._seq = 0
         self._samples_out = 0
+        # The listener's timeline across the context's texts: a later text's chunks are due behind the
+        # audio before it rather than first audio, which would go ahead of other contexts' first chunks.
+        self._playback = Playback()
         # Ogg Opus is one stream per context (players stop at a second, chained Ogg stream); MP3 frames
         # concatenate, so each text gets an MP3 stream of its own that ends with its last chunk.
         self._opus = (
@@ -177,6 +181,7 @@ class _ContextRunner:
             SpeechRequest(text=text, voice=start.voice, speed=start.speed, sampling=sampling,
                           instructions=start.instructions, language=start.language, mode=start.mode),
             continuing=True,
+            playback=self._playback,
         )
 
     async def _send(

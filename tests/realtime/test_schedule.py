@@ -10,6 +10,7 @@ from realtime.schedule import (
     ChunkScheduler,
     EqualHops,
     ExponentialHops,
+    Playback,
     Progress,
     ScheduleKind,
     chunk_due,
@@ -140,3 +141,14 @@ def test_chunk_due_puts_first_audio_first_then_the_listener_who_runs_out_soonest
     assert first == -math.inf
     assert sorted([well_fed, first, nearly_dry]) == [first, nearly_dry, well_fed]
     assert nearly_dry == 100.5
+
+
+def test_a_playback_is_due_at_once_until_its_first_audio_then_when_its_audio_runs_out():
+    playback = Playback()
+    assert playback.due() == -math.inf and not playback.started and playback.ahead_s(5.0) == 0.0
+    playback.produced(10.0, 0.0)  # an empty chunk starts nothing
+    assert not playback.started
+    playback.produced(10.0, 0.72)
+    playback.produced(10.3, 1.12)  # a second text's audio on the same listener adds to the same timeline
+    assert playback.started and playback.due() == pytest.approx(10.0 + 1.84)
+    assert playback.ahead_s(10.5) == pytest.approx(1.84 - 0.5)

@@ -11,6 +11,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import math
 import os
 from collections.abc import Awaitable, Callable
 
@@ -18,6 +19,7 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 
 from realtime.protocol.native import parse_audio_frame
+from realtime.token2wav_worker import Token2WavWorker
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -205,3 +207,39 @@ async def test_a_pause_speaks_waiting_text_and_a_cancel_leaves_its_timer_nothing
             assert frames.empty()
         finally:
             await demux.aclose()
+
+
+async def test_a_contexts_later_text_is_not_first_audio(live_server, monkeypatch):
+    """The context's second sentence is a session of its own, but its listener already hears the first:
+    its stream is opened as not first audio (no first-audio call waits for it) and its chunks carry
+    deadlines behind the audio before them, so only the context's first chunk is due at once."""
+    opened: list[bool] = []
+    dues: list[float] = []
+    open_stream, synthesize = Token2WavWorker.open_stream, Token2WavWorker.synthesize
+
+    async def recording_open_stream(self, speaker, first_audio=True):
+        opened.append(first_audio)
+        return await open_stream(self, speaker, first_audio)
+
+    async def recording_synthesize(self, stream, tokens, last, due):
+        dues.append(due)
+        return await synthesize(self, stream, tokens, last, due)
+
+    monkeypatch.setattr(Token2WavWorker, "open_stream", recording_open_stream)
+    monkeypatch.setattr(Token2WavWorker, "synthesize", recording_synthesize)
+    async with connect(f"{live_server.ws_url}/v1/ws") as ws:
+        demux = Demux(ws, native_context)
+        try:
+            await ws.send(json.dumps({"type": "start", "context_id": "two", "fixed_length": 30, "seed": 3}))
+            text = "First one. Then another."
+            await ws.send(json.dumps({"type": "text", "context_id": "two", "text": text}))
+            await ws.send(json.dumps({"type": "end", "context_id": "two"}))
+            async with asyncio.timeout(60):
+                while not (isinstance(frame := await demux.queue("two").get(), str)
+                           and json.loads(frame)["type"] == "done"):
+                    pass
+        finally:
+            await demux.aclose()
+    assert opened == [True, False]
+    assert len(dues) >= 4 and dues[0] == -math.inf
+    assert all(math.isfinite(due) for due in dues[1:])

@@ -69,13 +69,12 @@ class ServerFigures:
     later_chunk_wait_ms: float  # and for the others
     calls_with_first_chunks: int  # token2wav calls that held first-audio chunks
     first_chunks_per_call: float  # mean first-audio chunks in those calls
-    # Mean time from admission to the first chunk's speech tokens, and to its audio, over every session:
-    # a context whose text the input policy cut in two has a second session, whose first chunk comes while
-    # the first plays, so these read lower than the clients' first audio.
+    # Mean time from admission to the speech tokens of a listener's first audio, and to that audio. A
+    # websocket context's later texts are left out; servers before 2026-11-28 (r30) counted their sessions
+    # too, whose first chunks came while the first text played, so there both read low.
     first_tokens_ms: float
     first_chunk_ms: float
-    # mean time from a context's admission to its first audio written to the websocket: the clients' first
-    # audio as the server sees it (NaN for a server without the metric)
+    # the same to that audio written to the websocket (NaN for a server without the metric)
     first_chunk_written_ms: float = math.nan
     # mean new streams whose first chunk had not come yet when such a call started (left for a later call)
     first_chunks_pending: float = math.nan

@@ -31,7 +31,8 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.first_chunk_latency = Histogram(
             "tts_first_chunk_latency_seconds",
-            "Time from an admitted request to its first audio chunk",
+            "Time from an admitted request to its listener's first audio (a websocket context's later texts, "
+            "which follow audio already playing, are left out)",
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
@@ -51,8 +52,8 @@ class Metrics:
         )
         self.first_chunk_tokens = Histogram(
             "tts_first_chunk_tokens_seconds",
-            "Time from an admitted request to the speech tokens of its first chunk (the LLM's share of the "
-            "first chunk latency)",
+            "Time from an admitted request to the speech tokens of its listener's first audio (the LLM's "
+            "share of tts_first_chunk_latency_seconds)",
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )

@@ -285,7 +285,6 @@ class Session:
         self._speech_tokens = 0
         self._samples_out = 0
         self._speech_s = 0.0
-        self._first_audio_at: float | None = None  # this session's (its first chunk latency)
         # The listener's timeline, which chunks are due by: shared with the sessions before and after
         # this one on the same listener (a websocket context), else this session's own.
         self._playback = playback or Playback()
@@ -463,7 +462,7 @@ class Session:
                     except LLMError as exc:
                         raise ServiceError(exc.code, str(exc), 500) from exc
                     continue
-                if self._first_audio_at is None and chunk.index == 0:
+                if not self._playback.started and chunk.index == 0:  # the listener's first audio
                     self._metrics.first_chunk_tokens.observe(self._clock() - self._created)
                 pcm = np.zeros(0, dtype=np.float32)
                 if chunk.end > chunk.start:
@@ -514,8 +513,7 @@ class Session:
             final=final,
         )
         now = self._clock()
-        if self._first_audio_at is None and pcm.size:
-            self._first_audio_at = now
+        if not self._playback.started and pcm.size:  # the listener's first audio
             self._metrics.first_chunk_latency.observe(now - self._created)
         self._playback.produced(now, pcm.size / SAMPLE_RATE)
         self._seq += 1

@@ -43,15 +43,20 @@ async def test_metrics_count_latency_and_errors(live_server):
     assert samples['tts_errors_total{code="voice_not_found"}'] >= 1
 
 
-async def test_a_contexts_first_audio_written_is_counted_once_per_context(live_server):
-    """Two sentences in one context are two sessions (two first chunks in tts_first_chunk_latency_seconds),
-    but the client hears one first audio: tts_first_chunk_written_seconds counts it once."""
+async def test_a_contexts_first_audio_is_counted_once_however_many_texts_it_speaks(live_server):
+    """Two sentences in one context are two sessions, but the client hears one first audio: the first
+    audio's histograms (its tokens, its audio, its bytes written) count it once."""
     registry = live_server.runtime.metrics.registry
+    names = ("tts_first_chunk_tokens_seconds", "tts_first_chunk_latency_seconds",
+             "tts_first_chunk_written_seconds")
 
-    def count(name: str) -> float:
-        return registry.get_sample_value(f"{name}_count") or 0.0
+    def counts() -> list[float]:
+        return [registry.get_sample_value(f"{name}_count") or 0.0 for name in names]
 
-    written, sessions = count("tts_first_chunk_written_seconds"), count("tts_first_chunk_latency_seconds")
+    def sessions_done() -> float:
+        return registry.get_sample_value("tts_real_time_factor_count") or 0.0
+
+    before, finished = counts(), sessions_done()
     async with connect(f"{live_server.ws_url}/v1/ws") as ws:
         await ws.send(json.dumps({"type": "start", "context_id": "two", "fixed_length": 2, "seed": 1}))
         await ws.send(json.dumps({"type": "text", "context_id": "two", "text": "First one. Then another."}))
@@ -60,5 +65,5 @@ async def test_a_contexts_first_audio_written_is_counted_once_per_context(live_s
             async for frame in ws:
                 if isinstance(frame, str) and json.loads(frame)["type"] == "done":
                     break
-    assert count("tts_first_chunk_latency_seconds") - sessions == 2
-    assert count("tts_first_chunk_written_seconds") - written == 1
+    assert sessions_done() - finished == 2
+    assert [after - first for after, first in zip(counts(), before, strict=True)] == [1, 1, 1]

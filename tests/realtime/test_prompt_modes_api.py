@@ -271,9 +271,9 @@ async def test_token2wav_gets_the_voices_speaker_in_every_mode(live_server, rece
     opened = []
     for worker in live_server.runtime._workers:
 
-        async def recording(speaker, open_stream=worker.open_stream):  # type: ignore[no-untyped-def]
+        async def recording(speaker, first_audio=True, open_stream=worker.open_stream):  # type: ignore[no-untyped-def]
             opened.append(speaker)
-            return await open_stream(speaker)
+            return await open_stream(speaker, first_audio)
 
         monkeypatch.setattr(worker, "open_stream", recording)
     async with httpx.AsyncClient(base_url=live_server.http_url, timeout=60) as http:

@@ -19,7 +19,6 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 
 from realtime.protocol.native import parse_audio_frame
-from realtime.token2wav_worker import Token2WavWorker
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -215,18 +214,18 @@ async def test_a_contexts_later_text_is_not_first_audio(live_server, monkeypatch
     deadlines behind the audio before them, so only the context's first chunk is due at once."""
     opened: list[bool] = []
     dues: list[float] = []
-    open_stream, synthesize = Token2WavWorker.open_stream, Token2WavWorker.synthesize
+    for worker in live_server.runtime._workers:  # the instances: another test may have patched one
 
-    async def recording_open_stream(self, speaker, first_audio=True):
-        opened.append(first_audio)
-        return await open_stream(self, speaker, first_audio)
+        async def recording_open_stream(speaker, first_audio=True, open_stream=worker.open_stream):
+            opened.append(first_audio)
+            return await open_stream(speaker, first_audio)
 
-    async def recording_synthesize(self, stream, tokens, last, due):
-        dues.append(due)
-        return await synthesize(self, stream, tokens, last, due)
+        async def recording_synthesize(stream, tokens, last, due, synthesize=worker.synthesize):
+            dues.append(due)
+            return await synthesize(stream, tokens, last, due)
 
-    monkeypatch.setattr(Token2WavWorker, "open_stream", recording_open_stream)
-    monkeypatch.setattr(Token2WavWorker, "synthesize", recording_synthesize)
+        monkeypatch.setattr(worker, "open_stream", recording_open_stream)
+        monkeypatch.setattr(worker, "synthesize", recording_synthesize)
     async with connect(f"{live_server.ws_url}/v1/ws") as ws:
         demux = Demux(ws, native_context)
         try:

@@ -227,3 +227,32 @@ def test_stopping_the_worker_stops_compile_processes_no_warm_up_took(tiny_models
     worker.stop()
     assert None not in idle.exit_codes
     backend.close()  # idempotent
+
+
+async def test_a_stream_opened_for_a_listener_with_audio_holds_no_first_chunk_back(tiny_models: Path) -> None:
+    """A stream whose listener hears audio already (a context's later text: `first_audio=False`) is not
+    one the first-audio calls wait for; a new stream that sends nothing is (the metric counts, for each
+    call of first chunks, the new streams it left for a later call)."""
+    backend = TorchToken2Wav.from_models_dir(tiny_models, "dit", "cpu")
+    voice = VoicePrompt.load(ModelPaths(tiny_models).voices / "default.safetensors")
+    metrics = Metrics()
+    worker = Token2WavWorker(backend, max_batch=8, capacity=8, hold=FirstChunkHold(gap_s=0.3, max_s=2.0),
+                             metrics=metrics)
+    pending = metrics.registry.get_sample_value
+    tokens = list(range(18))
+    worker.start()
+    try:
+        speaker = await worker.prepare_speaker(voice)
+        new = await worker.open_stream(speaker)
+        follower = await worker.open_stream(speaker, first_audio=False)
+        await worker.synthesize(new, tokens, last=False, due=-math.inf)
+        assert pending("tts_token2wav_first_chunks_pending_count") == 1
+        assert pending("tts_token2wav_first_chunks_pending_sum") == 0
+        other, silent = await worker.open_stream(speaker), await worker.open_stream(speaker)
+        await worker.synthesize(other, tokens, last=False, due=-math.inf)
+        assert pending("tts_token2wav_first_chunks_pending_count") == 2
+        assert pending("tts_token2wav_first_chunks_pending_sum") == 1
+        for stream in (new, follower, other, silent):
+            worker.close_stream(stream)
+    finally:
+        await asyncio.to_thread(worker.stop)

@@ -463,7 +463,7 @@ class Session:
                         raise ServiceError(exc.code, str(exc), 500) from exc
                     continue
                 if not self._playback.started and chunk.index == 0:  # the listener's first audio
-                    self._metrics.first_chunk_tokens.observe(self._clock() - self._created)
+                    self._metrics.first_chunk_tokens.observe(self.since_admission())
                 pcm = np.zeros(0, dtype=np.float32)
                 if chunk.end > chunk.start:
                     pcm = await self._engines.synthesize(
@@ -515,8 +515,8 @@ class Session:
         now = self._clock()
         if not self._playback.started and pcm.size:  # the listener's first audio
             self._metrics.first_chunk_latency.observe(now - self._created)
-        self._playback.produced(now, pcm.size / SAMPLE_RATE)
+        self._playback.produced(now, chunk.duration_s)
         self._seq += 1
         self._samples_out += pcm.size
-        self._metrics.audio_seconds.inc(pcm.size / SAMPLE_RATE)
+        self._metrics.audio_seconds.inc(chunk.duration_s)
         await self._out.put(chunk)

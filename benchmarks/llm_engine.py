@@ -199,6 +199,37 @@ def graph_times(engine: TorchLLMEngine) -> dict[str, float]:
     return times
 
 
+def graph_kernels(engine: TorchLLMEngine, out: Path, replays: int = 20) -> None:
+    """Per captured prefill / decode graph (as `graph_times` replays them): its kernels by device time
+    per replay, from torch.profiler over `replays` replays (CUPTI sees a graph's kernels, not their ops)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner: Any = engine._runner
+    runner.prefill_rows[1:].zero_()
+    runner.prefill_rows[0].fill_(runner.scratch_slot)
+    kv_len = engine.config.prefill_graph_kv_len
+    graphs = {f"prefill{key}": runner.prefill_graphs.get(key)
+              for key in ((1, 64, kv_len), (1, 192, kv_len), (1, 256, kv_len), (16, 192, kv_len))}
+    graphs.update({f"decode{key}": runner.decode_graphs.get(key) for key in ((1, 256), (16, 512))})
+    sections = []
+    for name, graph in graphs.items():
+        if graph is None:
+            continue
+        graph.replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                graph.replay()
+            torch.cuda.synchronize()
+        kernels = sorted(((event.device_time_total / replays, event.count / replays, event.key)
+                          for event in prof.key_averages() if event.device_time_total > 0), reverse=True)
+        total, launches = sum(us for us, _, _ in kernels), sum(n for _, n, _ in kernels)
+        lines = [f"== {name}: {total:.1f} us of kernels per replay, {launches:.0f} launches"]
+        lines += [f"{us:9.1f} us {count:5.0f}x  {key[:110]}" for us, count, key in kernels[:25]]
+        sections.append("\n".join(lines))
+    out.write_text("\n\n".join(sections) + "\n")
+
+
 def profile_tables(loop: asyncio.AbstractEventLoop, engine: TorchLLMEngine, tokens: int, out: Path) -> None:
     """torch.profiler tables (top kernels by device time, top ops by host time) for one request alone
     and for a burst of 64 up to their first audio's tokens, in one text file."""
@@ -231,6 +262,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", type=Path, help="text file for torch.profiler tables")
     parser.add_argument("--label", default="")
+    parser.add_argument("--graph-kernels", type=Path,
+                        help="text file for the kernels of single prefill / decode graph replays (CUDA)")
     parser.add_argument("--programmatic-launch", action=argparse.BooleanOptionalAction, default=True,
                         help="decode kernels launched with PDL (TorchLLMConfig.programmatic_launch)")
     parser.add_argument("--dump-tokens", type=Path,
@@ -261,6 +294,8 @@ def main() -> None:
     if args.device.startswith("cuda"):
         figures["first_token_timeline_ms"] = first_token_timeline(loop, engine)
         figures["graph_replay_ms"] = graph_times(engine)
+        if args.graph_kernels is not None:
+            graph_kernels(engine, args.graph_kernels)
     loop.run_until_complete(engine.stop())
     print(json.dumps(figures, indent=1))
     if args.json is not None:

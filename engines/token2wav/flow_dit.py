@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,6 +142,35 @@ class DiTStream(FlowStream):
             return
         self.closed = True
         del self.speaker, self.encoder, self.estimator_cnn, self.estimator_kv
+
+
+@dataclass(frozen=True)
+class _StreamUpdates:
+    """The cache updates one batch of a `launch_chunks` call left, and its rows' places in the call."""
+
+    positions: list[int]
+    updates: tuple[Callable[[], None], ...]
+
+    def run(self) -> None:
+        for update in self.updates:
+            update()
+
+
+class FlowLaunch:
+    """A `DiTFlow.launch_chunks` call: one mel (1, 80, F_i) per stream with tokens, views of buffers that
+    the flow's next call overwrites, and the streams' cache updates, which `update_streams` queues (once;
+    streams closed by then are skipped: their caches are dropped). Until then the streams must not run
+    another chunk."""
+
+    def __init__(self, mels: list[torch.Tensor], pending: list[_StreamUpdates]) -> None:
+        self.mels = mels
+        self._pending = pending
+
+    @torch.inference_mode()
+    def update_streams(self) -> None:
+        pending, self._pending = self._pending, []
+        for updates in pending:
+            updates.run()
 
 
 @dataclass(frozen=True)
@@ -325,12 +354,23 @@ class DiTFlow(ConformerFlow):
     def _encoder_layout(self) -> EncoderLayout:
         return EncoderLayout(self.cfg.encoder, self.cfg.output_size, self.dtype, self.device)
 
-    @torch.inference_mode()
     def chunks(
         self, streams: Sequence[FlowStream], tokens: Sequence[torch.Tensor], lasts: Sequence[bool]
     ) -> list[torch.Tensor]:
         """`chunk` for distinct streams at once: one mel (1, 80, F_i) per stream, equal to running each
         stream alone up to float rounding (padding is masked; see batching.py)."""
+        launch = self.launch_chunks(streams, tokens, lasts)
+        with torch.inference_mode():
+            mels = [mel.clone() for mel in launch.mels]
+        launch.update_streams()
+        return mels
+
+    @torch.inference_mode()
+    def launch_chunks(
+        self, streams: Sequence[FlowStream], tokens: Sequence[torch.Tensor], lasts: Sequence[bool]
+    ) -> FlowLaunch:
+        """`chunks`, leaving the streams' cache copies to the caller (`FlowLaunch.update_streams`), to be
+        queued once what reads the mels is (the vocoder): they are not on the way to this call's audio."""
         if not self.batches_streams:
             raise TypeError(f"{type(self.decoder.estimator).__name__} cannot batch streams; use chunk()")
         if not len(streams) == len(tokens) == len(lasts):
@@ -361,17 +401,28 @@ class DiTFlow(ConformerFlow):
                                  own_frames=row.stream.estimator_kv.shape[4],
                                  kept_frames=len(row.stream.keys.after_chunk(frames).own)))
         fits = None if self.solve_memory is None else self.solve_memory.fits
+        pending: list[_StreamUpdates] = []
         for planned in plan_batches(specs, self.buckets, fits):
+            for earlier in pending:
+                # This batch's graphs overwrite the buffers that the last one's mels and updates read.
+                earlier.run()
+                for index in earlier.positions:
+                    mel = mels[index]
+                    assert mel is not None
+                    mels[index] = mel.clone()
             # Rows of one voice and equal own length side by side: they share prompt copies.
             batch = sorted(planned, key=lambda i: (specs[i].voice, rows[i].stream.encoder.num_tokens))
             batch_rows = [rows[i] for i in batch]
-            solved = self._solve_batch(batch_rows, self._encode_batch(batch_rows))
+            mu, encoder_updates = self._encode_batch(batch_rows)
+            solved, solver_updates = self._solve_batch(batch_rows, mu)
             for i, mel in zip(batch, solved, strict=True):
                 mels[positions[i]] = mel
-        return [mel for mel in mels if mel is not None]
+            pending = [_StreamUpdates([positions[i] for i in batch], (encoder_updates, solver_updates))]
+        return FlowLaunch([mel for mel in mels if mel is not None], pending)
 
-    def _encode_batch(self, rows: Sequence[_Row]) -> torch.Tensor:
-        """Encode the rows' chunks (updating their encoder caches); mu (B, 80, 2·M), right-padded."""
+    def _encode_batch(self, rows: Sequence[_Row]) -> tuple[torch.Tensor, Callable[[], None]]:
+        """Encode the rows' chunks: mu (B, 80, 2·M), right-padded, and the update of the rows' encoder
+        caches (to run before the encoder's next call)."""
         enc = self.cfg.encoder
         stride, real = enc.up_stride, len(rows)
         history = [row.speaker.encoder.num_tokens + row.stream.encoder.num_tokens for row in rows]
@@ -391,14 +442,19 @@ class DiTFlow(ConformerFlow):
         self._fill_history(inputs.cache, rows, stride)
         out = encoder.run(shape)
         update = out.update
-        # Conv contexts are small: one copy for all rows, out of buffers the next call overwrites.
-        lookahead, upsample = update.lookahead[:real].clone(), update.upsample[:real].clone()
-        for i, row in enumerate(rows):
-            own = ConformerCache(lookahead[i : i + 1], upsample[i : i + 1],
-                                 update.token_kv[:, i : i + 1, :, : row.out_tokens],
-                                 update.frame_kv[:, i : i + 1, :, : stride * row.out_tokens])
-            row.stream.encoder = row.stream.encoder.extend(own)
-        return out.mu[:real, :, : stride * tokens]
+
+        def extend_caches() -> None:
+            # Conv contexts are small: one copy for all rows, out of buffers the next call overwrites.
+            lookahead, upsample = update.lookahead[:real].clone(), update.upsample[:real].clone()
+            for i, row in enumerate(rows):
+                if row.stream.closed:
+                    continue
+                own = ConformerCache(lookahead[i : i + 1], upsample[i : i + 1],
+                                     update.token_kv[:, i : i + 1, :, : row.out_tokens],
+                                     update.frame_kv[:, i : i + 1, :, : stride * row.out_tokens])
+                row.stream.encoder = row.stream.encoder.extend(own)
+
+        return out.mu[:real, :, : stride * tokens], extend_caches
 
     def _encoder(self, exact: EncodeShape) -> tuple[EncoderRunner, EncodeShape]:
         """The bucketed encoder at the bucket holding `exact` (or at a captured graph's shape holding it:
@@ -451,8 +507,10 @@ class DiTFlow(ConformerFlow):
             return solver, solver.stand_in(shape) if isinstance(solver, GraphedSolver) else shape
         return EagerSolver(self.decoder, SolverLayout.of(self.cfg, self.dtype, self.device)), exact
 
-    def _solve_batch(self, rows: Sequence[_Row], mu: torch.Tensor) -> list[torch.Tensor]:
-        """Run the CFM over the rows' encoded chunks mu (B, 80, T); update their estimator caches."""
+    def _solve_batch(self, rows: Sequence[_Row], mu: torch.Tensor
+                     ) -> tuple[list[torch.Tensor], Callable[[], None]]:
+        """Run the CFM over the rows' encoded chunks mu (B, 80, T): each row's mel (a view of buffers the
+        solver's next call overwrites) and the update of the rows' estimator caches (to run before it)."""
         real, _, frames = mu.shape
         lengths = [self.cfg.token_mel_ratio * row.out_tokens for row in rows]
         own_lengths = [row.stream.estimator_kv.shape[4] for row in rows]
@@ -521,14 +579,17 @@ class DiTFlow(ConformerFlow):
         out = solver.run(shape)
         new_kv = out.kept_kv.view(steps, depth, 2, batch, *out.kept_kv.shape[3:])
         new_cnn = out.cnn_cache.view(steps, depth, 2, batch, *out.cnn_cache.shape[3:])
-        mels = []
-        for i, (row, length, after) in enumerate(zip(rows, lengths, afters, strict=True)):
-            count = len(kept[i])
-            row.stream.estimator_kv = clone_words(new_kv[:, :, :, i, :, kept_frames - count :])
-            row.stream.estimator_cnn = new_cnn[:, :, :, i].clone()
-            row.stream.keys = after
-            mels.append(out.mel[i : i + 1, :, :length].clone())
-        return mels
+
+        def keep_caches() -> None:
+            for i, (row, after) in enumerate(zip(rows, afters, strict=True)):
+                if row.stream.closed:
+                    continue
+                count = len(kept[i])
+                row.stream.estimator_kv = clone_words(new_kv[:, :, :, i, :, kept_frames - count :])
+                row.stream.estimator_cnn = new_cnn[:, :, :, i].clone()
+                row.stream.keys = after
+
+        return [out.mel[i : i + 1, :, :length] for i, length in enumerate(lengths)], keep_caches
 
     @torch.inference_mode()
     def offline(

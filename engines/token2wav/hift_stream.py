@@ -76,7 +76,8 @@ class HiFTStream:
         """[cached frames, mel] to vocode now, or None (and the stream closed) when there is nothing."""
         hift = self.generator
         cfg = hift.cfg
-        mel = mel.to(hift.stft_window.device, hift.conv_pre.weight.dtype)
+        # Still in the flow's dtype: the batch converts once for all its rows (cat promotes to the cache's).
+        mel = mel.to(hift.stft_window.device)
         if self._mel is not None:
             mel = torch.cat([self._mel, mel], dim=2)
         if mel.shape[2] == 0:
@@ -219,7 +220,7 @@ def launch_vocode_streams(
             rows = [pending[i] for i in indices]
             mel, noise, rows_frames = _padded_rows(hift, members, rows, key.frames, cached)
         else:
-            mel = torch.cat([pending[i] for i in indices])
+            mel = torch.cat([pending[i] for i in indices]).to(hift.conv_pre.weight.dtype)
             samples = key.frames * hift.hop_samples - cached
             noise = hift.draw_noise([s._noise for s in members], len(members), samples, mel.device)
         if graphs is None:
@@ -242,6 +243,7 @@ def _padded_rows(hift: HiFTGenerator, streams: Sequence[HiFTStream], mels: Seque
     device = mels[0].device
     lengths = [mel.shape[2] for mel in mels]
     mel = torch.cat([F.pad(m, (0, frames - n)) for m, n in zip(mels, lengths, strict=True)])
+    mel = mel.to(hift.conv_pre.weight.dtype)
     samples = frames * hift.hop_samples - cached
     own_samples = [n * hift.hop_samples - cached for n in lengths]
     noise = torch.cat([F.pad(hift.draw_noise([s._noise], 1, own, device), (0, 0, 0, samples - own))

@@ -36,7 +36,7 @@ from engines.token2wav.base import (
 from engines.token2wav.block_compile import BlockCompileWorkers, idle_workers_for_cold_start
 from engines.token2wav.dit_cache import CacheRule
 from engines.token2wav.flow_base import FlowModel, FlowSpeaker, FlowStream
-from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker, load_dit_flow
+from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker, FlowLaunch, load_dit_flow
 from engines.token2wav.hift import HiFTGenerator, load_hift
 from engines.token2wav.hift_stream import HiFTStream, launch_vocode_streams
 from engines.token2wav.stream_memory import stream_state_bytes
@@ -235,14 +235,21 @@ class TorchToken2Wav(Token2Wav):
             streams.append(job.stream)
         lasts = [job.last for job in jobs]
         flow = self.flow
+        launch: FlowLaunch | None = None
         if isinstance(flow, DiTFlow) and flow.batches_streams:
-            mels = flow.chunks([s.flow for s in streams], [job.tokens for job in jobs], lasts)
+            launch = flow.launch_chunks([s.flow for s in streams], [job.tokens for job in jobs], lasts)
+            mels = launch.mels
         else:
             mels = [flow.chunk(s.flow, job.tokens, job.last) for s, job in zip(streams, jobs, strict=True)]
-        audio = launch_vocode_streams([s.vocoder for s in streams], mels, lasts, self.vocoder_graphs)
-        for stream, last in zip(streams, lasts, strict=True):
-            if last:
-                stream.close()
+        try:
+            audio = launch_vocode_streams([s.vocoder for s in streams], mels, lasts, self.vocoder_graphs)
+            for stream, last in zip(streams, lasts, strict=True):
+                if last:
+                    stream.close()
+        finally:
+            if launch is not None:
+                # After the vocoder's work and the audio's copy: the device runs these copies after them.
+                launch.update_streams()
         return audio
 
     def warmup(self, speaker: SpeakerState, batches: Iterable[int] = WARMUP_BATCHES) -> None:

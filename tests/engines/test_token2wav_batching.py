@@ -26,6 +26,7 @@ from engines.config import PRE_LOOKAHEAD, SAMPLES_PER_TOKEN, ModelConfigs
 from engines.token2wav.base import ChunkJob, SpeakerState
 from engines.token2wav.batching import Buckets, EncodeShape, RowSpec, SolveShape, plan_batches, span_mask
 from engines.token2wav.cfm import RaggedInputs, RaggedOutputs
+from engines.token2wav.conformer import ConformerCache
 from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker
 from engines.token2wav.graphs import EagerEncoder, EncoderInputs, EncoderLayout, EncoderOutputs, SolverLayout
 from engines.token2wav.hift import HiFTGenerator
@@ -186,10 +187,12 @@ class PersistentSolver:
     """What CUDA graphs impose, on the CPU: one set of input buffers per shape, kept across calls and
     starting as large garbage, so any padding the batch fails to mask or overwrite would show."""
 
-    def __init__(self, flow: DiTFlow) -> None:
+    def __init__(self, flow: DiTFlow, keep_outputs: bool = False) -> None:
         self.flow = flow
         self.layout = SolverLayout.of(flow.cfg, flow.dtype, flow.device)
         self.inputs: dict[SolveShape, RaggedInputs] = {}
+        # keep_outputs: one set of output buffers per shape too, overwritten by every call (as a graph's)
+        self.outputs: dict[SolveShape, RaggedOutputs] | None = {} if keep_outputs else None
         self.runs: list[SolveShape] = []
 
     def buffers(self, shape: SolveShape) -> RaggedInputs:
@@ -202,16 +205,21 @@ class PersistentSolver:
 
     def run(self, shape: SolveShape) -> RaggedOutputs:
         self.runs.append(shape)
-        return self.flow.decoder.solve_ragged(self.inputs[shape])
+        if self.outputs is None:
+            return self.flow.decoder.solve_ragged(self.inputs[shape])
+        out = self.outputs.get(shape)
+        self.outputs[shape] = self.flow.decoder.solve_ragged(self.inputs[shape], out)
+        return self.outputs[shape]
 
 
 class PersistentEncoder:
     """`PersistentSolver` for the encoder: per shape, garbage input buffers kept across calls."""
 
-    def __init__(self, flow: DiTFlow) -> None:
+    def __init__(self, flow: DiTFlow, keep_outputs: bool = False) -> None:
         self.layout = EncoderLayout(flow.cfg.encoder, flow.cfg.output_size, flow.dtype, flow.device)
         self.encode = EagerEncoder(flow._encode_inputs, self.layout).encode
         self.inputs: dict[EncodeShape, EncoderInputs] = {}
+        self.outputs: dict[EncodeShape, EncoderOutputs] | None = {} if keep_outputs else None
         self.runs: list[EncodeShape] = []
 
     def buffers(self, shape: EncodeShape) -> EncoderInputs:
@@ -226,7 +234,19 @@ class PersistentEncoder:
 
     def run(self, shape: EncodeShape) -> EncoderOutputs:
         self.runs.append(shape)
-        return EncoderOutputs(*self.encode(self.inputs[shape]))
+        mu, update = self.encode(self.inputs[shape])
+        if self.outputs is None:
+            return EncoderOutputs(mu, update)
+        kept = self.outputs.setdefault(shape, EncoderOutputs(torch.empty_like(mu), ConformerCache(
+            *(torch.empty_like(t) for t in (update.lookahead, update.upsample, update.token_kv,
+                                            update.frame_kv)))))
+        kept.mu.copy_(mu)
+        for buffer, fresh in zip((kept.update.lookahead, kept.update.upsample, kept.update.token_kv,
+                                  kept.update.frame_kv),
+                                 (update.lookahead, update.upsample, update.token_kv, update.frame_kv),
+                                 strict=True):
+            buffer.copy_(fresh)
+        return kept
 
 
 def test_bucketed_shapes_with_stale_buffers_equal_each_stream_alone() -> None:
@@ -387,6 +407,30 @@ def test_backend_run_chunks_equal_run_chunk() -> None:
         assert got.numel() == SAMPLES_PER_TOKEN * plan.tokens.numel()
         torch.testing.assert_close(got, torch.cat(want), atol=ATOL, rtol=RTOL)
         assert stream.nbytes == 0  # closed after its last chunk
+
+
+def test_calls_of_several_batches_on_buffers_every_call_overwrites_equal_each_stream_alone() -> None:
+    """End to end, each call split into batches of two rows of one shape whose encoder and solver write
+    into the same output buffers (as CUDA graphs do): the streams' caches, copied after the vocoder is
+    queued, and the mels the vocoder reads are still each stream's own."""
+    backend, voices = seeded_backend("cpu", graphs=False)
+    streams = plans()
+    alone = []
+    for plan in streams:
+        stream = backend.open_stream(voices[plan.voice])
+        alone.append([backend.run_chunk(ChunkJob(stream, tokens, last)) for tokens, last in plan.chunks()])
+    flow = backend.flow
+    assert isinstance(flow, DiTFlow)
+    solver, encoder = PersistentSolver(flow, keep_outputs=True), PersistentEncoder(flow, keep_outputs=True)
+    flow.use_bucketed_solver(solver, Buckets(batch=(2,), frames=(20, 40, 80), prompt_frames=(64,),
+                                             own_frames=(16, 32, 64), history_tokens=(96,)), encoder)
+    batched = run_plans(backend, voices, streams)
+    for plan, got, want in zip(streams, batched, alone, strict=True):
+        assert got.numel() == SAMPLES_PER_TOKEN * plan.tokens.numel()
+        torch.testing.assert_close(got, torch.cat(want), atol=ATOL, rtol=RTOL)
+    # The first round's six first chunks: three batches of one shape in one call.
+    assert solver.runs[:3] == [solver.runs[0]] * 3 and encoder.runs[:3] == [encoder.runs[0]] * 3
+    assert len(solver.outputs or {}) < len(solver.runs) and len(encoder.outputs or {}) < len(encoder.runs)
 
 
 def test_batches_without_cuda_graphs_compile_nothing() -> None:

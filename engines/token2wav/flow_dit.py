@@ -389,7 +389,8 @@ class DiTFlow(ConformerFlow):
             if ids.numel() == 0:
                 mels[index] = torch.zeros(1, MEL_BINS, 0, device=self.device, dtype=self.dtype)
                 continue
-            rows.append(_Row(stream, ids.cpu(), ids.numel() - (0 if last else lookahead)))
+            host_ids = ids if ids.device.type == "cpu" else ids.cpu()  # the server's tokens are on the host
+            rows.append(_Row(stream, host_ids, ids.numel() - (0 if last else lookahead)))
             positions.append(index)
         voices: dict[DiTSpeaker, int] = {}
         ratio = self.cfg.token_mel_ratio

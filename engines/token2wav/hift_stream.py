@@ -72,21 +72,19 @@ class HiFTStream:
         """The source samples the next call restores, if any."""
         return self._source
 
-    def _next_input(self, mel: Tensor, last: bool) -> Tensor | None:
-        """[cached frames, mel] to vocode now, or None (and the stream closed) when there is nothing."""
-        hift = self.generator
-        cfg = hift.cfg
-        # Still in the flow's dtype: the batch converts once for all its rows (cat promotes to the cache's).
-        mel = mel.to(hift.stft_window.device)
-        if self._mel is not None:
-            mel = torch.cat([self._mel, mel], dim=2)
-        if mel.shape[2] == 0:
+    def _next_input(self, mel: Tensor, last: bool) -> _Input | None:
+        """The cached frames and `mel` to vocode now, or None (and the stream closed) when there is
+        nothing. Not yet joined: a batch joins its rows' caches and mels in one go."""
+        cfg = self.generator.cfg
+        cached = self._mel
+        frames = mel.shape[2] + (0 if cached is None else cached.shape[2])
+        if frames == 0:
             self.close()
             return None
-        if not last and mel.shape[2] < cfg.mel_cache_frames:
+        if not last and frames < cfg.mel_cache_frames:
             raise ValueError(f"a non-final chunk needs at least {cfg.mel_cache_frames} mel frames "
-                             f"with the cache, got {mel.shape[2]}")
-        return mel
+                             f"with the cache, got {frames}")
+        return _Input(cached, mel)
 
     def _held_tail(self) -> Tensor:
         """The speech samples held back from the previous call (there was one)."""
@@ -144,6 +142,31 @@ class VocoderGraphs(Protocol):
                frames: Tensor | None = None) -> Vocoded: ...
 
 
+class _Input(NamedTuple):
+    """One stream's vocoder input: its cached mel frames (None on its first call) and its new mel, in the
+    flow's dtype."""
+
+    cached: Tensor | None
+    mel: Tensor
+
+    @property
+    def frames(self) -> int:
+        return self.mel.shape[2] + (0 if self.cached is None else self.cached.shape[2])
+
+    def joined(self) -> Tensor:
+        return self.mel if self.cached is None else torch.cat([self.cached, self.mel], dim=2)
+
+
+def _joined_rows(inputs: Sequence[_Input], dtype: torch.dtype) -> Tensor:
+    """The rows' [cached, new] mels as one batch in `dtype`; the rows have equal cached and new lengths
+    (one `_CallKey`): one concatenation of the caches, one of the mels, one join."""
+    mels = torch.cat([row.mel for row in inputs])
+    caches = [row.cached for row in inputs if row.cached is not None]
+    if caches:
+        mels = torch.cat([torch.cat(caches), mels], dim=2)  # cat promotes to the caches' float32
+    return mels.to(dtype)
+
+
 class HostAudio:
     """The audio of one `launch_vocode_streams` call on its way to the host (one copy for the batch):
     `wait()` returns float32 (samples,) CPU audio per stream, empty for streams that produced none."""
@@ -152,14 +175,14 @@ class HostAudio:
         self._order = sorted(pieces)
         self._sizes = [pieces[i].numel() for i in self._order]
         self._streams = streams
-        joined = [pieces[i].float() for i in self._order]
-        self._download = Download(torch.cat(joined)) if joined else None
+        joined = [pieces[i] for i in self._order]
+        self._download = Download(torch.cat(joined).float()) if joined else None
 
     def wait(self) -> list[Tensor]:
         if self._download is None:
             return [torch.zeros(0) for _ in range(self._streams)]
         audio = dict(zip(self._order, self._download.wait().split(self._sizes), strict=True))
-        return [audio.get(i, torch.zeros(0)) for i in range(self._streams)]
+        return [audio[i] if i in audio else torch.zeros(0) for i in range(self._streams)]
 
 
 def vocode_streams(
@@ -195,18 +218,18 @@ def launch_vocode_streams(
     """
     if not len(streams) == len(mels) == len(lasts):
         raise ValueError(f"{len(streams)} streams, {len(mels)} mels, {len(lasts)} flags")
-    pending: dict[int, Tensor] = {}
+    pending: dict[int, _Input] = {}
     groups: dict[_CallKey, list[int]] = {}
     for index, (stream, mel, last) in enumerate(zip(streams, mels, lasts, strict=True)):
-        mel_in = stream._next_input(mel, last)
+        mel_in = stream._next_input(mel.to(stream.generator.stft_window.device), last)
         if mel_in is None:
             continue
         pending[index] = mel_in
         cache = stream._cache()
         bucket = None
         if last and graphs is not None:
-            bucket = graphs.final_bucket(mel_in.shape[2], 0 if cache is None else cache.shape[2])
-        key = _CallKey(mel_in.shape[2] if bucket is None else bucket, cache is not None, bucket is not None)
+            bucket = graphs.final_bucket(mel_in.frames, 0 if cache is None else cache.shape[2])
+        key = _CallKey(mel_in.frames if bucket is None else bucket, cache is not None, bucket is not None)
         groups.setdefault(key, []).append(index)
     speech: dict[int, Tensor] = {}
     for key, indices in groups.items():
@@ -217,10 +240,10 @@ def launch_vocode_streams(
         cached = 0 if source is None else source.shape[2]
         rows_frames: Tensor | None = None
         if key.padded:
-            rows = [pending[i] for i in indices]
+            rows = [pending[i].joined() for i in indices]
             mel, noise, rows_frames = _padded_rows(hift, members, rows, key.frames, cached)
         else:
-            mel = torch.cat([pending[i] for i in indices]).to(hift.conv_pre.weight.dtype)
+            mel = _joined_rows([pending[i] for i in indices], hift.conv_pre.weight.dtype)
             samples = key.frames * hift.hop_samples - cached
             noise = hift.draw_noise([s._noise for s in members], len(members), samples, mel.device)
         if graphs is None:
@@ -230,7 +253,7 @@ def launch_vocode_streams(
         tails = None if source is None else torch.stack([s._held_tail() for s in members])
         rows_audio = _emit_rows(members, [lasts[i] for i in indices], mel, out, tails)
         if key.padded:
-            rows_audio = [audio[: pending[i].shape[2] * hift.hop_samples]
+            rows_audio = [audio[: pending[i].frames * hift.hop_samples]
                           for i, audio in zip(indices, rows_audio, strict=True)]
         speech.update(zip(indices, rows_audio, strict=True))
     return HostAudio(speech, len(streams))

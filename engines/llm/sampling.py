@@ -27,6 +27,9 @@ from engines.precompiled import compile_kept, seal_kept
 from engines.transfer import upload
 
 _MASK32 = 0xFFFFFFFF
+# The per-slot settings stored as rows of one table per dtype (see `SamplingSlots`).
+_FLOAT_FIELDS = ("temperature", "top_p", "repetition_penalty")
+_INT_FIELDS = ("top_k", "ras_threshold", "ras_window", "min_len", "seed", "step")
 _EMPTY = -1  # history entry before any token was generated
 # Largest top_k a request may ask for: the fused sampler's nucleus walk keeps at most this many tokens
 # (sampling_kernel.py; CosyVoice2 samples with 25).
@@ -158,17 +161,17 @@ class SamplingSlots:
         def zeros(*shape: int, dtype: torch.dtype) -> Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
+        # The per-slot settings are rows of one table per dtype (`_FLOAT_FIELDS`, `_INT_FIELDS`): a new
+        # request's column of each is written by one copy, and every field is a contiguous row (what the
+        # fused kernel reads). Defaults: temperature, top_p, penalty, top_k, window 1; RAS off.
+        self._floats = zeros(len(_FLOAT_FIELDS), slots, dtype=torch.float32) + 1
+        self._ints = zeros(len(_INT_FIELDS), slots, dtype=torch.int64)
+        for field, default in (("top_k", 1), ("ras_threshold", history + 1), ("ras_window", 1)):
+            self._ints[_INT_FIELDS.index(field)] = default
         self._state = SamplingRows(
-            temperature=zeros(slots, dtype=torch.float32) + 1,
-            top_k=zeros(slots, dtype=torch.int64) + 1,
-            top_p=zeros(slots, dtype=torch.float32) + 1,
-            repetition_penalty=zeros(slots, dtype=torch.float32) + 1,
-            ras_threshold=zeros(slots, dtype=torch.int64) + history + 1,
-            ras_window=zeros(slots, dtype=torch.int64) + 1,
-            min_len=zeros(slots, dtype=torch.int64),
+            **dict(zip(_FLOAT_FIELDS, self._floats, strict=True)),
+            **dict(zip(_INT_FIELDS, self._ints, strict=True)),
             ignore_stop=zeros(slots, dtype=torch.bool),
-            seed=zeros(slots, dtype=torch.int64),
-            step=zeros(slots, dtype=torch.int64),
             history=zeros(slots, history, dtype=torch.int64) + _EMPTY,
             seen=zeros(slots, vocab, dtype=torch.bool),
         )
@@ -179,29 +182,28 @@ class SamplingSlots:
 
     def configure(self, slots: Tensor, settings: Sequence[tuple[SamplingParams, int, int]]) -> None:
         """Reset `slots` (int64 [n] on the device) for new requests: `settings[i]` is the (params,
-        min_len, seed) of slot i. A fixed number of small kernels for any n, and no wait for the device:
-        the values travel in one pinned copy."""
+        min_len, seed) of slot i. Eight small kernels for any n (the first token of a lone request waits
+        for them on the host), and no wait for the device: the values travel in two pinned copies."""
         for params, _, _ in settings:
             if params.use_ras and params.ras_window > self.history_len:
                 raise ValueError(
                     f"ras_window {params.ras_window} exceeds the sampler history {self.history_len}")
             if params.top_k > MAX_TOP_K:
                 raise ValueError(f"top_k {params.top_k} exceeds the sampler's limit {MAX_TOP_K}")
-        # One float64 column per field: every value is an integer below 2**53 or a float.
-        columns = torch.tensor([
-            (params.temperature, params.top_k, params.top_p, params.repetition_penalty,
-             ras_threshold(params) if params.use_ras else self.history_len + 1,
-             min(params.ras_window, self.history_len), min_len, params.fixed_length is not None,
-             seed & _MASK32)
+        floats = torch.tensor([(params.temperature, params.top_p, params.repetition_penalty)
+                               for params, _, _ in settings], dtype=torch.float32).T
+        # `_INT_FIELDS` (the step starts at 0), then whether stop tokens are ignored.
+        ints = torch.tensor([
+            (params.top_k, ras_threshold(params) if params.use_ras else self.history_len + 1,
+             min(params.ras_window, self.history_len), min_len, seed & _MASK32, 0,
+             params.fixed_length is not None)
             for params, min_len, seed in settings
-        ], dtype=torch.float64)
-        columns = upload(columns, slots.device)
+        ], dtype=torch.int64).T
+        floats, ints = upload(floats.contiguous(), slots.device), upload(ints.contiguous(), slots.device)
+        self._floats.index_copy_(1, slots, floats)
+        self._ints.index_copy_(1, slots, ints[: len(_INT_FIELDS)])
         state = self._state
-        targets = (state.temperature, state.top_k, state.top_p, state.repetition_penalty, state.ras_threshold,
-                   state.ras_window, state.min_len, state.ignore_stop, state.seed)
-        for index, target in enumerate(targets):
-            target.index_copy_(0, slots, columns[:, index].to(target.dtype))
-        state.step.index_fill_(0, slots, 0)
+        state.ignore_stop.index_copy_(0, slots, ints[len(_INT_FIELDS)] != 0)
         state.history.index_fill_(0, slots, _EMPTY)
         state.seen.index_fill_(0, slots, False)
 

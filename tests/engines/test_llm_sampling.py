@@ -292,3 +292,29 @@ def test_compiled_sampler_draws_the_same_uniforms_and_tokens_on_cuda() -> None:
         assert torch.equal(tokens[1], tokens[0])
         for slots in samplers:
             slots.record(tokens[0], slice(0, 3), torch.ones(3, dtype=torch.bool, device=cuda))
+
+
+def test_configure_sets_each_slot_s_fields_and_resets_its_state() -> None:
+    """A slot reused by a new request gets that request's settings in every field (the fields are rows of
+    shared tables), its history and seen tokens are cleared, and the other slots keep theirs."""
+    slots = SamplingSlots(3, SPEECH_VOCAB, HISTORY, STOPS, SPEECH_EOS, torch.device("cpu"))
+    before = slots.rows(slice(0, 3))
+    first = SamplingParams(temperature=0.7, top_k=9, top_p=0.6, repetition_penalty=1.3, use_ras=True,
+                           ras_window=7, ras_tau=0.25, fixed_length=12)
+    second = SamplingParams(temperature=1.1, top_k=3, top_p=0.9, use_ras=False)
+    slots.configure(torch.tensor([2, 0]), [(first, 11, 2**32 + 5), (second, 4, 77)])
+    slots.record(torch.tensor([3, 4, 5]), slice(0, 3), torch.tensor([True, True, True]))
+    slots.configure(torch.tensor([0]), [(second, 4, 77)])  # slot 0 again: its state starts over
+    state = slots.rows(slice(0, 3))
+    expected = {
+        "temperature": [1.1, before.temperature[1].item(), 0.7], "top_k": [3, before.top_k[1].item(), 9],
+        "top_p": [0.9, before.top_p[1].item(), 0.6],
+        "repetition_penalty": [1.0, before.repetition_penalty[1].item(), 1.3],
+        "ras_threshold": [HISTORY + 1, before.ras_threshold[1].item(), ras_threshold(first)],
+        "ras_window": [10, before.ras_window[1].item(), 7], "min_len": [4, 0, 11],
+        "ignore_stop": [False, False, True], "seed": [77, 0, 5], "step": [0, 1, 1],
+    }
+    for name, values in expected.items():
+        assert getattr(state, name).tolist() == pytest.approx(values), name
+    assert state.history[0].tolist() == [-1] * HISTORY and state.history[2].tolist()[-1] == 5
+    assert not state.seen[0].any() and state.seen[2, 5] and state.seen[1, 4]

@@ -118,6 +118,8 @@ class DiTStream(FlowStream):
         self.estimator_kv = speaker.estimator_kv[:, :, :, :, :0]
         self.keys = keys
         self.closed = False
+        # Set while a `FlowLaunch` holds this stream's cache updates: its next chunk would read stale caches.
+        self.awaiting_caches = False
 
     @property
     def frames(self) -> int:
@@ -146,14 +148,18 @@ class DiTStream(FlowStream):
 
 @dataclass(frozen=True)
 class _StreamUpdates:
-    """The cache updates one batch of a `launch_chunks` call left, and its rows' places in the call."""
+    """The cache updates one batch of a `launch_chunks` call left, its streams and their places in the
+    call."""
 
+    streams: list[DiTStream]
     positions: list[int]
     updates: tuple[Callable[[], None], ...]
 
     def run(self) -> None:
         for update in self.updates:
             update()
+        for stream in self.streams:
+            stream.awaiting_caches = False
 
 
 class FlowLaunch:
@@ -384,6 +390,9 @@ class DiTFlow(ConformerFlow):
         for index, (stream, ids, last) in enumerate(zip(streams, tokens, lasts, strict=True)):
             if not isinstance(stream, DiTStream) or stream.closed:
                 raise ValueError("chunks() needs open DiTStreams")
+            if stream.awaiting_caches:
+                raise RuntimeError("a stream's last chunk has not updated its caches yet "
+                                   "(FlowLaunch.update_streams)")
             if not last and ids.numel() <= lookahead:
                 raise ValueError(f"a non-final chunk needs more than {lookahead} tokens, got {ids.numel()}")
             if ids.numel() == 0:
@@ -404,8 +413,10 @@ class DiTFlow(ConformerFlow):
         fits = None if self.solve_memory is None else self.solve_memory.fits
         pending: list[_StreamUpdates] = []
         for planned in plan_batches(specs, self.buckets, fits):
-            for earlier in pending:
-                # This batch's graphs overwrite the buffers that the last one's mels and updates read.
+            while pending:
+                # This batch's graphs overwrite the buffers that the last one's mels and updates read
+                # (and a failure of this batch leaves the last one's streams complete).
+                earlier = pending.pop()
                 earlier.run()
                 for index in earlier.positions:
                     mel = mels[index]
@@ -418,7 +429,10 @@ class DiTFlow(ConformerFlow):
             solved, solver_updates = self._solve_batch(batch_rows, mu)
             for i, mel in zip(batch, solved, strict=True):
                 mels[positions[i]] = mel
-            pending = [_StreamUpdates([positions[i] for i in batch], (encoder_updates, solver_updates))]
+            for row in batch_rows:
+                row.stream.awaiting_caches = True
+            pending = [_StreamUpdates([row.stream for row in batch_rows], [positions[i] for i in batch],
+                                      (encoder_updates, solver_updates))]
         return FlowLaunch([mel for mel in mels if mel is not None], pending)
 
     def _encode_batch(self, rows: Sequence[_Row]) -> tuple[torch.Tensor, Callable[[], None]]:

@@ -521,6 +521,56 @@ def test_a_batch_takes_one_chunk_per_stream(flow: DiTFlow, speakers: list[DiTSpe
         flow.chunks([stream], [tokens[:3]], [False])
 
 
+def test_a_stream_runs_its_next_chunk_only_once_its_caches_are_updated(
+    flow: DiTFlow, speakers: list[DiTSpeaker]
+) -> None:
+    """`launch_chunks` leaves a stream's cache updates to `FlowLaunch.update_streams`: a next chunk before
+    them would read stale caches, so it is refused, and after them it equals `chunks`' result."""
+    plan = plans()[1]
+    (first, _), (second, last) = plan.chunks()
+    stream, reference = flow.open_stream(speakers[1]), flow.open_stream(speakers[1])
+    launch = flow.launch_chunks([stream], [first], [False])
+    with pytest.raises(RuntimeError, match="not updated its caches"):
+        flow.launch_chunks([stream], [second], [last])
+    launch.update_streams()
+    launch.update_streams()  # once only: a second call does nothing
+    flow.chunks([reference], [first], [False])
+    got = flow.chunks([stream], [second], [last])[0]
+    torch.testing.assert_close(got, flow.chunks([reference], [second], [last])[0], atol=0, rtol=0)
+
+
+def test_a_call_whose_later_batch_fails_keeps_the_earlier_batches_caches() -> None:
+    """A call split into batches whose second solve raises: the error reaches the caller, and the streams
+    of the batch that ran have their caches updated (their next chunk equals a stream run without the
+    failure), not left awaiting."""
+    flow = DiTFlow(CONFIGS.dit_flow).eval()
+    randomize(flow, seed=0)
+    speaker = flow.prepare_speaker(make_voice(1, 12))
+    solver = PersistentSolver(flow, keep_outputs=True)
+    runs = solver.run
+
+    def failing_second(shape: SolveShape) -> RaggedOutputs:
+        if len(solver.runs) == 1:
+            raise RuntimeError("solve failed")
+        return runs(shape)
+
+    flow.use_bucketed_solver(solver, Buckets(batch=(2,), frames=(20, 40, 80), prompt_frames=(64,)))
+    tokens = plans()[0].tokens
+    first, second = tokens[: 8 + PRE_LOOKAHEAD], tokens[8 : 13 + PRE_LOOKAHEAD]
+    streams = [flow.open_stream(speaker) for _ in range(4)]
+    solver.run = failing_second  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="solve failed"):
+        flow.chunks(streams, [first] * 4, [False] * 4)
+    solver.run = runs  # type: ignore[method-assign]
+    ran = [stream for stream in streams if stream.frames]
+    assert len(ran) == 2 and not any(stream.awaiting_caches for stream in streams)
+    reference = flow.open_stream(speaker)
+    flow.chunks([reference], [first], [False])
+    want = flow.chunks([reference], [second], [False])[0]
+    for stream in ran:
+        torch.testing.assert_close(flow.chunks([stream], [second], [False])[0], want, atol=ATOL, rtol=RTOL)
+
+
 def test_span_mask_marks_left_padded_history_and_right_padded_chunk() -> None:
     mask = span_mask(3, 2, torch.tensor([0, 2, 3]), torch.tensor([1, 2, 1]))
     assert mask.int().tolist() == [[0, 0, 0, 1, 0], [0, 1, 1, 1, 1], [1, 1, 1, 1, 0]]

@@ -18,8 +18,10 @@ Caches as the reference keeps them:
 `chunks` runs the chunks of many streams as one padded batch (batching.py): one encoder pass, one
 10-step solve whose DiT calls cover every stream and both guidance halves, the shared prompt caches held
 once per voice and read by every row's attention next to its own cache (dit.SplitKeys). On CUDA the solve
-replays a CUDA graph per bucketed shape (graphs.py). `chunk` remains the one-stream path through the
-estimator's `forward_chunk`, which exported estimators (TensorRT) implement.
+replays a CUDA graph per bucketed shape (graphs.py). `launch_chunks` is `chunks` with the streams' cache
+copies left to the caller (`FlowLaunch`), who queues them after the vocoder's work: they are not on the
+way to the call's audio. `chunk` remains the one-stream path through the estimator's `forward_chunk`,
+which exported estimators (TensorRT) implement.
 """
 
 from __future__ import annotations

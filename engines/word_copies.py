@@ -14,6 +14,8 @@ whole words) is used as it is.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 WORD = torch.int64
@@ -63,6 +65,16 @@ def cat_words(tensors: tuple[torch.Tensor, ...], dim: int) -> torch.Tensor:
     if views is None:
         return torch.cat(tensors, dim=dim)
     return torch.cat(views, dim=dim).view(tensors[0].dtype)
+
+
+def cat_words_into_(destination: torch.Tensor, tensors: Sequence[torch.Tensor], dim: int) -> None:
+    """`torch.cat(tensors, dim, out=destination)` into a view of a larger buffer (its shape already the
+    result's), moving words where all allow it: one call for many rows' copies, where each row's own
+    `copy_words_` would cost the host a Python call and its views."""
+    if dim % destination.ndim == destination.ndim - 1:
+        raise ValueError("cat_words_into_ joins along a dimension before the last")
+    *views, out = _word_views(*tensors, destination) or [*tensors, destination]
+    torch.cat(views, dim=dim, out=out)
 
 
 def gather_words(sources: tuple[torch.Tensor, ...], dim: int, index: torch.Tensor, out: torch.Tensor) -> None:

@@ -62,7 +62,7 @@ from engines.token2wav.graphs import (
 from engines.token2wav.solve_memory import SolveMemory
 from engines.transfer import upload
 from engines.voice import VoicePrompt
-from engines.word_copies import clone_words, copy_words_
+from engines.word_copies import cat_words_into_, clone_words, copy_words_
 
 logger = logging.getLogger(__name__)
 
@@ -508,12 +508,17 @@ class DiTFlow(ConformerFlow):
             copy_words_(cache.token_kv[:, run_rows, :, start:stop], prompt.token_kv)
             copy_words_(cache.frame_kv[:, run_rows, :, stride * start : stride * stop], prompt.frame_kv)
             first += count
-        for i, row in enumerate(rows):
-            history = row.stream.encoder
-            own = history.num_tokens
+        # Each run of rows with equal own lengths (streams in step) gets its histories in one call per cache.
+        first = 0
+        for own, run in itertools.groupby(rows, key=lambda row: row.stream.encoder.num_tokens):
+            histories = [row.stream.encoder for row in run]
+            run_rows = slice(first, first + len(histories))
+            first += len(histories)
             if own:
-                copy_words_(cache.token_kv[:, i : i + 1, :, end - own :], history.token_kv)
-                copy_words_(cache.frame_kv[:, i : i + 1, :, stride * (end - own) :], history.frame_kv)
+                cat_words_into_(cache.token_kv[:, run_rows, :, end - own :],
+                                [history.token_kv for history in histories], dim=1)
+                cat_words_into_(cache.frame_kv[:, run_rows, :, stride * (end - own) :],
+                                [history.frame_kv for history in histories], dim=1)
 
     def _solver(self, exact: SolveShape) -> tuple[RaggedSolver, SolveShape]:
         """The bucketed solver at the bucket holding `exact` (or at a captured graph's shape holding it:
@@ -589,9 +594,14 @@ class DiTFlow(ConformerFlow):
         cnn = inputs.cnn_cache.view(steps, depth, 2, batch, *inputs.cnn_cache.shape[3:])
         cnn[:, :, :, :real] = torch.stack([row.stream.estimator_cnn for row in rows], dim=3)
         own_kv = inputs.own_kv.view(steps, depth, 2, batch, *inputs.own_kv.shape[3:])
-        for i, (row, cached) in enumerate(zip(rows, own_lengths, strict=True)):
+        first = 0  # runs of rows with equal cached lengths: one call each
+        for cached, pairs in itertools.groupby(zip(rows, own_lengths, strict=True), key=lambda pair: pair[1]):
+            run = [row for row, _ in pairs]
+            run_rows = slice(first, first + len(run))
+            first += len(run)
             if cached:
-                copy_words_(own_kv[:, :, :, i, :, own_frames - cached :], row.stream.estimator_kv)
+                cat_words_into_(own_kv[:, :, :, run_rows, :, own_frames - cached :],
+                                [row.stream.estimator_kv.unsqueeze(3) for row in run], dim=3)
 
         out = solver.run(shape)
         new_kv = out.kept_kv.view(steps, depth, 2, batch, *out.kept_kv.shape[3:])

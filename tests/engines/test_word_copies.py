@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.word_copies import WORD, as_words, cat_words, clone_words, copy_words_, gather_words
+from engines.word_copies import (
+    WORD,
+    as_words,
+    cat_words,
+    cat_words_into_,
+    clone_words,
+    copy_words_,
+    gather_words,
+)
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -78,6 +86,24 @@ def test_gather_over_two_sources_equals_cat_then_gather(dtype: torch.dtype) -> N
     gather_words((chunk,), 3, first_index, alone)
     expected = torch.gather(_integers(chunk), 3, first_index.expand(*alone.shape))
     assert torch.equal(_bits(alone), _bits(expected))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_concatenated_into_a_batch_slice_are_bitwise_the_same(dtype: torch.dtype) -> None:
+    # (layers, rows, heads, tokens, width): a run of rows' histories right-aligned, as _fill_history does.
+    batch = _cache(dtype, 2, 5, 3, 9, 8, seed=3)
+    histories = [_cache(dtype, 2, 1, 3, 4, 8, seed=4 + i) for i in range(3)]
+    expected = _integers(batch.clone())
+    expected[:, 1:4, :, 5:] = torch.cat([_integers(history) for history in histories], dim=1)
+    assert as_words(batch[:, 1:4, :, 5:]).dtype == WORD  # the fast path is the one taken
+    cat_words_into_(batch[:, 1:4, :, 5:], histories, dim=1)
+    assert torch.equal(_bits(batch), _bits(expected))
+    odd = torch.zeros(2, 3, 6, dtype=torch.float16)  # rows of 6 halves: element copies
+    rows = [_cache(torch.float16, 1, 3, 6, seed=9), _cache(torch.float16, 1, 3, 6, seed=10)]
+    cat_words_into_(odd, rows, dim=0)
+    assert torch.equal(_bits(odd), _bits(torch.cat([_integers(row) for row in rows])))
+    with pytest.raises(ValueError, match="before the last"):
+        cat_words_into_(odd, rows, dim=2)
 
 
 def test_layouts_without_whole_words_fall_back_to_element_copies() -> None:

@@ -27,7 +27,7 @@ from engines.token2wav.base import ChunkJob, SpeakerState
 from engines.token2wav.batching import Buckets, EncodeShape, RowSpec, SolveShape, plan_batches, span_mask
 from engines.token2wav.cfm import RaggedInputs, RaggedOutputs
 from engines.token2wav.conformer import ConformerCache
-from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker
+from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker, DiTStream
 from engines.token2wav.graphs import EagerEncoder, EncoderInputs, EncoderLayout, EncoderOutputs, SolverLayout
 from engines.token2wav.hift import HiFTGenerator
 from engines.token2wav.solve_memory import SolveMemory
@@ -987,3 +987,25 @@ def test_a_staged_warm_up_captures_a_pass_s_graphs_before_the_pass(monkeypatch: 
                        VocodeShape(2, 16, cache, padded=True), VocodeShape(1, 16, cache, padded=True)]
     assert last <= 16 and vocoder.final_bucket(last, cache) == 16
     assert steps == len(captured) + len(vocoded)
+
+
+def test_a_failed_vocoder_launch_still_leaves_the_streams_flow_caches_updated(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The flow's cache updates run even when the vocoder's launch raises: the error reaches the caller,
+    and the streams are not left refusing their next chunk."""
+    import engines.token2wav.torch_backend as backend_module
+
+    backend, voices = seeded_backend("cpu", graphs=False)
+    stream = backend.open_stream(voices[0])
+    (first, _), (second, _), *_ = plans()[0].chunks()
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("vocoder failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(backend_module, "launch_vocode_streams", failing)
+        with pytest.raises(RuntimeError, match="vocoder failed"):
+            backend.run_chunks([ChunkJob(stream, first, False)])
+    assert isinstance(stream.flow, DiTStream) and not stream.flow.awaiting_caches
+    assert stream.flow.frames == 2 * 8  # the first chunk's 8 tokens went through the flow

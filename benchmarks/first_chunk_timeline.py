@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.profiled_kernels import kernel_table  # noqa: E402
 from engines.config import PRE_LOOKAHEAD, SPEECH_CODEBOOK, ModelPaths  # noqa: E402
 from engines.token2wav.base import ChunkJob  # noqa: E402
 from engines.token2wav.flow_dit import DiTFlow  # noqa: E402
@@ -95,9 +96,10 @@ def timeline(t2w: TorchToken2Wav, speaker: Any, batch: int, tokens: torch.Tensor
     return marks.figures()
 
 
-def kernel_table(t2w: TorchToken2Wav, speaker: Any, batch: int, tokens: torch.Tensor, calls: int = 5) -> str:
+def first_chunk_kernels(t2w: TorchToken2Wav, speaker: Any, batch: int, tokens: torch.Tensor,
+                        calls: int = 5) -> str:
     """The kernels of `batch` streams' first-chunk call by device time per call (torch.profiler over
-    `calls` calls; CUPTI sees the graphs' kernels, not the ops that launched them)."""
+    `calls` calls)."""
     from torch.profiler import ProfilerActivity, profile
 
     piece = tokens[: FIRST_HOP + PRE_LOOKAHEAD]
@@ -107,13 +109,7 @@ def kernel_table(t2w: TorchToken2Wav, speaker: Any, batch: int, tokens: torch.Te
             t2w.run_chunks([ChunkJob(stream, piece, last=False) for stream in streams])
             for stream in streams:
                 stream.close()
-    kernels = sorted(((event.device_time_total / calls, event.count / calls, event.key)
-                      for event in prof.key_averages() if event.device_time_total > 0), reverse=True)
-    total, launches = sum(us for us, _, _ in kernels), sum(n for _, n, _ in kernels)
-    lines = [f"== {batch} streams' first chunks: {total / 1000:.2f} ms of kernels per call, "
-             f"{launches:.0f} launches"]
-    lines += [f"{us:9.1f} us {count:6.0f}x  {key[:110]}" for us, count, key in kernels[:40]]
-    return "\n".join(lines)
+    return kernel_table(prof, calls, f"{batch} streams' first chunks", top=40)
 
 
 def main() -> None:
@@ -157,7 +153,7 @@ def main() -> None:
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1))
     if args.kernels is not None:
-        tables = [kernel_table(t2w, speaker, batch, tokens) for batch in args.batches]
+        tables = [first_chunk_kernels(t2w, speaker, batch, tokens) for batch in args.batches]
         args.kernels.write_text("\n\n".join(tables) + "\n")
 
 

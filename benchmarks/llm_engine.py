@@ -28,6 +28,7 @@ import torch
 # The engine package comes from PYTHONPATH when set (so another checkout can be measured), else this repo.
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.profiled_kernels import kernel_table  # noqa: E402
 from engines.config import SPEECH_CODEBOOK  # noqa: E402
 from engines.llm.base import LLMRequest, SamplingParams  # noqa: E402
 from engines.llm.torch_engine import TorchLLMEngine  # noqa: E402
@@ -201,7 +202,7 @@ def graph_times(engine: TorchLLMEngine) -> dict[str, float]:
 
 def graph_kernels(engine: TorchLLMEngine, out: Path, replays: int = 20) -> None:
     """Per captured prefill / decode graph (as `graph_times` replays them): its kernels by device time
-    per replay, from torch.profiler over `replays` replays (CUPTI sees a graph's kernels, not their ops)."""
+    per replay, from torch.profiler over `replays` replays."""
     from torch.profiler import ProfilerActivity, profile
 
     runner: Any = engine._runner
@@ -221,12 +222,7 @@ def graph_kernels(engine: TorchLLMEngine, out: Path, replays: int = 20) -> None:
             for _ in range(replays):
                 graph.replay()
             torch.cuda.synchronize()
-        kernels = sorted(((event.device_time_total / replays, event.count / replays, event.key)
-                          for event in prof.key_averages() if event.device_time_total > 0), reverse=True)
-        total, launches = sum(us for us, _, _ in kernels), sum(n for _, n, _ in kernels)
-        lines = [f"== {name}: {total:.1f} us of kernels per replay, {launches:.0f} launches"]
-        lines += [f"{us:9.1f} us {count:5.0f}x  {key[:110]}" for us, count, key in kernels[:25]]
-        sections.append("\n".join(lines))
+        sections.append(kernel_table(prof, replays, f"{name} replay", top=25))
     out.write_text("\n\n".join(sections) + "\n")
 
 

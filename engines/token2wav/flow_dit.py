@@ -170,15 +170,15 @@ class FlowLaunch:
     streams closed by then are skipped: their caches are dropped). Until then the streams must not run
     another chunk."""
 
-    def __init__(self, mels: list[torch.Tensor], pending: list[_StreamUpdates]) -> None:
+    def __init__(self, mels: list[torch.Tensor], pending: _StreamUpdates | None) -> None:
         self.mels = mels
         self._pending = pending
 
     @torch.inference_mode()
     def update_streams(self) -> None:
-        pending, self._pending = self._pending, []
-        for updates in pending:
-            updates.run()
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.run()
 
 
 @dataclass(frozen=True)
@@ -413,12 +413,12 @@ class DiTFlow(ConformerFlow):
                                  own_frames=row.stream.estimator_kv.shape[4],
                                  kept_frames=len(row.stream.keys.after_chunk(frames).own)))
         fits = None if self.solve_memory is None else self.solve_memory.fits
-        pending: list[_StreamUpdates] = []
+        pending: _StreamUpdates | None = None
         for planned in plan_batches(specs, self.buckets, fits):
-            while pending:
+            if pending is not None:
                 # This batch's graphs overwrite the buffers that the last one's mels and updates read
                 # (and a failure of this batch leaves the last one's streams complete).
-                earlier = pending.pop()
+                earlier, pending = pending, None
                 earlier.run()
                 for index in earlier.positions:
                     mel = mels[index]
@@ -433,8 +433,8 @@ class DiTFlow(ConformerFlow):
                 mels[positions[i]] = mel
             for row in batch_rows:
                 row.stream.awaiting_caches = True
-            pending = [_StreamUpdates([row.stream for row in batch_rows], [positions[i] for i in batch],
-                                      (encoder_updates, solver_updates))]
+            pending = _StreamUpdates([row.stream for row in batch_rows], [positions[i] for i in batch],
+                                     (encoder_updates, solver_updates))
         return FlowLaunch([mel for mel in mels if mel is not None], pending)
 
     def _encode_batch(self, rows: Sequence[_Row]) -> tuple[torch.Tensor, Callable[[], None]]:
@@ -494,31 +494,24 @@ class DiTFlow(ConformerFlow):
     def _fill_history(cache: ConformerCache, rows: Sequence[_Row], stride: int) -> None:
         """Write the rows' conv contexts and [prompt, own] keys/values into `cache`, left-padded. Rows
         are ordered by voice and own length (see `chunks`): a run of rows sharing both gets its voice's
-        prompt in one copy."""
+        prompt in one copy and its own histories in one concatenation per cache."""
         end = cache.num_tokens
         torch.cat([row.stream.encoder.lookahead for row in rows], out=cache.lookahead[: len(rows)])
         torch.cat([row.stream.encoder.upsample for row in rows], out=cache.upsample[: len(rows)])
         first = 0
         runs = itertools.groupby(rows, key=lambda row: (row.speaker, row.stream.encoder.num_tokens))
         for (speaker, own), run in runs:
-            count = sum(1 for _ in run)
+            histories = [row.stream.encoder for row in run]
             start, stop = end - own - speaker.encoder.num_tokens, end - own
-            run_rows = slice(first, first + count)
+            run_rows = slice(first, first + len(histories))
+            first += len(histories)
             prompt = speaker.encoder
             copy_words_(cache.token_kv[:, run_rows, :, start:stop], prompt.token_kv)
             copy_words_(cache.frame_kv[:, run_rows, :, stride * start : stride * stop], prompt.frame_kv)
-            first += count
-        # Each run of rows with equal own lengths (streams in step) gets its histories in one call per cache.
-        first = 0
-        for own, run in itertools.groupby(rows, key=lambda row: row.stream.encoder.num_tokens):
-            histories = [row.stream.encoder for row in run]
-            run_rows = slice(first, first + len(histories))
-            first += len(histories)
             if own:
-                cat_words_into_(cache.token_kv[:, run_rows, :, end - own :],
-                                [history.token_kv for history in histories], dim=1)
-                cat_words_into_(cache.frame_kv[:, run_rows, :, stride * (end - own) :],
-                                [history.frame_kv for history in histories], dim=1)
+                cat_words_into_(cache.token_kv[:, run_rows, :, stop:], [h.token_kv for h in histories], dim=1)
+                cat_words_into_(cache.frame_kv[:, run_rows, :, stride * stop :],
+                                [h.frame_kv for h in histories], dim=1)
 
     def _solver(self, exact: SolveShape) -> tuple[RaggedSolver, SolveShape]:
         """The bucketed solver at the bucket holding `exact` (or at a captured graph's shape holding it:

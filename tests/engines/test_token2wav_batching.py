@@ -393,14 +393,21 @@ def run_in_rounds(backend: TorchToken2Wav, opened: list[TorchStream],
     return [torch.cat(p) for p in pieces]
 
 
-def test_backend_run_chunks_equal_run_chunk() -> None:
-    """End to end with HiFT: batched flow and batched vocoding give each stream its own audio."""
-    backend, voices = seeded_backend("cpu", graphs=False)
-    streams = plans()
+def run_alone(backend: TorchToken2Wav, voices: list[SpeakerState], streams: list[Plan]
+              ) -> list[list[torch.Tensor]]:
+    """Every plan's audio chunks, each stream run alone (`run_chunk`)."""
     alone = []
     for plan in streams:
         stream = backend.open_stream(voices[plan.voice])
         alone.append([backend.run_chunk(ChunkJob(stream, tokens, last)) for tokens, last in plan.chunks()])
+    return alone
+
+
+def test_backend_run_chunks_equal_run_chunk() -> None:
+    """End to end with HiFT: batched flow and batched vocoding give each stream its own audio."""
+    backend, voices = seeded_backend("cpu", graphs=False)
+    streams = plans()
+    alone = run_alone(backend, voices, streams)
     opened = [backend.open_stream(voices[plan.voice]) for plan in streams]
     batched = run_in_rounds(backend, opened, streams)
     for plan, got, want, stream in zip(streams, batched, alone, opened, strict=True):
@@ -415,10 +422,7 @@ def test_calls_of_several_batches_on_buffers_every_call_overwrites_equal_each_st
     queued, and the mels the vocoder reads are still each stream's own."""
     backend, voices = seeded_backend("cpu", graphs=False)
     streams = plans()
-    alone = []
-    for plan in streams:
-        stream = backend.open_stream(voices[plan.voice])
-        alone.append([backend.run_chunk(ChunkJob(stream, tokens, last)) for tokens, last in plan.chunks()])
+    alone = run_alone(backend, voices, streams)
     flow = backend.flow
     assert isinstance(flow, DiTFlow)
     solver, encoder = PersistentSolver(flow, keep_outputs=True), PersistentEncoder(flow, keep_outputs=True)

@@ -27,7 +27,7 @@ import inspect
 import logging
 import platform
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from importlib import metadata
 from pathlib import Path
 from types import ModuleType
@@ -155,11 +155,12 @@ class PrecompiledFunction:
     (row-wise ones over the last axis). `inference`: the calls come with
     inference tensors (the token2wav engines'), so variants are loaded and called in inference mode;
     False for callers under `torch.no_grad()` with ordinary tensors (the LLM's). Called from one thread at
-    a time (each engine's are); the variants' order changes as calls come."""
+    a time (each engine's are); the variants' order changes as calls come. `inductor`: Inductor settings
+    (`torch._inductor.config` names) the compiles run under; the variants bake them in."""
 
     def __init__(self, fn: Callable[..., Any], folder: Path, jit: Callable[..., Any], dynamic: bool = True,
                  specialize_float: bool = True, duck_shape: bool = False, inference: bool = True,
-                 size_oblivious: bool = False) -> None:
+                 size_oblivious: bool = False, inductor: Mapping[str, Any] | None = None) -> None:
         self.fn = fn
         self.jit = TracedInProcess(jit)  # what serves where an ahead-of-time compile fails
         self.inference = inference
@@ -168,6 +169,7 @@ class PrecompiledFunction:
         self.specialize_float = specialize_float
         self.duck_shape = duck_shape
         self.size_oblivious = size_oblivious
+        self.inductor = dict(inductor or {})
         self.compiled = 0  # variants compiled by this process
         self.superseded = 0  # of those, classes another process saved meanwhile (its variant serves)
         self._sealed = False
@@ -272,15 +274,19 @@ class PrecompiledFunction:
 
     @contextlib.contextmanager
     def _settings(self) -> Iterator[None]:
-        """The compile's Dynamo and shape settings, while inside. `enable_aot_compile`: off by default
-        before torch 2.13, and `torch.compile` only gives its result an `aot_compile` when it is on."""
+        """The compile's Dynamo, shape and Inductor settings, while inside. `enable_aot_compile`: off by
+        default before torch 2.13, and `torch.compile` only gives its result an `aot_compile` when it is
+        on."""
         dynamo: dict[str, Any] = {"specialize_float": self.specialize_float}
         if hasattr(torch._dynamo.config, "enable_aot_compile"):
             dynamo["enable_aot_compile"] = True
         shapes: dict[str, Any] = {"use_duck_shape": self.duck_shape}
         if self.size_oblivious:  # only then: a torch without the setting still compiles the others
             shapes["backed_size_oblivious"] = True
-        with torch._dynamo.config.patch(dynamo), fx_config.patch(shapes):  # type: ignore[attr-defined]
+        import torch._inductor.config as inductor_config  # imported by then: Dynamo has imported it
+
+        with (torch._dynamo.config.patch(dynamo), fx_config.patch(shapes),  # type: ignore[attr-defined]
+              inductor_config.patch(self.inductor)):
             yield
 
     def _load(self, args: tuple[Any, ...] | None = None) -> Any:

@@ -44,6 +44,12 @@ CONV_CONTEXT = 2  # causal kernel-3 convs
 MODULATIONS = 9  # shift/scale/gate for attention, MLP and conv branches
 SCALES = (1, 4, 7)  # the scale entries among them (applied as 1 + scale)
 RAGGED_SHAPE_CLASSES = 64  # compiled variants of the batched block (see DiT.compile_blocks)
+# Inductor times a pointwise kernel's candidate launch configurations at its first run and keeps the
+# fastest. The block's pointwise kernels take 2-20 µs, where that timing is noise: cold starts kept
+# configurations up to 3x slower for one stream's kernels, differently from start to start. Off, each
+# kernel has the heuristic's one configuration, the same in every start (docs/benchmarks.md,
+# thirty-fourth session).
+BLOCK_INDUCTOR_SETTINGS = {"triton.autotune_pointwise": False}
 # Up to this many rows (4 streams' guidance rows) a batch's attention lays the shared prompt out per row
 # and runs one kernel: the copies are small and the split's extra kernels would cost more (a lone stream
 # runs in the 2-stream graph bucket: ~1 ms more per first chunk split, H100). Above, the prompt is read
@@ -452,18 +458,22 @@ class DiT(nn.Module):
 
         `precompiled`: a folder where each class's compiled block is kept (engines/precompiled.py), so a
         later process loads it instead of tracing the block again; Inductor only."""
+        import torch._inductor.config as inductor_config  # Inductor's import: only where blocks compile
+
         compiled = torch.compile(DiTBlock.forward, dynamic=True, backend=backend)
         # Floats (the norms' eps) are constants: as dynamic inputs Dynamo converts them to tensors and
         # restarts its analysis, one more trace of the block in every process.
         limited = torch._dynamo.config.patch(recompile_limit=RAGGED_SHAPE_CLASSES,
                                              specialize_float=True)(compiled)
         jit = fx_config.patch(use_duck_shape=False)(limited)  # type: ignore[attr-defined]
+        jit = inductor_config.patch(BLOCK_INDUCTOR_SETTINGS)(jit)
         self._ragged_block = TracedInProcess(jit)
         if precompiled is not None and backend == "inductor" and supported():
             weight = self.in_proj.weight
             folder = block_folder(precompiled, self.cfg, weight.dtype, weight.device)
             if folder is not None:
-                self._ragged_block = PrecompiledFunction(DiTBlock.forward, folder, jit)
+                self._ragged_block = PrecompiledFunction(DiTBlock.forward, folder, jit,
+                                                         inductor=BLOCK_INDUCTOR_SETTINGS)
 
     @property
     def kept_block(self) -> PrecompiledFunction | None:

@@ -9,14 +9,18 @@ import os
 import subprocess
 import sys
 import textwrap
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
+import torch._inductor.config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from weights import randomize
 
 from engines.config import ModelConfigs
 from engines.precompiled import SUFFIX, PrecompiledFunction, supported, variant_folder
+from engines.token2wav.dit import BLOCK_INDUCTOR_SETTINGS
 from engines.token2wav.flow_dit import DiTFlow
 
 pytestmark = pytest.mark.skipif(not supported(), reason="this torch has no ahead-of-time compile")
@@ -167,6 +171,35 @@ def test_a_failed_ahead_of_time_compile_hands_every_call_to_the_jit_function(
     assert not (tmp_path / "norm").exists()
 
 
+class CountingPass(CustomGraphPass):
+    """A post-grad pass that counts the graphs Inductor runs it on. Its uuid is new in every test, so
+    no cached graph of an earlier run is loaded instead of compiled (a cache hit runs no pass)."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+        self._uuid = uuid.uuid4().hex
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.graphs += 1
+
+    def uuid(self) -> str:
+        return self._uuid
+
+
+def test_variants_compile_under_the_inductor_settings_given(tmp_path: Path) -> None:
+    """`inductor` settings hold while a variant compiles (the DiT block's pointwise autotuning is off that
+    way), and only then."""
+    counting = CountingPass()
+    function = PrecompiledFunction(scaled_norm, tmp_path / "norm", scaled_norm,
+                                   inductor={"post_grad_custom_post_pass": counting})
+    torch.testing.assert_close(function(*inputs(4, 8, 16)), scaled_norm(*inputs(4, 8, 16)))
+    assert function.compiled == 1 and counting.graphs == 1
+    assert inductor_config.post_grad_custom_post_pass is None
+    plain = PrecompiledFunction(scaled_norm, tmp_path / "plain", scaled_norm)
+    plain(*inputs(4, 8, 16))
+    assert plain.compiled == 1 and counting.graphs == 1
+
+
 def test_the_folder_changes_with_the_source_and_every_key() -> None:
     root = Path("/cache")
     base = variant_folder(root, "norm", [json], ["config", "torch.float16"])
@@ -214,6 +247,7 @@ def test_precompiled_dit_blocks_equal_eager_and_load_in_a_second_flow(tmp_path: 
     loading.decoder.estimator.compile_blocks(precompiled=tmp_path)
     loading_block = loading.decoder.estimator._ragged_block
     assert isinstance(loading_block, PrecompiledFunction) and loading_block.variants >= 1
+    assert loading_block.inductor == BLOCK_INDUCTOR_SETTINGS == {"triton.autotune_pointwise": False}
     torch.testing.assert_close(first_chunk(loading), want, atol=ATOL, rtol=RTOL)
     assert loading_block.compiled == 0
 

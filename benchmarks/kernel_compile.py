@@ -41,7 +41,7 @@ from engines.llm.decode_attention import DecodeAttention  # noqa: E402
 from engines.llm.decode_linear import MAX_ROWS, DecodeLinears  # noqa: E402
 from engines.llm.sampling import SamplingSlots  # noqa: E402
 from engines.llm.torch_runner import TorchLLMConfig  # noqa: E402
-from engines.token2wav.snake import snake  # noqa: E402
+from engines.token2wav.snake import residual_snake, snake  # noqa: E402
 
 CPU = torch.device("cpu")
 LLM = LLMConfig()  # CosyVoice2's, with its Qwen2
@@ -176,13 +176,19 @@ def sampling_cases() -> Iterator[tuple[str, Callable[[], object]]]:
 
 
 def snake_cases() -> Iterator[tuple[str, Callable[[], object]]]:
-    """HiFT's Snake, channel-major and time-major, with row ends (a padded batch) and without."""
+    """HiFT's Snake, channel-major and time-major, with row ends (a padded batch) and without; and the
+    residual block's fused steps (a convolution's bias added, the residual add with or without the next
+    Snake)."""
     channels, length = 512, 256
-    alpha = torch.ones(channels)
+    alpha, bias = torch.ones(channels), torch.zeros(channels)
     ends = torch.full((2,), length, dtype=torch.int64)
     yield "snake, channel-major", partial(snake, torch.zeros(2, channels, length), alpha)
     time_major = torch.zeros(2, length, channels).transpose(1, 2)
     yield "snake, time-major, row ends", partial(snake, time_major, alpha, ends)
+    yield "snake of a biased output, row ends", partial(snake, time_major, alpha, ends, bias)
+    yield ("residual + bias + snake, row ends",
+           partial(residual_snake, time_major, bias, time_major, alpha, ends))
+    yield "residual + bias", partial(residual_snake, time_major, bias, time_major, None)
 
 
 CASES = {"linears": linear_cases, "attention": attention_cases, "sampling": sampling_cases,

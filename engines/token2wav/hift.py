@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -102,13 +102,14 @@ class TimeMajorConv1d(nn.Conv1d):
             return super().forward(x)
         return self.time_major(x)
 
-    def time_major(self, x: Tensor) -> Tensor:
-        """The convolution of x through the channels-last 2-D path, on any device."""
+    def time_major(self, x: Tensor, with_bias: bool = True) -> Tensor:
+        """The convolution of x through the channels-last 2-D path, on any device; without its bias when
+        `with_bias` is False (for a kernel that adds it while reading the output: `ResBlock`)."""
         padding = self.padding
         if isinstance(padding, str):
             raise ValueError(f"the time-major path needs numeric padding, not {padding!r}")
-        return F.conv2d(_channels_last_2d(x), self.weight.unsqueeze(2), self.bias, (1, self.stride[0]),
-                        (0, padding[0]), (1, self.dilation[0]), self.groups).squeeze(2)
+        return F.conv2d(_channels_last_2d(x), self.weight.unsqueeze(2), self.bias if with_bias else None,
+                        (1, self.stride[0]), (0, padding[0]), (1, self.dilation[0]), self.groups).squeeze(2)
 
 
 class TimeMajorConvTranspose1d(nn.ConvTranspose1d):
@@ -187,9 +188,33 @@ class ResBlock(nn.Module):
     def forward(self, x: Tensor, ends: Tensor | None = None) -> Tensor:
         """With `ends` (B,) (a right-padded batch, `RowEnds.ends`), each activation is zeroed from the
         row's end on, so every convolution reads zeros there; the output past the end is not zero."""
+        if x.is_cuda and x.dtype == torch.float32 and is_time_major(x):
+            return self.fused(x, ends)
         for conv1, conv2, act1, act2 in zip(self.convs1, self.convs2, self.activations1, self.activations2,
                                             strict=True):
             x = x + conv2(act2(conv1(act1(x, ends)), ends))
+        return x
+
+    def fused(self, x: Tensor, ends: Tensor | None = None) -> Tensor:
+        """`forward` of a time-major float32 x (CUDA's layout; any device with Triton's interpreter): each
+        convolution runs without its bias, which the Snake kernel reading its output adds, and the
+        residual add and the next dilation's first Snake are one kernel (engines/token2wav/snake.py). Per
+        dilation two elementwise passes instead of five (two Snakes, two bias adds, the residual add),
+        and four launches instead of seven."""
+        from engines.token2wav.snake import residual_snake, snake
+
+        first_alphas = [cast(Snake, act).alpha for act in self.activations1]
+        second_alphas = [cast(Snake, act).alpha for act in self.activations2]
+        activated = snake(x, first_alphas[0], ends)
+        for index, (conv1, conv2) in enumerate(zip(self.convs1, self.convs2, strict=True)):
+            conv1, conv2 = cast(TimeMajorConv1d, conv1), cast(TimeMajorConv1d, conv2)
+            hidden = snake(conv1.time_major(activated, with_bias=False), second_alphas[index], ends,
+                           bias=conv1.bias)
+            following = first_alphas[index + 1] if index + 1 < len(first_alphas) else None
+            output = conv2.time_major(hidden, with_bias=False)
+            x, after = residual_snake(output, conv2.bias, x, following, ends)
+            if after is not None:
+                activated = after
         return x
 
 
@@ -412,7 +437,11 @@ class HiFTGenerator(nn.Module):
             stage_ends = row_ends(per_frame, extra)
             x = x + source_block(down(source_stft), stage_ends)
             blocks = self.resblocks[i * self.num_kernels:(i + 1) * self.num_kernels]
-            x = sum((block(x, stage_ends) for block in blocks), torch.zeros_like(x)) / self.num_kernels
+            outputs = [block(x, stage_ends) for block in blocks]
+            x = outputs[0]
+            for output in outputs[1:]:  # from the first output, not from zeros: one pass less, same sums
+                x = x + output
+            x = x / self.num_kernels
         x = self.conv_post(F.leaky_relu(keep(x, per_frame, extra)))  # default slope 0.01 here, as trained
         magnitude = torch.exp(x[:, :self.spectrum_bins]).clamp(max=1e2)
         phase = torch.sin(x[:, self.spectrum_bins:])

@@ -42,30 +42,43 @@ def _snake_kernel(x_ptr, alpha_ptr, ends_ptr, out_ptr, length, channels, BLOCK: 
 
 
 @triton.jit
-def _snake_time_major_kernel(x_ptr, alpha_ptr, ends_ptr, out_ptr, length, channels, BLOCK_T: tl.constexpr,
-                             BLOCK_C: tl.constexpr, HAS_ENDS: tl.constexpr):
+def _snake_time_major_kernel(x_ptr, bias_ptr, residual_ptr, alpha_ptr, ends_ptr, sum_ptr, out_ptr, length,
+                             channels, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, HAS_ENDS: tl.constexpr,
+                             HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, WRITE_SUM: tl.constexpr,
+                             WRITE_SNAKE: tl.constexpr):
     # A row's samples are (length, channels) in memory: a program takes BLOCK_T samples of every
-    # channel, so its loads run along the channels, contiguous.
+    # channel, so its loads run along the channels, contiguous. v = x (+ bias) (+ residual), in that
+    # order (a convolution's output, its bias, the block's input); v and/or snake(v) are written.
     row = tl.program_id(0)
     samples = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     lanes = tl.arange(0, BLOCK_C)
     inside = (samples[:, None] < length) & (lanes[None, :] < channels)
     offsets = row.to(tl.int64) * length * channels + samples[:, None] * channels + lanes[None, :]
-    alpha = tl.load(alpha_ptr + lanes, mask=lanes < channels, other=1.0)[None, :]
-    x = tl.load(x_ptr + offsets, mask=inside, other=0.0)
-    wave = libdevice.sin(alpha * x)
-    y = x + wave * wave * (1.0 / (alpha + 1e-9))
-    if HAS_ENDS:
-        y = tl.where(samples[:, None] < tl.load(ends_ptr + row), y, 0.0)
-    tl.store(out_ptr + offsets, y, mask=inside)
+    v = tl.load(x_ptr + offsets, mask=inside, other=0.0)
+    if HAS_BIAS:
+        v = v + tl.load(bias_ptr + lanes, mask=lanes < channels, other=0.0)[None, :]
+    if HAS_RESIDUAL:
+        v = v + tl.load(residual_ptr + offsets, mask=inside, other=0.0)
+    if WRITE_SUM:
+        tl.store(sum_ptr + offsets, v, mask=inside)
+    if WRITE_SNAKE:
+        alpha = tl.load(alpha_ptr + lanes, mask=lanes < channels, other=1.0)[None, :]
+        wave = libdevice.sin(alpha * v)
+        y = v + wave * wave * (1.0 / (alpha + 1e-9))
+        if HAS_ENDS:
+            y = tl.where(samples[:, None] < tl.load(ends_ptr + row), y, 0.0)
+        tl.store(out_ptr + offsets, y, mask=inside)
 
 
-def snake(x: Tensor, alpha: Tensor, ends: Tensor | None = None) -> Tensor:
+def snake(x: Tensor, alpha: Tensor, ends: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
     """Snake of x (B, C, L) float32 on CUDA with α (C,): a new tensor, in x's memory layout where that is
     (B, C, L) or time-major (B, L, C), else (B, C, L). `ends` (B,) int64: each row's output is zero
-    from that position on (a right-padded batch's rows, hift.RowEnds)."""
+    from that position on (a right-padded batch's rows, hift.RowEnds). `bias` (C,): Snake of x + bias
+    (a convolution's output without its bias; time-major x only)."""
     time_major = is_time_major(x)
     if not time_major:
+        if bias is not None:
+            raise ValueError("snake adds a bias to time-major activations only")
         x = x.contiguous()
     rows, channels, length = x.shape
     out = torch.empty_like(x)  # its strides are x's
@@ -74,12 +87,37 @@ def snake(x: Tensor, alpha: Tensor, ends: Tensor | None = None) -> Tensor:
     alpha = alpha.contiguous()
     row_ends = x if ends is None else ends
     if time_major:
-        block_c = triton.next_power_of_2(channels)
-        block_t = max(1, TIME_MAJOR_TILE // block_c)
-        grid = (rows, triton.cdiv(length, block_t))
-        _snake_time_major_kernel[grid](x, alpha, row_ends, out, length, channels, BLOCK_T=block_t,
-                                       BLOCK_C=block_c, HAS_ENDS=ends is not None)
+        _time_major(x, bias, None, alpha, ends, None, out)
     else:
         grid = (rows * channels, triton.cdiv(length, BLOCK))
         _snake_kernel[grid](x, alpha, row_ends, out, length, channels, BLOCK=BLOCK, HAS_ENDS=ends is not None)
     return out
+
+
+def residual_snake(x: Tensor, bias: Tensor | None, residual: Tensor, alpha: Tensor | None,
+                   ends: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """A residual block's step in one pass: v = x + bias + residual (x a convolution's time-major output
+    without its bias, `residual` the block's input, time-major, same shape), and Snake of v with α as
+    `snake` computes it (None without α: v alone). Both new tensors are time-major."""
+    if not (is_time_major(x) and is_time_major(residual)) or x.shape != residual.shape:
+        raise ValueError("residual_snake needs time-major x and residual of one shape")
+    total = torch.empty_like(x)
+    out = None if alpha is None else torch.empty_like(x)
+    if total.numel():
+        _time_major(x, bias, residual, None if alpha is None else alpha.contiguous(), ends, total, out)
+    return total, out
+
+
+def _time_major(x: Tensor, bias: Tensor | None, residual: Tensor | None, alpha: Tensor | None,
+                ends: Tensor | None, total: Tensor | None, out: Tensor | None) -> None:
+    """Launch `_snake_time_major_kernel`: the tensors not given are not read (or written)."""
+    rows, channels, length = x.shape
+    block_c = triton.next_power_of_2(channels)
+    block_t = max(1, TIME_MAJOR_TILE // block_c)
+    grid = (rows, triton.cdiv(length, block_t))
+    # Pointers the kernel does not use (their flags off) are x's: any tensor of the device serves.
+    _snake_time_major_kernel[grid](
+        x, x if bias is None else bias, x if residual is None else residual, x if alpha is None else alpha,
+        x if ends is None else ends, x if total is None else total, x if out is None else out, length,
+        channels, BLOCK_T=block_t, BLOCK_C=block_c, HAS_ENDS=ends is not None, HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None, WRITE_SUM=total is not None, WRITE_SNAKE=out is not None)

@@ -190,6 +190,10 @@ class ResBlock(nn.Module):
         row's end on, so every convolution reads zeros there; the output past the end is not zero."""
         if x.is_cuda and x.dtype == torch.float32 and is_time_major(x):
             return self.fused(x, ends)
+        return self.unfused(x, ends)
+
+    def unfused(self, x: Tensor, ends: Tensor | None = None) -> Tensor:
+        """`forward` one module at a time, as defined."""
         for conv1, conv2, act1, act2 in zip(self.convs1, self.convs2, self.activations1, self.activations2,
                                             strict=True):
             x = x + conv2(act2(conv1(act1(x, ends)), ends))

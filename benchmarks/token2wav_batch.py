@@ -45,7 +45,9 @@ def time_schedule(t2w: TorchToken2Wav, speaker: SpeakerState, batch: int, hops: 
                   tokens: torch.Tensor) -> list[tuple[float, float]]:
     """ms of each call, and of its launch (the host queueing the device work, as the server's
     `tts_token2wav_launch_seconds`): chunk k of `batch` streams at once, for every hop k; the streams
-    then end."""
+    then end. A launch includes any time the host waits for the driver's full queue of launches
+    (CUDA's "Command Buffer Full"): close to the call's time it means a device-bound call, not host
+    work (docs/benchmarks.md, thirty-fourth session)."""
     streams = [t2w.open_stream(speaker) for _ in range(batch)]
     times, start = [], 0
     for hop in hops:

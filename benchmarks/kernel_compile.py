@@ -4,13 +4,13 @@ configuration the engines launch compiles, and its registers, spills and shared 
     python3 benchmarks/kernel_compile.py [--arch 90] [--json out.json]
 
 The engines' own host functions (`DecodeLinears`, `decode_attention`, the fused sampler through
-`SamplingSlots`, HiFT's `snake`) run on CPU tensors while Triton's driver is replaced by one that only
-names the target: every launch compiles with the constexprs and options the engine would use, and
-returns without running. Triton's interpreter, which the CPU tests use, accepts code its compiler
-refuses (a kernel reading a plain module global failed this way on the GPU, docs/benchmarks.md,
-twenty-seventh session): run this before a device call, and to see what a tile change does to registers
-and spills. Needs the triton package (CUDA builds of torch bring it; elsewhere `pip install --target DIR
-triton` and DIR on PYTHONPATH; its wheel carries ptxas).
+`SamplingSlots`, HiFT's `snake`, the DiT solve's `gather_kept_frames`) run on CPU tensors while Triton's
+driver is replaced by one that only names the target: every launch compiles with the constexprs and
+options the engine would use, and returns without running. Triton's interpreter, which the CPU tests
+use, accepts code its compiler refuses (a kernel reading a plain module global failed this way on the
+GPU, docs/benchmarks.md, twenty-seventh session): run this before a device call, and to see what a tile
+change does to registers and spills. Needs the triton package (CUDA builds of torch bring it; elsewhere
+`pip install --target DIR triton` and DIR on PYTHONPATH; its wheel carries ptxas).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from engines.llm.decode_attention import DecodeAttention  # noqa: E402
 from engines.llm.decode_linear import MAX_ROWS, DecodeLinears  # noqa: E402
 from engines.llm.sampling import SamplingSlots  # noqa: E402
 from engines.llm.torch_runner import TorchLLMConfig  # noqa: E402
+from engines.token2wav.kept_frames import gather_kept_frames  # noqa: E402
 from engines.token2wav.snake import residual_snake, snake  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -191,7 +192,18 @@ def snake_cases() -> Iterator[tuple[str, Callable[[], object]]]:
     yield "residual + bias", partial(residual_snake, time_major, bias, time_major, None)
 
 
+def kept_frames_cases() -> Iterator[tuple[str, Callable[[], object]]]:
+    """The DiT solve's kept frames (a step's own cache and new keys|values), as words and as halves."""
+    for width, label in ((128, "words"), (3, "halves")):
+        own = torch.zeros(16, 8, 8, 30, width, dtype=torch.half)
+        new = torch.zeros(16, 8, 8, 56, width, dtype=torch.half)
+        out = torch.zeros(16, 8, 8, 86, width, dtype=torch.half)
+        keep = torch.zeros(8, 86, dtype=torch.int64)
+        yield f"kept frames, {label}", partial(gather_kept_frames, own, new, keep, out)
+
+
 CASES = {"linears": linear_cases, "attention": attention_cases, "sampling": sampling_cases,
+         "kept frames": kept_frames_cases,
          "snake": snake_cases}
 
 

@@ -16,6 +16,7 @@ as a CUDA graph (graphs.py) and write into caller-owned output buffers.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -253,6 +254,11 @@ class ConditionalCFM(nn.Module):
             out = RaggedOutputs(torch.empty_like(mu), torch.empty_like(inputs.cnn_cache),
                                 inputs.own_kv.new_empty(kept_size))
         index = keep[None, :, None, :, None]  # over (depth, rows, heads, kept frames, ·)
+        gather_kept: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
+        if mu.is_cuda:  # one kernel instead of the join and the gather (kept_frames.py); Triton: CUDA only
+            from engines.token2wav.kept_frames import gather_kept_frames
+
+            gather_kept = gather_kept_frames
         for step in range(self.n_timesteps if steps is None else steps):
             own = inputs.own_kv[step]
             v, cnn, kv = estimator.forward_ragged(
@@ -260,7 +266,10 @@ class ConditionalCFM(nn.Module):
                 inputs.prompt_kv[step], own,
             )
             # Straight into the outputs; a first chunk's history is the chunk alone (no copy of it).
-            gather_words((kv,) if own_frames == 0 else (own, kv), 3, index, out.kept_kv[step])
+            if gather_kept is not None:
+                gather_kept(own, kv, keep, out.kept_kv[step])
+            else:
+                gather_words((kv,) if own_frames == 0 else (own, kv), 3, index, out.kept_kv[step])
             out.cnn_cache[step].copy_(cnn)
             x = x + (self.t_grid[step + 1] - self.t_grid[step]) * self._guided(v)
         out.mel.copy_(x)

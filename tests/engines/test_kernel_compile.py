@@ -22,7 +22,8 @@ REPOSITORY = Path(__file__).resolve().parents[2]
 TRITON = "triton==3.6.0"  # what the kernels were last checked with; on_device.sh prints the GPU image's
 TRITON_SITE = REPOSITORY / ".venvs" / TRITON.replace("==", "-")
 KERNELS = {"_norm_gemv_kernel", "_norm_linear_kernel", "_add_gemv_kernel", "_add_linear_kernel",
-           "_split_kernel", "_sample_kernel", "_snake_kernel", "_snake_time_major_kernel"}
+           "_split_kernel", "_sample_kernel", "_snake_kernel", "_snake_time_major_kernel",
+           "_gather_kept_kernel"}
 
 
 def triton_site() -> Path:

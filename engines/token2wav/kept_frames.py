@@ -21,7 +21,9 @@ from engines.word_copies import as_words
 TILE = 2048  # frames × words per program
 
 
-@triton.jit
+# Sizes are not specialised on (Triton would compile a variant per divisibility of each): one compile per
+# dtype and tile serves every batch, so none happens on the serving path after the warm-up.
+@triton.jit(do_not_specialize=["rows", "heads", "own_frames", "new_frames", "kept", "words"])
 def _gather_kept_kernel(own_ptr, new_ptr, keep_ptr, out_ptr, rows, heads, own_frames, new_frames, kept,
                         words, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr):
     # Program (lane, k-block): lane = (block·rows + row)·heads + head of (depth, rows, heads, frames, words)

@@ -39,6 +39,7 @@ from engines.precompiled import PrecompiledFunction, TracedInProcess, seal_kept,
 from engines.token2wav import attention as attention_module
 from engines.token2wav.attention import aligned_bias, attention_with_lse, merge_attention
 from engines.token2wav.batching import frame_index
+from engines.word_copies import cat_words
 
 CONV_CONTEXT = 2  # causal kernel-3 convs
 MODULATIONS = 9  # shift/scale/gate for attention, MLP and conv branches
@@ -537,4 +538,5 @@ class DiT(nn.Module):
             new_cnn.append(conv_cache)
             new_kv.append(kv)
         v = self.final_layer(h, conditioning.final).transpose(1, 2)
-        return v, torch.stack(new_cnn), torch.stack(new_kv)
+        # Stacked as 8-byte words: PyTorch's batched copy moves one 2-byte element per access otherwise.
+        return v, torch.stack(new_cnn), cat_words(tuple(kv[None] for kv in new_kv), dim=0)

@@ -21,9 +21,10 @@ from engines.word_copies import as_words
 TILE = 2048  # frames × words per program
 
 
-# Sizes are not specialised on (Triton would compile a variant per divisibility of each): one compile per
-# dtype and tile serves every batch, so none happens on the serving path after the warm-up.
-@triton.jit(do_not_specialize=["rows", "heads", "own_frames", "new_frames", "kept", "words"])
+# The sizes that vary with the batch are not specialised on (Triton would compile a variant per divisibility
+# of each): one compile per dtype and model serves every batch, none on the serving path after the
+# warm-up. `heads` and `words` are the model's, and their divisibility lets loads be vectorised.
+@triton.jit(do_not_specialize=["rows", "own_frames", "new_frames", "kept"])
 def _gather_kept_kernel(own_ptr, new_ptr, keep_ptr, out_ptr, rows, heads, own_frames, new_frames, kept,
                         words, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr):
     # Program (lane, k-block): lane = (block·rows + row)·heads + head of (depth, rows, heads, frames, words)

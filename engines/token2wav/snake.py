@@ -9,6 +9,10 @@ to rounding (tests/engines/test_hift_snake.py). For a right-padded batch it also
 end, so the masks a padded call needs cost no pass of their own. HiFT's decoder keeps its activations
 time-major on CUDA (hift.TimeMajorConv1d): those are read in place by a second kernel whose programs
 take a tile of samples × all channels, so that its loads run along memory (tests/engines/test_hift_layout.py).
+That kernel also serves HiFT's residual blocks fused (hift.ResBlock.fused): it can add a convolution's
+bias before the activation (the convolution then runs without it) and, in `residual_snake`, the block's
+input too, writing the sum, its Snake or both, so a dilation step's bias adds and residual add cost no
+pass of their own.
 """
 
 from __future__ import annotations
@@ -85,12 +89,12 @@ def snake(x: Tensor, alpha: Tensor, ends: Tensor | None = None, bias: Tensor | N
     if not out.numel():
         return out
     alpha = alpha.contiguous()
-    row_ends = x if ends is None else ends
     if time_major:
         _time_major(x, bias, None, alpha, ends, None, out)
     else:
         grid = (rows * channels, triton.cdiv(length, BLOCK))
-        _snake_kernel[grid](x, alpha, row_ends, out, length, channels, BLOCK=BLOCK, HAS_ENDS=ends is not None)
+        _snake_kernel[grid](x, alpha, x if ends is None else ends, out, length, channels, BLOCK=BLOCK,
+                            HAS_ENDS=ends is not None)
     return out
 
 

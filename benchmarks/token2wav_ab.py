@@ -40,18 +40,25 @@ def run_order(rounds: int) -> list[tuple[int, str]]:
 
 
 def summary(reports: dict[tuple[int, str], dict[str, object]]) -> str:
-    """Per (batch, hop): each side's ms per call over its runs (in round order) and head / base of the
-    means."""
-    times: dict[tuple[int, int], dict[str, list[float]]] = {}
+    """Per (batch, hop): each side's ms per call over its runs (in round order), head / base of the
+    means, and each side's mean launch ms (the host queueing the call; near the call's time it includes
+    waits on a full launch queue: a device-bound call, docs/benchmarks.md, thirty-fourth session)."""
+    times: dict[tuple[int, int], dict[str, list[tuple[float, float]]]] = {}
     for (_, side), report in sorted(reports.items()):
         for row in report["rows"]:  # type: ignore[attr-defined]
-            times.setdefault((row["batch"], row["hop"]), {"base": [], "head": []})[side].append(row["ms"])
-    lines = [f"{'streams':>7} {'hop':>4} {'base ms / call':>22} {'head ms / call':>22} {'head / base':>12}"]
+            runs = times.setdefault((row["batch"], row["hop"]), {"base": [], "head": []})
+            runs[side].append((row["ms"], row["launch_ms"]))
+    lines = [f"{'streams':>7} {'hop':>4} {'base ms / call':>22} {'head ms / call':>22} {'head / base':>12} "
+             f"{'launch ms base':>15} {'head':>6}"]
     for (batch, hop), sides in sorted(times.items()):
         base, head = sides["base"], sides["head"]
-        ratio = statistics.fmean(head) / statistics.fmean(base) if base and head else float("nan")
-        lines.append(f"{batch:>7} {hop:>4} {' '.join(f'{ms:.1f}' for ms in base):>22} "
-                     f"{' '.join(f'{ms:.1f}' for ms in head):>22} {ratio:>12.3f}")
+        ratio = (statistics.fmean(ms for ms, _ in head) / statistics.fmean(ms for ms, _ in base)
+                 if base and head else float("nan"))
+        launches = [statistics.fmean(launch for _, launch in runs) if runs else float("nan")
+                    for runs in (base, head)]
+        lines.append(f"{batch:>7} {hop:>4} {' '.join(f'{ms:.1f}' for ms, _ in base):>22} "
+                     f"{' '.join(f'{ms:.1f}' for ms, _ in head):>22} {ratio:>12.3f} "
+                     f"{launches[0]:>15.1f} {launches[1]:>6.1f}")
     return "\n".join(lines)
 
 

@@ -195,9 +195,9 @@ def main() -> None:
         for hop in (None, *args.render_hops):
             text = tokens[: args.render]
             time_render(t2w, speaker, batch, hop, text)  # first use of every kernel and shape
-            runs = [time_render(t2w, speaker, batch, hop, text) for _ in range(args.repeats)]
-            ms = statistics.median(sum(run) for run in runs)
-            calls = [statistics.median(times) for times in zip(*runs, strict=True)]
+            render_runs = [time_render(t2w, speaker, batch, hop, text) for _ in range(args.repeats)]
+            ms = statistics.median(sum(run) for run in render_runs)
+            calls = [statistics.median(times) for times in zip(*render_runs, strict=True)]
             renders.append({"batch": batch, "hop": hop, "ms": ms, "calls_ms": calls,
                             "realtime_x": batch * args.render / TOKEN_RATE_HZ / (ms / 1000)})
 
@@ -221,8 +221,8 @@ def main() -> None:
         print(f"{'streams':>7} {'chunks':>12} {'ms in all':>10} {'x real time':>12}  ms per call")
         for row in renders:
             chunks = "one" if row["hop"] is None else f"hops of {row['hop']}"
-            calls = " ".join(f"{ms:.1f}" for ms in row["calls_ms"])
-            print(f"{row['batch']:>7} {chunks:>12} {row['ms']:>10.1f} {row['realtime_x']:>12.1f}  {calls}")
+            per_call = " ".join(f"{ms:.1f}" for ms in row["calls_ms"])
+            print(f"{row['batch']:>7} {chunks:>12} {row['ms']:>10.1f} {row['realtime_x']:>12.1f}  {per_call}")
     if device.type == "cuda":
         print(f"peak GPU memory: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
     if args.profile:

@@ -35,7 +35,7 @@ def as_words(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(WORD)
 
 
-def _word_views(*tensors: torch.Tensor) -> list[torch.Tensor] | None:
+def word_views(*tensors: torch.Tensor) -> list[torch.Tensor] | None:
     """All `tensors` (one dtype) as words, or None when any cannot be: then none is, since a copy between
     a word view and an element view would convert values, not move bytes."""
     if len({tensor.dtype for tensor in tensors}) > 1:
@@ -46,7 +46,7 @@ def _word_views(*tensors: torch.Tensor) -> list[torch.Tensor] | None:
 
 def copy_words_(destination: torch.Tensor, source: torch.Tensor) -> None:
     """`destination.copy_(source)` (same dtype; `source` may broadcast), moving words where it can."""
-    views = _word_views(destination, source) or [destination, source]
+    views = word_views(destination, source) or [destination, source]
     views[0].copy_(views[1])
 
 
@@ -61,7 +61,7 @@ def cat_words(tensors: tuple[torch.Tensor, ...], dim: int) -> torch.Tensor:
     """`torch.cat(tensors, dim)` (one dtype, `dim` not the last), joined as words where all allow it."""
     if dim % tensors[0].ndim == tensors[0].ndim - 1:
         raise ValueError("cat_words joins along a dimension before the last")
-    views = _word_views(*tensors)
+    views = word_views(*tensors)
     if views is None:
         return torch.cat(tensors, dim=dim)
     return torch.cat(views, dim=dim).view(tensors[0].dtype)
@@ -73,7 +73,7 @@ def cat_words_into_(destination: torch.Tensor, tensors: Sequence[torch.Tensor], 
     `copy_words_` would cost the host a Python call and its views."""
     if dim % destination.ndim == destination.ndim - 1:
         raise ValueError("cat_words_into_ joins along a dimension before the last")
-    *views, out = _word_views(*tensors, destination) or [*tensors, destination]
+    *views, out = word_views(*tensors, destination) or [*tensors, destination]
     torch.cat(views, dim=dim, out=out)
 
 
@@ -83,6 +83,6 @@ def gather_words(sources: tuple[torch.Tensor, ...], dim: int, index: torch.Tenso
     gathered as words where every tensor allows it."""
     if dim % out.ndim == out.ndim - 1:
         raise ValueError("gather_words gathers along a dimension before the last")
-    *views, out_view = _word_views(*sources, out) or [*sources, out]
+    *views, out_view = word_views(*sources, out) or [*sources, out]
     history = views[0] if len(views) == 1 else torch.cat(views, dim=dim)
     torch.gather(history, dim, index.expand(*out_view.shape), out=out_view)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engines.word_copies import as_words
+from engines.word_copies import word_views
 
 TILE = 2048  # frames × words per program
 
@@ -62,9 +62,7 @@ def gather_kept_frames(own: Tensor, new: Tensor, keep: Tensor, out: Tensor) -> N
         raise ValueError(f"keep {tuple(keep.shape)} for {new.shape[1]} rows and {out.shape[3]} kept frames")
     if not out.numel():
         return
-    own_view, new_view, out_view = as_words(own), as_words(new), as_words(out)
-    if not (own_view.dtype == new_view.dtype == out_view.dtype):  # one of them cannot be words
-        own_view, new_view, out_view = own, new, out
+    own_view, new_view, out_view = word_views(own, new, out) or [own, new, out]
     depth, rows, heads, kept, words = out_view.shape
     block_w = triton.next_power_of_2(words)
     block_k = max(1, TILE // block_w)

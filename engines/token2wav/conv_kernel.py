@@ -57,14 +57,16 @@ def _conv_time_major_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, alpha_ptr, end
     inputs = tl.arange(0, BLOCK_K)
     x_row = x_ptr + row.to(tl.int64) * length * C_IN
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-    for tap in range(taps):
+    # One loop over (tap, input block) pairs, the implicit GEMM's reduction, so it pipelines as one.
+    for step in range(taps * (C_IN // BLOCK_K)):
+        tap = step // (C_IN // BLOCK_K)
+        start = (step % (C_IN // BLOCK_K)) * BLOCK_K
         source = samples + tap * dilation - padding
         inside = (source >= 0) & (source < length)
-        for start in tl.static_range(0, C_IN, BLOCK_K):
-            a = tl.load(x_row + source[:, None] * C_IN + (start + inputs)[None, :], mask=inside[:, None],
-                        other=0.0)
-            w = tl.load(w_ptr + (tap * C_IN + start + inputs)[:, None] * C_OUT + outputs[None, :])
-            acc = tl.dot(a, w, acc, input_precision="tf32")
+        a = tl.load(x_row + source[:, None] * C_IN + (start + inputs)[None, :], mask=inside[:, None],
+                    other=0.0)
+        w = tl.load(w_ptr + (tap * C_IN + start + inputs)[:, None] * C_OUT + outputs[None, :])
+        acc = tl.dot(a, w, acc, input_precision="tf32")
     written = samples[:, None] < length
     offsets = row.to(tl.int64) * length * C_OUT + samples[:, None] * C_OUT + outputs[None, :]
     v = acc

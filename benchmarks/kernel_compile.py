@@ -177,9 +177,9 @@ def sampling_cases() -> Iterator[tuple[str, Callable[[], object]]]:
 
 
 def snake_cases() -> Iterator[tuple[str, Callable[[], object]]]:
-    """HiFT's Snake, channel-major and time-major, with row ends (a padded batch) and without; and the
+    """HiFT's Snake, channel-major and time-major, with row ends (a padded batch) and without; the
     residual block's fused steps (a convolution's bias added, the residual add with or without the next
-    Snake)."""
+    Snake); in float32 and in the halves of a half-precision decoder."""
     channels, length = 512, 256
     alpha, bias = torch.ones(channels), torch.zeros(channels)
     ends = torch.full((2,), length, dtype=torch.int64)
@@ -190,6 +190,11 @@ def snake_cases() -> Iterator[tuple[str, Callable[[], object]]]:
     yield ("residual + bias + snake, row ends",
            partial(residual_snake, time_major, bias, time_major, alpha, ends))
     yield "residual + bias", partial(residual_snake, time_major, bias, time_major, None)
+    # A half-precision decoder's (hift.HiFTGenerator.use_decoder_dtype): loads and stores in the half.
+    half, half_alpha = time_major.to(torch.bfloat16), alpha.to(torch.bfloat16)
+    yield ("bf16 residual + bias + snake, row ends",
+           partial(residual_snake, half, bias.to(torch.bfloat16), half, half_alpha, ends))
+    yield "fp16 snake, channel-major", partial(snake, torch.zeros(2, channels, length).half(), alpha.half())
 
 
 def kept_frames_cases() -> Iterator[tuple[str, Callable[[], object]]]:

@@ -8,7 +8,9 @@ often as the second: token2wav's own call times, without a server, for a change 
 
 `--base-env` / `--head-env NAME=VALUE` (repeatable) set environment variables for one side, so BASE may be
 this repository itself for an A/B of a setting (Inductor's PDL: `. --head-env TORCHINDUCTOR_ENABLE_PDL=1`;
-the models' compile cache keeps such variants apart, engines/precompiled.py).
+the models' compile cache keeps such variants apart, engines/precompiled.py). `--base-arg` / `--head-arg
+WORD` (repeatable) add words to one side's token2wav_batch.py arguments, for an A/B of an engine option
+(HiFT's decoder in bf16: `. --head-arg=--vocoder-dtype --head-arg=bfloat16`).
 
 Round 1 runs base then head (this repository), round 2 head then base, and so on, so that over an even
 number of rounds an effect of the place cannot pass for one of the code (the DiT tail-fusion A/B's 4-5 %
@@ -80,6 +82,8 @@ def main() -> None:
     for side in ("base", "head"):
         parser.add_argument(f"--{side}-env", action="append", default=[], metavar="NAME=VALUE",
                             help=f"an environment variable for the {side} side's runs")
+        parser.add_argument(f"--{side}-arg", action="append", default=[], metavar="WORD",
+                            help=f"a word added to the {side} side's token2wav_batch.py arguments")
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
     args = parser.parse_args(argv[:split])
@@ -91,17 +95,18 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     trees = {"base": args.base.resolve(), "head": HERE}
     settings = {"base": environment(parser, args.base_env), "head": environment(parser, args.head_env)}
+    side_args = {"base": args.base_arg, "head": args.head_arg}
     reports: dict[tuple[int, str], dict[str, object]] = {}
     for round_, side in run_order(args.rounds):
         tree = trees[side]
         report = args.out / f"t2w-{side}-{round_}.json"
         extra = settings[side]
-        named = " ".join(f"{name}={value}" for name, value in extra.items())
+        named = " ".join([*(f"{name}={value}" for name, value in extra.items()), *side_args[side]])
         print(f"== round {round_}, {side}: {tree} {named}", flush=True)
         path = os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))
         subprocess.run([sys.executable, str(tree / "benchmarks" / "token2wav_batch.py"), *batch_args,
-                        "--json", str(report)], cwd=tree, env={**os.environ, **extra, "PYTHONPATH": path},
-                       check=True)
+                        *side_args[side], "--json", str(report)],
+                       cwd=tree, env={**os.environ, **extra, "PYTHONPATH": path}, check=True)
         reports[(round_, side)] = json.loads(report.read_text())
     print(f"\n{summary(reports)}")
 

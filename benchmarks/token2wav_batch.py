@@ -148,6 +148,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--eager-vocoder", action="store_true", help="CUDA graphs for the flow only")
+    parser.add_argument("--vocoder-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                        help="HiFT's decoder (hift.HiFTGenerator.use_decoder_dtype; float32: the reference)")
     parser.add_argument("--cudnn-benchmark", action="store_true",
                         help="let cuDNN time its convolution algorithms per shape (HiFT's convolutions)")
     parser.add_argument("--profile", type=Path, help="directory for operator profiles of some calls")
@@ -168,7 +170,8 @@ def main() -> None:
     models = args.models or Path(tempfile.gettempdir()) / f"cosyvoice-synthetic-{args.size}"
     if args.models is None:
         build_random(models, args.size)
-    t2w = TorchToken2Wav.from_models_dir(models, "dit", device, cuda_graphs=not args.eager)
+    t2w = TorchToken2Wav.from_models_dir(models, "dit", device, cuda_graphs=not args.eager,
+                                         vocoder_dtype=getattr(torch, args.vocoder_dtype))
     if args.eager_vocoder:
         t2w.vocoder_graphs = None
     speaker = t2w.prepare_speaker(VoicePrompt.load(ModelPaths(models).voices / "default.safetensors"))
@@ -208,7 +211,8 @@ def main() -> None:
     if args.cudnn_benchmark:
         mode += ", cuDNN benchmark"
     source = f"{args.size} synthetic" if args.models is None else f"{models}"
-    print(f"\ntoken2wav launch_chunks + wait: {source} DiT flow ({t2w.flow.dtype}, {mode}), HiFT fp32, "
+    print(f"\ntoken2wav launch_chunks + wait: {source} DiT flow ({t2w.flow.dtype}, {mode}), "
+          f"HiFT decoder {t2w.hift.decoder_dtype}, "
           f"{name}, torch {torch.__version__}; warm-up {warmup_s:.1f} s; {SAMPLE_RATE} Hz")
     print(f"{'streams':>7} {'chunk (tokens)':>15} {'ms / call':>10} {'launch ms':>10} {'ms / stream':>12} "
           f"{'x real time':>12}")

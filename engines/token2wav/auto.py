@@ -58,6 +58,7 @@ def select_token2wav(
     final_chunk_graphs: bool = True,
     precompiled: Path | None = None,
     preload_compile_workers: bool = True,
+    vocoder_dtype: torch.dtype = torch.float32,
 ) -> Token2Wav:
     """The token2wav backend for `models_dir`: `tensorrt` or `torch` as asked, `auto` prefers TensorRT.
 
@@ -69,6 +70,8 @@ def select_token2wav(
     final_chunk_graphs: the PyTorch backend's HiFT graphs for final chunks of any length (TorchToken2Wav).
     precompiled: where the PyTorch backend keeps its ahead-of-time compiled DiT block (TorchToken2Wav).
     preload_compile_workers: as for `TorchToken2Wav.from_models_dir`.
+    vocoder_dtype: the PyTorch backend's HiFT decoder (`TorchToken2Wav.from_models_dir`); the TensorRT
+        backend's HiFT is float32.
     Asking for `tensorrt` where it cannot run raises RuntimeError with the reason.
     """
     reason = None if backend == "torch" else tensorrt_unavailable(models_dir, flow, device, precision)
@@ -84,4 +87,4 @@ def select_token2wav(
     logger.info("token2wav backend: PyTorch %s flow (%s)", flow, reason or "requested")
     return TorchToken2Wav.from_models_dir(models_dir, flow, device, torch_dtype, cuda_graphs, dit_cache_rule,
                                           solve_memory_bytes, final_chunk_graphs, precompiled,
-                                          preload_compile_workers)
+                                          preload_compile_workers, vocoder_dtype)

@@ -9,6 +9,12 @@ On CUDA the decoder's activations are time-major in memory, (B, T, C) seen as (B
 convolutions run as cuDNN's channels-last (NHWC) kernels, which are the faster ones on an H100 (up to
 twice at the 24 kHz stage, `TimeMajorConv1d`), and which cuDNN otherwise reached by converting every
 input to NHWC and every output back (~7 % of a 64-stream call, docs/benchmarks.md).
+
+HiFT runs in float32, as the reference does. `use_decoder_dtype` may put the decoder (the convolutions
+from the mel to the spectrum, nearly all of HiFT's work) in a half precision, the pitch, the harmonic
+source and the STFTs staying float32: faster (cuDNN's bf16 convolutions take 0.4–0.6 of the TF32 ones'
+time on an H200, docs/benchmarks.md), a departure from the reference whose cost in audio is for released
+weights to show.
 """
 
 from __future__ import annotations
@@ -130,6 +136,10 @@ class TimeMajorConvTranspose1d(nn.ConvTranspose1d):
                                   self.groups, (1, self.dilation[0])).squeeze(2)
 
 
+# Activation dtypes the Snake kernels take (they compute in float32 and store in the activation's dtype).
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def is_time_major(x: Tensor) -> bool:
     """Whether (B, C, T) `x` lies in memory as a dense (B, T, C) (what `TimeMajorConv1d` returns)."""
     rows, channels, length = x.shape
@@ -157,7 +167,7 @@ class Snake(nn.Module):
 
     def forward(self, x: Tensor, ends: Tensor | None = None) -> Tensor:
         """`ends` (B,) int64: each row's output is zero from that position on (RowEnds.ends)."""
-        if x.is_cuda and x.dtype == torch.float32:
+        if x.is_cuda and x.dtype in KERNEL_DTYPES:
             # One kernel instead of four (engines/token2wav/snake.py); Triton comes with CUDA torch.
             from engines.token2wav.snake import snake
 
@@ -188,7 +198,7 @@ class ResBlock(nn.Module):
     def forward(self, x: Tensor, ends: Tensor | None = None) -> Tensor:
         """With `ends` (B,) (a right-padded batch, `RowEnds.ends`), each activation is zeroed from the
         row's end on, so every convolution reads zeros there; the output past the end is not zero."""
-        if x.is_cuda and x.dtype == torch.float32 and is_time_major(x):
+        if x.is_cuda and x.dtype in KERNEL_DTYPES and is_time_major(x):
             return self.fused(x, ends)
         return self.unfused(x, ends)
 
@@ -200,7 +210,7 @@ class ResBlock(nn.Module):
         return x
 
     def fused(self, x: Tensor, ends: Tensor | None = None) -> Tensor:
-        """`forward` of a time-major float32 x (CUDA's layout; any device with Triton's interpreter): each
+        """`forward` of a time-major x (CUDA's layout; any device with Triton's interpreter): each
         convolution runs without its bias, which the Snake kernel reading its output adds, and the
         residual add and the next dilation's first Snake are one kernel (engines/token2wav/snake.py). Per
         dilation two elementwise passes instead of five (two Snakes, two bias adds, the residual add),
@@ -330,6 +340,26 @@ class HiFTGenerator(nn.Module):
         """Output samples per mel frame (480)."""
         return self.cfg.hop_samples
 
+    @property
+    def input_dtype(self) -> torch.dtype:
+        """The dtype of the mel, noise and cached source HiFT takes (its pitch predictor's)."""
+        return self.f0_predictor.classifier.weight.dtype
+
+    @property
+    def decoder_dtype(self) -> torch.dtype:
+        """The decoder's dtype: the input dtype unless `use_decoder_dtype` changed it."""
+        return self.conv_pre.weight.dtype
+
+    def use_decoder_dtype(self, dtype: torch.dtype) -> None:
+        """Run the decoder's convolutions from conv_pre to the last residual blocks (the upsampling, the
+        source's downsampling, every residual block) in `dtype`; the pitch predictor, the harmonic source,
+        conv_post, both STFTs and the output keep the input dtype. Not the reference's numerics (see the
+        module docstring)."""
+        if dtype not in KERNEL_DTYPES:
+            raise ValueError(f"HiFT's decoder runs in one of {KERNEL_DTYPES}, not {dtype}")
+        for module in (self.conv_pre, self.ups, self.source_downs, self.source_resblocks, self.resblocks):
+            module.to(dtype)
+
     def forward(self, mel: Tensor, cache_source: Tensor | None = None, *,
                 generator: Noise = None) -> tuple[Tensor, Tensor]:
         """mel (B, 80, T) → speech (B, 480T) in [-0.99, 0.99] and source (B, 1, 480T).
@@ -418,16 +448,16 @@ class HiFTGenerator(nn.Module):
         """ISTFTNet decoder: mel (B, 80, T) and source (B, 1, 480T) → speech (B, 480T); with `ends`,
         rows right-padded as in `vocode_with_noise` (every convolution reads zeros past a row's end:
         the residual blocks zero their Snake outputs, and `x` is masked before the other convolutions)."""
-        cfg = self.cfg
+        cfg, dtype = self.cfg, self.decoder_dtype
 
         def keep(x: Tensor, per_frame: int, extra: int = 0) -> Tensor:
-            return x if ends is None else x * ends.mask(x.shape[2], per_frame, extra)
+            return x if ends is None else x * ends.mask(x.shape[2], per_frame, extra, x.dtype)
 
         def row_ends(per_frame: int, extra: int = 0) -> Tensor | None:
             return None if ends is None else ends.ends(per_frame, extra)
 
-        source_stft = self.source_spectrum(source.squeeze(1), ends)
-        x = self.conv_pre(mel)
+        source_stft = self.source_spectrum(source.squeeze(1), ends).to(dtype)
+        x = self.conv_pre(mel.to(dtype))
         last_stage = len(self.ups) - 1
         per_frame, extra = 1, 0
         for i, (up, down, source_block) in enumerate(zip(self.ups, self.source_downs, self.source_resblocks,
@@ -446,7 +476,9 @@ class HiFTGenerator(nn.Module):
             for output in outputs[1:]:  # from the first output, not from zeros: one pass less, same sums
                 x = x + output
             x = x / self.num_kernels
-        x = self.conv_post(F.leaky_relu(keep(x, per_frame, extra)))  # default slope 0.01 here, as trained
+        # Default slope 0.01 here, as trained. conv_post in the mel's precision: its output becomes
+        # exp(magnitude) and sin(phase), where a half's rounding would be amplified.
+        x = self.conv_post(F.leaky_relu(keep(x, per_frame, extra)).to(mel.dtype))
         magnitude = torch.exp(x[:, :self.spectrum_bins]).clamp(max=1e2)
         phase = torch.sin(x[:, self.spectrum_bins:])
         if ends is None:

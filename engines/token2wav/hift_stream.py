@@ -243,7 +243,7 @@ def launch_vocode_streams(
             rows = [pending[i].joined() for i in indices]
             mel, noise, rows_frames = _padded_rows(hift, members, rows, key.frames, cached)
         else:
-            mel = _joined_rows([pending[i] for i in indices], hift.conv_pre.weight.dtype)
+            mel = _joined_rows([pending[i] for i in indices], hift.input_dtype)
             samples = key.frames * hift.hop_samples - cached
             noise = hift.draw_noise([s._noise for s in members], len(members), samples, mel.device)
         if graphs is None:
@@ -266,7 +266,7 @@ def _padded_rows(hift: HiFTGenerator, streams: Sequence[HiFTStream], mels: Seque
     device = mels[0].device
     lengths = [mel.shape[2] for mel in mels]
     mel = torch.cat([F.pad(m, (0, frames - n)) for m, n in zip(mels, lengths, strict=True)])
-    mel = mel.to(hift.conv_pre.weight.dtype)
+    mel = mel.to(hift.input_dtype)
     samples = frames * hift.hop_samples - cached
     own_samples = [n * hift.hop_samples - cached for n in lengths]
     noise = torch.cat([F.pad(hift.draw_noise([s._noise], 1, own, device), (0, 0, 0, samples - own))

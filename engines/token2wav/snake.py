@@ -36,8 +36,8 @@ def _snake_kernel(x_ptr, alpha_ptr, ends_ptr, out_ptr, length, channels, BLOCK: 
     samples = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = samples < length
     offsets = row_channel.to(tl.int64) * length + samples
-    alpha = tl.load(alpha_ptr + row_channel % channels)
-    x = tl.load(x_ptr + offsets, mask=inside, other=0.0)
+    alpha = tl.load(alpha_ptr + row_channel % channels).to(tl.float32)
+    x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
     wave = libdevice.sin(alpha * x)
     y = x + wave * wave * (1.0 / (alpha + 1e-9))
     if HAS_ENDS:
@@ -53,20 +53,22 @@ def _snake_time_major_kernel(x_ptr, bias_ptr, residual_ptr, alpha_ptr, ends_ptr,
     # A row's samples are (length, channels) in memory: a program takes BLOCK_T samples of every
     # channel, so its loads run along the channels, contiguous. v = x (+ bias) (+ residual), in that
     # order (a convolution's output, its bias, the block's input); v and/or snake(v) are written.
+    # Half-precision activations (a half-precision decoder, hift.HiFTGenerator.use_decoder_dtype) are
+    # computed on in float32 and stored back in their dtype.
     row = tl.program_id(0)
     samples = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     lanes = tl.arange(0, BLOCK_C)
     inside = (samples[:, None] < length) & (lanes[None, :] < channels)
     offsets = row.to(tl.int64) * length * channels + samples[:, None] * channels + lanes[None, :]
-    v = tl.load(x_ptr + offsets, mask=inside, other=0.0)
+    v = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        v = v + tl.load(bias_ptr + lanes, mask=lanes < channels, other=0.0)[None, :]
+        v = v + tl.load(bias_ptr + lanes, mask=lanes < channels, other=0.0).to(tl.float32)[None, :]
     if HAS_RESIDUAL:
-        v = v + tl.load(residual_ptr + offsets, mask=inside, other=0.0)
+        v = v + tl.load(residual_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
     if WRITE_SUM:
         tl.store(sum_ptr + offsets, v, mask=inside)
     if WRITE_SNAKE:
-        alpha = tl.load(alpha_ptr + lanes, mask=lanes < channels, other=1.0)[None, :]
+        alpha = tl.load(alpha_ptr + lanes, mask=lanes < channels, other=1.0).to(tl.float32)[None, :]
         wave = libdevice.sin(alpha * v)
         y = v + wave * wave * (1.0 / (alpha + 1e-9))
         if HAS_ENDS:
@@ -75,7 +77,8 @@ def _snake_time_major_kernel(x_ptr, bias_ptr, residual_ptr, alpha_ptr, ends_ptr,
 
 
 def snake(x: Tensor, alpha: Tensor, ends: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
-    """Snake of x (B, C, L) float32 on CUDA with α (C,): a new tensor, in x's memory layout where that is
+    """Snake of x (B, C, L) on CUDA with α (C,), computed in float32 whatever x's dtype (float32, bfloat16
+    or float16, `hift.KERNEL_DTYPES`) and stored in it: a new tensor, in x's memory layout where that is
     (B, C, L) or time-major (B, L, C), else (B, C, L). `ends` (B,) int64: each row's output is zero
     from that position on (a right-padded batch's rows, hift.RowEnds). `bias` (C,): Snake of x + bias
     (a convolution's output without its bias; time-major x only)."""

@@ -2,8 +2,9 @@
 
 Each stream pairs the flow's stream (its caches) with a `HiFTStream` (mel/source cache and cross-fade,
 MODEL_FACTS §5.6); a chunk runs the flow on its tokens and vocodes the mel it returns. The flow runs in
-the requested dtype (fp16 on CUDA by default, as the reference), HiFT in fp32. After its last chunk a
-stream frees its tensors.
+the requested dtype (fp16 on CUDA by default, as the reference), HiFT in fp32 (its decoder in a half
+precision if asked: `vocoder_dtype`, not the reference's numerics). After its last chunk a stream frees
+its tensors.
 
 `launch_chunks` batches: the DiT flow solves all the chunks as padded batches (flow_dit.DiTFlow.chunks,
 from CUDA graphs on CUDA) and HiFT vocodes equal-shaped chunks together (hift_stream.launch_vocode_streams,
@@ -152,6 +153,7 @@ class TorchToken2Wav(Token2Wav):
         final_chunk_graphs: bool = True,
         precompiled: Path | None = None,
         preload_compile_workers: bool = True,
+        vocoder_dtype: torch.dtype = torch.float32,
     ) -> TorchToken2Wav:
         """Load the `variant` flow of a models directory with its HiFT (Step-Audio2's for the DiT flow,
         CosyVoice2's for the UNet flow); the architecture comes from the directory's manifest.
@@ -163,6 +165,7 @@ class TorchToken2Wav(Token2Wav):
         preload_compile_workers: a cold start's compile workers build their models on the device while
         they wait for their shapes (block_compile.py); off where that memory must stay free until the
         LLM has built (realtime/warm_up.py).
+        vocoder_dtype: HiFT's decoder's (`HiFTGenerator.use_decoder_dtype`); float32 as the reference.
         """
         if dtype is None:
             dtype = torch.float16 if torch.device(device).type == "cuda" else torch.float32
@@ -192,6 +195,8 @@ class TorchToken2Wav(Token2Wav):
             hift = load_hift(paths.cosyvoice2_hift, configs.hift, device)
         else:
             raise ValueError(f"unknown flow variant {variant!r}; expected 'dit' or 'unet'")
+        if vocoder_dtype != hift.decoder_dtype:
+            hift.use_decoder_dtype(vocoder_dtype)
         return TorchToken2Wav(flow, hift, name=f"torch-{variant}", cuda_graphs=cuda_graphs,
                               final_chunk_graphs=final_chunk_graphs, precompiled=precompiled,
                               block_workers=workers)

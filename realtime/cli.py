@@ -25,6 +25,7 @@ from realtime.config import (
     IceServer,
     LimitsConfig,
     ServiceConfig,
+    VocoderPrecision,
     WebRTCConfig,
 )
 from realtime.placement import PlacementKind, parse_devices
@@ -110,6 +111,7 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         llm_backend=args.llm_backend,
         token2wav_backend=args.token2wav_backend,
         dit_cache_rule=args.dit_cache_rule,
+        vocoder_precision=args.vocoder_precision,
         device=args.device,
         placement=PlacementKind(args.placement),
         llm_devices=args.llm_device,
@@ -409,6 +411,13 @@ def build_parser() -> argparse.ArgumentParser:
             default="reference",
             help="DiT streaming cache: reference (Step-Audio2's trim and noise offset) or prompt_recent "
                  "(prompt + 100 newest frames: less memory per stream; see docs/fidelity.md)",
+        )
+        sub.add_argument(
+            "--vocoder-precision",
+            choices=get_args(VocoderPrecision),
+            default="float32",
+            help="HiFT decoder's precision: float32 (the reference) or float16/bfloat16 (faster "
+                 "convolutions, not the reference's audio; see docs/fidelity.md)",
         )
         sub.add_argument("--device", default="auto",
                          help="torch device of every engine (cpu, cuda, cuda:1, ...), or auto: every visible "

@@ -18,6 +18,7 @@ from realtime.schedule import ScheduleKind
 from realtime.voice_aliases import DEFAULT_VOICE_ALIASES
 
 FlowKind = Literal["dit", "unet"]
+VocoderPrecision = Literal["float32", "float16", "bfloat16"]
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "cosyvoice-realtime"
 GIB = 1 << 30
 
@@ -196,6 +197,8 @@ class ServiceConfig:
         here, PyTorch otherwise (engines/token2wav/auto.py).
     dit_cache_rule: the DiT flow's streaming estimator cache: `reference` (Step-Audio2's trim and noise
         offset) or `prompt_recent` (prompt + 100 newest frames per stream: less memory; docs/fidelity.md).
+    vocoder_precision: HiFT's decoder's: `float32` as the reference, or `float16` / `bfloat16` (faster
+        convolutions, not the reference's audio: docs/fidelity.md; engines/token2wav/hift.py).
     llm_slots: requests the LLM decodes together (None: `max_streams`; 1 serves one at a time).
     token2wav_batch: most chunks a token2wav worker thread runs in one call (64: a burst of new streams'
         first chunks in one call); the solve memory cap below splits calls of long-cached chunks.
@@ -267,6 +270,7 @@ class ServiceConfig:
     llm_backend: LLMBackend = "auto"
     token2wav_backend: Token2WavBackend = "auto"
     dit_cache_rule: CacheRule = "reference"
+    vocoder_precision: VocoderPrecision = "float32"
     device: str = "auto"
     placement: PlacementKind = PlacementKind.DISAGGREGATED
     llm_devices: tuple[str, ...] | None = None
@@ -308,7 +312,8 @@ class ServiceConfig:
             object.__setattr__(self, "voices_dir", Path(self.voices_dir))
         if self.flow not in ("dit", "unet"):
             raise ValueError(f"flow must be 'dit' or 'unet', got {self.flow!r}")
-        for name, choices in (("llm_backend", LLMBackend), ("token2wav_backend", Token2WavBackend)):
+        for name, choices in (("llm_backend", LLMBackend), ("token2wav_backend", Token2WavBackend),
+                              ("vocoder_precision", VocoderPrecision)):
             if getattr(self, name) not in get_args(choices):
                 raise ValueError(f"{name} must be one of {get_args(choices)}, got {getattr(self, name)!r}")
         if self.dit_cache_rule not in CACHE_RULES:

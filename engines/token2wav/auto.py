@@ -58,7 +58,7 @@ def select_token2wav(
     final_chunk_graphs: bool = True,
     precompiled: Path | None = None,
     preload_compile_workers: bool = True,
-    vocoder_dtype: torch.dtype = torch.float32,
+    vocoder_dtype: torch.dtype | None = None,
 ) -> Token2Wav:
     """The token2wav backend for `models_dir`: `tensorrt` or `torch` as asked, `auto` prefers TensorRT.
 
@@ -70,10 +70,13 @@ def select_token2wav(
     final_chunk_graphs: the PyTorch backend's HiFT graphs for final chunks of any length (TorchToken2Wav).
     precompiled: where the PyTorch backend keeps its ahead-of-time compiled DiT block (TorchToken2Wav).
     preload_compile_workers: as for `TorchToken2Wav.from_models_dir`.
-    vocoder_dtype: the PyTorch backend's HiFT decoder (`TorchToken2Wav.from_models_dir`); the TensorRT
-        backend's HiFT is float32.
+    vocoder_dtype: HiFT's decoder's, in either backend (`HiFTGenerator.use_decoder_dtype`; None: float32,
+        as the reference).
     Asking for `tensorrt` where it cannot run raises RuntimeError with the reason.
     """
+    import torch  # both backends run on it; this module is imported without it
+
+    decoder_dtype = torch.float32 if vocoder_dtype is None else vocoder_dtype
     reason = None if backend == "torch" else tensorrt_unavailable(models_dir, flow, device, precision)
     if backend == "tensorrt" and reason is not None:
         raise RuntimeError(f"the TensorRT token2wav backend cannot run: {reason}")
@@ -81,10 +84,10 @@ def select_token2wav(
         from engines.token2wav.trt_pool import load_trt_token2wav
 
         logger.info("token2wav backend: TensorRT (%s plans, %d contexts)", precision, pool_size)
-        return load_trt_token2wav(models_dir, precision, pool_size, device, dit_cache_rule)
+        return load_trt_token2wav(models_dir, precision, pool_size, device, dit_cache_rule, decoder_dtype)
     from engines.token2wav.torch_backend import TorchToken2Wav
 
     logger.info("token2wav backend: PyTorch %s flow (%s)", flow, reason or "requested")
     return TorchToken2Wav.from_models_dir(models_dir, flow, device, torch_dtype, cuda_graphs, dit_cache_rule,
                                           solve_memory_bytes, final_chunk_graphs, precompiled,
-                                          preload_compile_workers, vocoder_dtype)
+                                          preload_compile_workers, decoder_dtype)

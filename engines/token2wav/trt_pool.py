@@ -384,11 +384,13 @@ def load_trt_token2wav(
     pool_size: int = 4,
     device: torch.device | str = "cuda",
     dit_cache_rule: CacheRule = "reference",
+    vocoder_dtype: torch.dtype = torch.float32,
 ) -> TrtToken2Wav:
     """The DiT token2wav of `models_dir` with the estimator on its TensorRT plans.
 
-    The conformer encoder and HiFT stay in PyTorch (fp32 HiFT as in the reference); the flow's own
-    tensors use fp16 for fp16/bf16 plans and fp32 otherwise. dit_cache_rule: see dit_cache.py.
+    The conformer encoder and HiFT stay in PyTorch (fp32 HiFT as in the reference, its decoder in
+    `vocoder_dtype`: hift.HiFTGenerator.use_decoder_dtype); the flow's own tensors use fp16 for fp16/bf16
+    plans and fp32 otherwise. dit_cache_rule: see dit_cache.py.
     """
     artifacts, paths = TrtArtifacts(Path(models_dir)), ModelPaths(Path(models_dir))
     configs = configs_for_models_dir(paths.root)
@@ -402,6 +404,8 @@ def load_trt_token2wav(
     assert isinstance(dit, DiT), "DiTFlow's estimator is a DiT"
     flow.decoder.estimator = TrtDiTEstimator(chunk, offline, fallback=dit)
     hift = load_hift(paths.hift, configs.hift, device)
+    if vocoder_dtype != hift.decoder_dtype:
+        hift.use_decoder_dtype(vocoder_dtype)
     logger.info("TensorRT DiT estimator: %s (%d contexts), offline plan: %s", chunk.plan, pool_size,
                 offline.plan if offline else "none")
     return TrtToken2Wav(flow, hift, workers=pool_size)

@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 from engines.llm.torch_engine import TorchLLMEngine
 from engines.token2wav.torch_backend import TorchToken2Wav
@@ -78,6 +79,23 @@ def test_dit_cache_rule_reaches_the_flow(tiny_models: Path) -> None:
         build_parser().parse_args(["serve", "--dit-cache-rule", "newest"])
     with pytest.raises(ValueError, match="dit_cache_rule must be one of"):
         config(tiny_models, dit_cache_rule="newest")
+
+
+def test_vocoder_precision_reaches_hift(tiny_models: Path) -> None:
+    """`--vocoder-precision` (default: float32, the reference's) is HiFT's decoder's dtype; the pitch
+    predictor stays float32."""
+    default = _config(build_parser().parse_args(["serve", "--models", str(tiny_models)]))
+    assert default.vocoder_precision == "float32"
+    flags = ["serve", "--models", str(tiny_models), "--vocoder-precision", "float16"]
+    args = build_parser().parse_args(flags)
+    engines = load_engines(dataclasses.replace(_config(args), device="cpu", max_streams=2))
+    (token2wav,) = engines.token2wavs
+    assert isinstance(token2wav, TorchToken2Wav)
+    assert (token2wav.hift.decoder_dtype, token2wav.hift.input_dtype) == (torch.float16, torch.float32)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--vocoder-precision", "float8"])
+    with pytest.raises(ValueError, match="vocoder_precision must be one of"):
+        config(tiny_models, vocoder_precision="half")
 
 
 def test_llm_prefill_padding_reaches_the_llm_engine(tiny_models: Path) -> None:

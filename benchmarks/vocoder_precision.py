@@ -9,7 +9,7 @@ What it means for released weights' audio must be heard with those weights.
 
     python3 benchmarks/vocoder_precision.py --size full --device cpu                       # error only
     bash benchmarks/on_device.sh python3 benchmarks/vocoder_precision.py --size full --device cuda \
-        --rows 1 16 64 --frames 30 58
+        --rows 1 16 64 --frames 30 58 [--cudnn-benchmark]
 
 Prints a table; timings go to no test.
 """
@@ -69,8 +69,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[2])
     parser.add_argument("--frames", type=int, nargs="+", default=[40])
     parser.add_argument("--conv-post-scale", type=float, default=0.1)
+    parser.add_argument("--cudnn-benchmark", action="store_true",
+                        help="let cuDNN time its algorithms per shape (at each graph's capture); the service "
+                             "uses its heuristics, which chose a 57 ms bf16 kernel for one 64-row shape "
+                             "(docs/benchmarks.md, thirty-fifth session)")
     args = parser.parse_args()
     use_tf32_matmuls()  # the service's float32 (TF32 convolutions on CUDA)
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
     device = torch.device(args.device)
     cfg = ModelConfigs.tiny().hift if args.size == "tiny" else HiFTConfig()
     reference = random_hift(cfg, args.conv_post_scale)
@@ -81,7 +86,8 @@ def main() -> None:
         models[dtype] = model
     timed = device.type == "cuda"
     print(f"HiFT {args.size}, {device if not timed else torch.cuda.get_device_name(device)}, "
-          f"torch {torch.__version__}; conv_post × {args.conv_post_scale}")
+          f"torch {torch.__version__}; conv_post × {args.conv_post_scale}"
+          + ("; cuDNN benchmark" if args.cudnn_benchmark else ""))
     print(f"{'rows':>4} {'frames':>6} {'decoder':>9} {'rel. error':>10} {'SNR dB':>7} {'max |error|':>11} "
           f"{'speech RMS':>10}" + (f" {'ms / call':>10}" if timed else ""))
     with torch.inference_mode():

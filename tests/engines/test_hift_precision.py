@@ -158,9 +158,14 @@ def test_the_snake_kernels_compute_half_activations_in_float32(dtype: torch.dtyp
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_a_half_decoder_on_the_gpu_and_in_its_graphs(dtype: torch.dtype) -> None:
+def test_a_half_decoder_on_the_gpu_and_in_its_graphs(dtype: torch.dtype,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU's time-major half decoder (cuDNN's half convolutions, the Snake kernels), eagerly and from
-    a CUDA graph, against the float32 model on the CPU: within the bound, the source unchanged."""
+    a CUDA graph, against the float32 model on the CPU: within the bound, the source unchanged. The
+    float32 parts in IEEE float32 (the service runs them in TF32), so that the GPU's pitch and source are
+    the CPU's up to rounding."""
+    monkeypatch.setattr(torch.backends.cudnn.conv, "fp32_precision", "ieee")
+    monkeypatch.setattr(torch.backends.cuda.matmul, "fp32_precision", "ieee")
     hift = hift_in_range()
     mel, noise = inputs(2, 20, hift)
     with torch.inference_mode():
@@ -170,6 +175,6 @@ def test_a_half_decoder_on_the_gpu_and_in_its_graphs(dtype: torch.dtype) -> None
         eager = half.vocode_with_noise(mel.to(CUDA), None, noise.to(CUDA))
         graphed = GraphedVocoder(half, [(20, 0)], batches=(2,)).vocode(mel.to(CUDA), None, noise.to(CUDA))
     for got in (eager, graphed):
-        torch.testing.assert_close(got.source.cpu(), want.source, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got.source.cpu(), want.source, rtol=1e-3, atol=1e-3)
         assert 0 < relative_error(got.speech.cpu(), want.speech) < BOUNDS[dtype]
     torch.testing.assert_close(graphed.speech, eager.speech, rtol=0, atol=1e-3)

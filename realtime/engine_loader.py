@@ -67,7 +67,8 @@ def _load_token2wav(config: ServiceConfig, device: str, compiled: Path | None,
         precompiled=compiled,
         preload_compile_workers=preload_compile_workers,
     )
-    logger.info("token2wav %s loaded on %s in %.1f s", backend.name, device, time.perf_counter() - started)
+    logger.info("token2wav %s loaded on %s in %.1f s (HiFT decoder in %s)", backend.name, device,
+                time.perf_counter() - started, config.vocoder_precision)
     return backend
 
 

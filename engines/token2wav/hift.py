@@ -10,11 +10,11 @@ convolutions run as cuDNN's channels-last (NHWC) kernels, which are the faster o
 twice at the 24 kHz stage, `TimeMajorConv1d`), and which cuDNN otherwise reached by converting every
 input to NHWC and every output back (~7 % of a 64-stream call, docs/benchmarks.md).
 
-HiFT runs in float32, as the reference does. `use_decoder_dtype` may put the decoder (the convolutions
-from the mel to the spectrum, nearly all of HiFT's work) in a half precision, the pitch, the harmonic
-source and the STFTs staying float32: faster (cuDNN's bf16 convolutions take 0.4–0.6 of the TF32 ones'
-time on an H200, docs/benchmarks.md), a departure from the reference whose cost in audio is for released
-weights to show.
+HiFT runs in float32, as the reference does. `use_decoder_dtype` may put the decoder's convolutions from
+the mel through the last residual blocks (nearly all of HiFT's work) in a half precision, the pitch, the
+harmonic source, conv_post and the STFTs staying float32: faster (cuDNN's bf16 convolutions take 0.4–0.6
+of the TF32 ones' time on an H200, docs/benchmarks.md), a departure from the reference whose cost in
+audio is for released weights to show.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@
 #    at 50/80/100 % of that ceiling, and the baseline server in the same run at 1 and 16 streams.
 # 2. Offline synthesis (`realtime synth --jsonl`): 64 items of 250 tokens each, token2wav batch 64
 #    (SYNTH_ARGS: more `synth` flags, such as --render-hop; SYNTH_TAG: a suffix for its log's name).
+# SERVE_ARGS: more `serve` flags for the bench's servers (the baseline's too), the start-up runs and
+# `synth` alike (such as "--vocoder-precision float16").
 # 3. (PARTS with "startup") start-up cold and restarted (benchmarks/startup.py --starts 2).
 # 4. (PARTS with "tests") the GPU-marked tests under the project's pytest configuration (make test-gpu).
 #
@@ -23,18 +25,19 @@ MODELS=${MODELS:-/tmp/m}
 DEST=${OUT:-bench-results}
 mkdir -p "$DEST"
 PARTS=${PARTS:-bench offline}
+read -r -a serve_args <<< "${SERVE_ARGS:-}"
 
 if [[ " $PARTS " == *" bench "* ]]; then
     python3 -m realtime bench --models "$MODELS" --streams "$STREAMS" --tokens 250 --search-max "$SEARCH_MAX" \
         --search-repeats "${SEARCH_REPEATS:-1}" \
         --staggered 0.5,0.8,1 --staggered-s 30 --baseline-streams 1,16 \
         --server-arg=--device --server-arg=cuda --server-arg=--max-streams --server-arg="$SEARCH_MAX" \
-        --json "$DEST/bench.json" 2>&1 | tee "$DEST/bench.log"
+        "${serve_args[@]/#/--server-arg=}" --json "$DEST/bench.json" 2>&1 | tee "$DEST/bench.log"
 fi
 
 if [[ " $PARTS " == *" startup "* ]]; then
     python3 benchmarks/startup.py --models "$MODELS" --starts 2 --json "$DEST/startup.json" -- --device cuda \
-        --max-streams "$SEARCH_MAX" 2>&1 | tee "$DEST/startup.log"
+        --max-streams "$SEARCH_MAX" "${serve_args[@]}" 2>&1 | tee "$DEST/startup.log"
 fi
 
 if [[ " $PARTS " == *" tests "* ]]; then
@@ -52,4 +55,4 @@ lines = [json.dumps({"text": texts[i % 3], "out": f"out/{i:03d}.wav"}) for i in 
 (folder / "items.jsonl").write_text("\n".join(lines) + "\n")
 EOF
 python3 -m realtime synth --models "$MODELS" --device cuda --jsonl "$items/items.jsonl" --batch 64 \
-    --max-streams 64 --fixed-length 250 --seed 0 ${SYNTH_ARGS:-} 2>&1 | tee "$DEST/offline${SYNTH_TAG:-}.log"
+    --max-streams 64 --fixed-length 250 --seed 0 "${serve_args[@]}" ${SYNTH_ARGS:-} 2>&1 | tee "$DEST/offline${SYNTH_TAG:-}.log"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import statistics
 import sys
@@ -114,15 +115,17 @@ def attention_figures(rows: int, kv_len: int, kernels: LayerKernels) -> dict[str
     }
     figures["general_us"] = graph_us(lambda layer: general_attention(
         kernels, inputs, cache[layer], positions, kv_len, tables))
-    figures["cudnn_sdpa_only_us"] = graph_us(lambda layer: grouped_attention(
-        qkv[:, None, :Q_HEADS].transpose(1, 2), *cache[layer, :, :, :kv_len].split(KV_HEADS, dim=1),
-        tables[2]))
+    def sdpa_only(layer: int) -> object:
+        keys, values = cache[layer, :, :, :kv_len].split(KV_HEADS, dim=1)
+        return grouped_attention(qkv[:, None, :Q_HEADS].transpose(1, 2), keys, values, tables[2])
+
+    figures["cudnn_sdpa_only_us"] = graph_us(sdpa_only)
     for split in (None, 64, 128, 256, 512, kv_len):
         if split is not None and split > kv_len:
             continue
-        figures[f"kernel_split{split or 'auto'}_us"] = graph_us(
-            lambda layer, split=split: decode_attention(qkv, rope, cache[layer], 0, positions, kv_len,
-                                                        counters, split))
+        figures[f"kernel_split{split or 'auto'}_us"] = graph_us(functools.partial(
+            lambda split, layer: decode_attention(qkv, rope, cache[layer], 0, positions, kv_len, counters,
+                                                  split), split))
     return figures
 
 
@@ -217,7 +220,8 @@ def linear_figures(rows: int, kernels: LayerKernels) -> dict[str, Any]:
             continue
         for name, op in ops.items():
             figures[f"{path}_{name}_us"] = graph_us(op, inputs.copies(name))
-        figures[f"{path}_us"] = graph_us(lambda layer, ops=ops: [op(layer) for op in ops.values()])
+        figures[f"{path}_us"] = graph_us(functools.partial(
+            lambda ops, layer: [op(layer) for op in ops.values()], ops))
     return figures
 
 
@@ -294,8 +298,9 @@ def add_gemv_sweep(inputs: LinearInputs, pdl: bool) -> Iterator[dict[str, Any]]:
                              decode_linear.TARGET_PROGRAMS, decode_linear.MAX_SPLITS)}
     expected = {}
     for name, (x, weights) in operands.items():
-        split[f"{name}_us"] = graph_us(lambda layer, x=x, weights=weights: linears.add_split_(
-            inputs.residual, x, weights[layer]), len(weights))
+        split[f"{name}_us"] = graph_us(functools.partial(
+            lambda x, weights, layer: linears.add_split_(inputs.residual, x, weights[layer]), x, weights),
+            len(weights))
         expected[name] = x.float() @ weights[0].float().t()
     yield split
     engine = {"o_proj": decode_linear.ONE_ROW_ADD_TILE_SHORT, "down": decode_linear.ONE_ROW_ADD_TILE_LONG}
@@ -305,8 +310,9 @@ def add_gemv_sweep(inputs: LinearInputs, pdl: bool) -> Iterator[dict[str, Any]]:
         try:
             with module_constants(decode_linear, ONE_ROW_ADD_TILE_SHORT=tile, ONE_ROW_ADD_TILE_LONG=tile):
                 for name, (x, weights) in operands.items():
-                    figures[f"{name}_us"] = graph_us(lambda layer, x=x, weights=weights: linears.add_gemv_(
-                        inputs.residual, x, weights[layer]), len(weights))
+                    figures[f"{name}_us"] = graph_us(functools.partial(
+                        lambda x, weights, layer: linears.add_gemv_(inputs.residual, x, weights[layer]), x,
+                        weights), len(weights))
                     got = linears.add_gemv_(torch.zeros_like(inputs.residual), x, weights[0]).float()
                     figures[f"{name}_error"] = ((got - expected[name]).norm() / expected[name].norm()).item()
         except Exception as exc:
@@ -338,8 +344,9 @@ def sampling_figures(rows: int) -> dict[str, Any]:
         for warps in warp_counts:
             key = f"{name}_{warps}w_us" if fused else f"{name}_us"
             with module_constants(sampling_kernel, NUM_WARPS=warps):  # the eager path ignores it
-                figures[key] = graph_us(lambda _, slots=slots: slots.sample_and_record(
-                    logits, slice(0, rows), active), layers=1)
+                figures[key] = graph_us(functools.partial(
+                    lambda slots, _: slots.sample_and_record(logits, slice(0, rows), active), slots),
+                    layers=1)
     plain = SamplingSlots(rows, SPEECH_VOCAB, RAS_HISTORY, LLM.stop_tokens, LLM.eos_token, DEVICE, fused=True)
     plain.configure(torch.arange(rows, device=DEVICE),
                     [(SamplingParams(use_ras=False), 0, row) for row in range(rows)])

@@ -145,8 +145,8 @@ def main() -> int:
                     began = time.perf_counter()
                     results = asyncio.run(run_streams(url, count, TOKENS, "default"))
                     time.sleep(2.5)  # the server's thread writes its records once a second
-                    server = [r for r in ast.literal_eval(moments.read_text()) if r[1] >= began]
-                    print(report(count, results, server), flush=True)
+                    records = [r for r in ast.literal_eval(moments.read_text()) if r[1] >= began]
+                    print(report(count, results, records), flush=True)
     return 0
 
 

@@ -10,6 +10,7 @@ a burst of N new streams costs N times their sum before the last one is admitted
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -41,7 +42,7 @@ def main() -> None:
     print(f"µs per decode (median of {args.repeats} × {args.number}), {args.repo}")
     for kind, message in MESSAGES.items():
         frame = json.dumps(message)
-        runs = timeit.repeat(lambda frame=frame: dialect.decode(frame, protocol), number=args.number,
+        runs = timeit.repeat(functools.partial(dialect.decode, frame, protocol), number=args.number,
                              repeat=args.repeats)
         print(f"{kind:>6} {statistics.median(runs) / args.number * 1e6:8.1f}")
 

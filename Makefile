@@ -51,8 +51,11 @@ test: install-test client-envs
 
 # The GPU-marked tests alone (graphs vs eager on CUDA), under the same pytest configuration; needs a CUDA
 # device. On a GPU machine without this package's dependencies: benchmarks/on_device.sh make test-gpu.
+# GPU_WORKERS=N runs them in N processes (pytest-xdist): their compiles and graph captures are host work
+# that a GPU machine's cores can share.
+GPU_WORKERS ?=
 test-gpu:
-	$(PYTHON) -m pytest -q -m gpu tests/engines; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests ran" >&2; exit 1; fi; exit $$rc
+	$(PYTHON) -m pytest -q -m gpu $(if $(GPU_WORKERS),-n $(GPU_WORKERS) -p no:benchmark) tests/engines; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests ran" >&2; exit 1; fi; exit $$rc
 
 lint:
 	$(PYTHON) -m ruff check engines realtime scripts tests

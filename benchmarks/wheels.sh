@@ -14,7 +14,7 @@ done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${platforms[@]}" -d .whl \
     aiortc aioice av cryptography google-crc32c pyee pylibsrtp pyopenssl dnspython ifaddr cffi pycparser \
-    websockets starlette uvicorn httptools python-multipart soundfile pytest-asyncio \
+    websockets starlette uvicorn httptools python-multipart soundfile pytest-asyncio pytest-xdist execnet \
     wetext kaldifst contractions textsearch anyascii pyahocorasick inflect typeguard more-itertools \
     jaraco.functools
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

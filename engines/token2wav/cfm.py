@@ -26,6 +26,9 @@ from torch import nn
 from engines.config import MEL_BINS
 from engines.word_copies import gather_words
 
+# One step's kept keys|values: (own cache, the chunk's new frames, output) → None.
+KeptFrames = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
 
 @runtime_checkable
 class CachedEstimator(Protocol):
@@ -253,24 +256,26 @@ class ConditionalCFM(nn.Module):
             kept_size = (*inputs.own_kv.shape[:4], keep.shape[1], inputs.own_kv.shape[5])
             out = RaggedOutputs(torch.empty_like(mu), torch.empty_like(inputs.cnn_cache),
                                 inputs.own_kv.new_empty(kept_size))
-        index = keep[None, :, None, :, None]  # over (depth, rows, heads, kept frames, ·)
-        gather_kept: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
-        if mu.is_cuda:  # one kernel instead of the join and the gather (kept_frames.py); Triton: CUDA only
-            from engines.token2wav.kept_frames import gather_kept_frames
-
-            gather_kept = gather_kept_frames
+        keep_frames = self._kept_frames(keep, own_frames, mu.is_cuda)
         for step in range(self.n_timesteps if steps is None else steps):
             own = inputs.own_kv[step]
             v, cnn, kv = estimator.forward_ragged(
                 torch.cat([x, x]), mu2, spks2, conditioning[step], layout, inputs.cnn_cache[step],
                 inputs.prompt_kv[step], own,
             )
-            # Straight into the outputs; a first chunk's history is the chunk alone (no copy of it).
-            if gather_kept is not None:
-                gather_kept(own, kv, keep, out.kept_kv[step])
-            else:
-                gather_words((kv,) if own_frames == 0 else (own, kv), 3, index, out.kept_kv[step])
+            keep_frames(own, kv, out.kept_kv[step])  # straight into the outputs
             out.cnn_cache[step].copy_(cnn)
             x = x + (self.t_grid[step + 1] - self.t_grid[step]) * self._guided(v)
         out.mel.copy_(x)
         return out
+
+    @staticmethod
+    def _kept_frames(keep: torch.Tensor, own_frames: int, cuda: bool) -> KeptFrames:
+        """How a step's kept keys|values go from [own cache, chunk] at `keep`'s positions into its output."""
+        if cuda:  # one kernel instead of the join and the gather (kept_frames.py); Triton: CUDA only
+            from engines.token2wav.kept_frames import gather_kept_frames
+
+            return lambda own, new, out: gather_kept_frames(own, new, keep, out)
+        index = keep[None, :, None, :, None]  # over (depth, rows, heads, kept frames, ·)
+        # A first chunk's history is the chunk alone (no copy of the empty cache).
+        return lambda own, new, out: gather_words((new,) if own_frames == 0 else (own, new), 3, index, out)

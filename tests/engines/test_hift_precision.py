@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_hift_layout import _time_major
 from test_hift_snake import snake_definition
 from weights import randomize
 
@@ -117,10 +118,6 @@ def test_a_backend_streams_with_a_half_decoder(tmp_path: Path) -> None:
         audio[dtype] = torch.cat([first, backend.run_chunk(ChunkJob(stream, tokens[10:], last=True))])
     assert audio[torch.float16].numel() == SAMPLES_PER_TOKEN * tokens.numel()
     assert 0 < relative_error(audio[torch.float16], audio[torch.float32]) < BOUNDS[torch.float16]
-
-
-def _time_major(x: torch.Tensor) -> torch.Tensor:
-    return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 @pytest.mark.gpu

@@ -65,15 +65,20 @@ def test_cli_backend_names_are_the_config_names(tiny_models: Path) -> None:
         config(tiny_models, token2wav_backend="trt")
 
 
+def _served_token2wav(tiny_models: Path, *flags: str) -> TorchToken2Wav:
+    """The token2wav engine `serve --models tiny_models *flags` loads on the CPU."""
+    args = build_parser().parse_args(["serve", "--models", str(tiny_models), *flags])
+    engines = load_engines(dataclasses.replace(_config(args), device="cpu", max_streams=2))
+    (token2wav,) = engines.token2wavs
+    assert isinstance(token2wav, TorchToken2Wav)
+    return token2wav
+
+
 def test_dit_cache_rule_reaches_the_flow(tiny_models: Path) -> None:
     """`--dit-cache-rule` (default: the reference's) selects the flow's estimator-cache rule."""
     default = _config(build_parser().parse_args(["serve", "--models", str(tiny_models)]))
     assert default.dit_cache_rule == "reference"
-    flags = ["serve", "--models", str(tiny_models), "--dit-cache-rule", "prompt_recent"]
-    args = build_parser().parse_args(flags)
-    engines = load_engines(dataclasses.replace(_config(args), device="cpu", max_streams=2))
-    (token2wav,) = engines.token2wavs
-    assert isinstance(token2wav, TorchToken2Wav)
+    token2wav = _served_token2wav(tiny_models, "--dit-cache-rule", "prompt_recent")
     assert token2wav.flow.cfg.att_cache_rule == "prompt_recent"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--dit-cache-rule", "newest"])
@@ -86,11 +91,7 @@ def test_vocoder_precision_reaches_hift(tiny_models: Path) -> None:
     predictor stays float32."""
     default = _config(build_parser().parse_args(["serve", "--models", str(tiny_models)]))
     assert default.vocoder_precision == "float32"
-    flags = ["serve", "--models", str(tiny_models), "--vocoder-precision", "float16"]
-    args = build_parser().parse_args(flags)
-    engines = load_engines(dataclasses.replace(_config(args), device="cpu", max_streams=2))
-    (token2wav,) = engines.token2wavs
-    assert isinstance(token2wav, TorchToken2Wav)
+    token2wav = _served_token2wav(tiny_models, "--vocoder-precision", "float16")
     assert (token2wav.hift.decoder_dtype, token2wav.hift.input_dtype) == (torch.float16, torch.float32)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--vocoder-precision", "float8"])

@@ -81,6 +81,23 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
+@contextlib.contextmanager
+def measured_conv_plans() -> Iterator[None]:
+    """cuDNN times its candidate plans for each new convolution shape inside (`torch.backends.cudnn.
+    benchmark`) instead of taking its heuristics' first: for a graph's warm-up run. The plan chosen is
+    cached per shape and thread, and the capture that follows on the same thread, with the flag back off,
+    finds it there and records it.
+
+    The flag is the process's: a convolution another thread starts meanwhile measures its plans too,
+    which only costs it time (no capture is under way while the capture lock is held)."""
+    benchmark = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = benchmark
+
+
 def capture_graph(fn: Callable[[], object], pool: Any, stream: torch.cuda.Stream,
                   warmup: Callable[[], object] | None = None) -> torch.cuda.CUDAGraph:
     """A CUDA graph of `fn` captured on `stream`, its intermediates in memory pool `pool` (None: a new

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.cuda_graphs import capture_graph
+from engines.cuda_graphs import capture_graph, measured_conv_plans
 from engines.token2wav.batching import round_up
 from engines.token2wav.graphs import CapturedGraph, ShapeGraphs, TensorSource
 from engines.token2wav.hift import HiFTGenerator, Vocoded
@@ -224,6 +224,16 @@ class GraphedVocoder(ShapeGraphs[VocodeShape, _VocoderInputs, Vocoded]):
             for target, value in zip(out, result, strict=True):
                 target.copy_(value)
 
-        graph = capture_graph(run, self._pool, self._stream)
+        def warm_up_measuring_plans() -> None:
+            with measured_conv_plans():
+                run()
+
+        # A half decoder's chunk graphs run the plans cuDNN measures fastest: its heuristics chose a 62 ms
+        # plan for 64 float16 rows of a first chunk, which measured plans run in 6 ms. In float32 their
+        # picks are within 3 % of the measured ones, and measuring every graph's plans took the warm-up
+        # from 45 to 132 s (docs/benchmarks.md, thirty-sixth session).
+        measure = hift.decoder_dtype != hift.input_dtype and not shape.padded
+        graph = capture_graph(run, self._pool, self._stream,
+                              warmup=warm_up_measuring_plans if measure else None)
         logger.info("captured HiFT graph %s", shape)
         return CapturedGraph(graph, _VocoderInputs(mel, cache, noise, frames), out)

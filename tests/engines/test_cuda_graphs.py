@@ -32,6 +32,25 @@ def test_the_collector_is_paused_inside_and_left_as_it_was() -> None:
         (gc.enable if enabled else gc.disable)()
 
 
+def test_conv_plans_are_measured_inside_only() -> None:
+    """A half-precision vocoder's chunk graphs measure cuDNN's plans in their warm-up runs; the flag is
+    back as it was afterwards, on an error too, so the serving path's eager convolutions never stop to
+    time plans."""
+    benchmark = torch.backends.cudnn.benchmark
+    try:
+        torch.backends.cudnn.benchmark = False
+        with pytest.raises(RuntimeError), cuda_graphs.measured_conv_plans():
+            assert torch.backends.cudnn.benchmark
+            raise RuntimeError("the warm-up failed")
+        assert not torch.backends.cudnn.benchmark
+        torch.backends.cudnn.benchmark = True  # an operator who set it keeps it
+        with cuda_graphs.measured_conv_plans():
+            assert torch.backends.cudnn.benchmark
+        assert torch.backends.cudnn.benchmark
+    finally:
+        torch.backends.cudnn.benchmark = benchmark
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_empty_cache_waits_for_a_capture_under_way_on_another_thread() -> None:

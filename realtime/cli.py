@@ -21,6 +21,8 @@ from realtime.access import KEYS_ENV, read_keys
 from realtime.batch_policy import FirstChunkHold
 from realtime.config import (
     DEFAULT_CACHE_DIR,
+    MAX_FIRST_CHUNK_TOKENS,
+    MIN_FIRST_CHUNK_TOKENS,
     AccessConfig,
     IceServer,
     LimitsConfig,
@@ -29,7 +31,7 @@ from realtime.config import (
     WebRTCConfig,
 )
 from realtime.placement import PlacementKind, parse_devices
-from realtime.schedule import ScheduleKind
+from realtime.schedule import ExponentialHops, ScheduleKind
 from realtime.voice_aliases import DEFAULT_VOICE_ALIASES, parse_alias
 
 logger = logging.getLogger("realtime")
@@ -62,6 +64,14 @@ def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _first_chunk_tokens(text: str) -> int:
+    value = int(text)
+    if not MIN_FIRST_CHUNK_TOKENS <= value <= MAX_FIRST_CHUNK_TOKENS:
+        raise argparse.ArgumentTypeError(
+            f"must be {MIN_FIRST_CHUNK_TOKENS} to {MAX_FIRST_CHUNK_TOKENS} tokens, got {value}")
     return value
 
 
@@ -117,6 +127,7 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         llm_devices=args.llm_device,
         token2wav_devices=args.token2wav_devices,
         schedule=ScheduleKind(args.schedule),
+        first_chunk_tokens=args.first_chunk_tokens,
         max_streams=args.max_streams,
         drain_timeout_s=args.drain_timeout,
         gil_switch_s=getattr(args, "gil_switch_ms", ServiceConfig.gil_switch_s * 1000) / 1000,
@@ -434,6 +445,12 @@ def build_parser() -> argparse.ArgumentParser:
             choices=[k.value for k in ScheduleKind],
             default="exponential",
             help="chunk schedule",
+        )
+        sub.add_argument(
+            "--first-chunk-tokens", type=_first_chunk_tokens, default=ExponentialHops.first, metavar="N",
+            help="speech tokens in a stream's first chunk under the exponential schedule "
+                 f"({MIN_FIRST_CHUNK_TOKENS}..{MAX_FIRST_CHUNK_TOKENS}; fewer: first audio sooner and "
+                 "shorter, the second chunk due sooner; default: the reference's)",
         )
         sub.add_argument("--max-streams", type=int, default=16, help="concurrent utterances before 'busy'")
         sub.add_argument(

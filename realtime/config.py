@@ -14,13 +14,16 @@ from engines.token2wav.auto import Token2WavBackend
 from engines.token2wav.dit_cache import CACHE_RULES, CacheRule
 from realtime.batch_policy import FirstChunkHold
 from realtime.placement import DevicePlan, PlacementKind, plan_devices
-from realtime.schedule import ScheduleKind
+from realtime.schedule import ExponentialHops, ScheduleKind
 from realtime.voice_aliases import DEFAULT_VOICE_ALIASES
 
 FlowKind = Literal["dit", "unet"]
 VocoderPrecision = Literal["float32", "float16", "bfloat16"]
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "cosyvoice-realtime"
 GIB = 1 << 30
+# A first chunk of 4 tokens is 8 mel frames, all of which HiFT holds back for the next chunk: no audio.
+MIN_FIRST_CHUNK_TOKENS = 5
+MAX_FIRST_CHUNK_TOKENS = 100
 
 
 def _require_above_zero(config: object, names: Iterable[str], label: str = "") -> None:
@@ -217,6 +220,12 @@ class ServiceConfig:
         7 GiB reserved but unusable for a 126 MiB block (fragmentation), plus ~1 GiB for eager encoder,
         vocoder and LLM prefill tensors. Kept since `serve` runs the allocator with expandable segments
         (engines/cuda_memory.py), which fragments far less: not re-measured at the edge.
+    first_chunk_tokens: speech tokens in a stream's first chunk under the exponential schedule (its
+        3 lookahead tokens come on top; MIN_FIRST_CHUNK_TOKENS..MAX_FIRST_CHUNK_TOKENS). Fewer: first
+        audio sooner (fewer LLM decode steps before it, a shorter first token2wav call) and less of it
+        (2 mel frames a token less the 8 that HiFT holds back: 440 ms of audio at 15, 240 ms at 10), so the
+        second chunk is due sooner. 15, the reference's, by default; the token2wav graphs and the offline
+        render follow it. Whether fewer tokens sound as good needs the released weights.
     first_chunk_hold: how long a first chunk waits for the first chunks of other new streams to share
         its token2wav call (realtime/batch_policy.py).
     urgent_chunk_calls: a later chunk due within this many recent token2wav calls goes before waiting
@@ -276,6 +285,7 @@ class ServiceConfig:
     llm_devices: tuple[str, ...] | None = None
     token2wav_devices: tuple[str, ...] | None = None
     schedule: ScheduleKind = ScheduleKind.EXPONENTIAL
+    first_chunk_tokens: int = ExponentialHops.first
     max_streams: int = 16
     max_text_chars: int = 4096
     max_voice_upload_s: float = 30.0
@@ -342,6 +352,9 @@ class ServiceConfig:
         if not self.token2wav_memory_margin_gib >= 0:
             raise ValueError(f"token2wav_memory_margin_gib must be >= 0, "
                              f"got {self.token2wav_memory_margin_gib}")
+        if not MIN_FIRST_CHUNK_TOKENS <= self.first_chunk_tokens <= MAX_FIRST_CHUNK_TOKENS:
+            raise ValueError(f"first_chunk_tokens must be in {MIN_FIRST_CHUNK_TOKENS}.."
+                             f"{MAX_FIRST_CHUNK_TOKENS}, got {self.first_chunk_tokens}")
         if self.render_hop is not None and self.render_hop < 1:
             raise ValueError(f"render_hop must be >= 1 or None, got {self.render_hop}")
         if self.llm_slots is not None and self.llm_slots < 1:

@@ -441,6 +441,7 @@ class Runtime:
                 on_close=release,
                 pace_llm=self.config.llm_pacing,
                 schedule=self.config.schedule,
+                first_chunk_tokens=self.config.first_chunk_tokens,
                 retry_after_s=self.config.retry_after_s,
                 prepare_on_loop=self._running().text.prepares_quickly(request.text, SEGMENT_TOKENS),
                 playback=playback,
@@ -530,8 +531,9 @@ class Runtime:
                 for index, segment in enumerate(segments):
                     request = prompt.request(f"{render_id}-{index}", segment.text_ids, sampling)
                     token_streams.append(placed.submit_llm(request))
-                hops = (ExponentialHops() if self.config.render_hop is None
-                        else EqualHops(self.config.render_hop))
+                render_hop = self.config.render_hop
+                hops = (ExponentialHops(first=self.config.first_chunk_tokens) if render_hop is None
+                        else EqualHops(render_hop))
                 pieces = [await render_segment(placed.worker, prepared.speaker, tokens, hops)
                           for tokens in token_streams]
             except LLMError as exc:

@@ -108,10 +108,25 @@ class AdaptiveHops:
         return min(self.limit, granules * self.granule)
 
 
-def make_policy(kind: ScheduleKind) -> HopPolicy:
-    """The default policy of each kind."""
+# token2wav's graphs hold chunks of the exponential schedule's hops below this; the hop of this many tokens
+# comes next and is captured on its own (engines/token2wav/torch_backend.py's STEADY_HOP).
+STEADY_HOP = 200
+
+
+def graphed_hops(first_hop: int = ExponentialHops.first) -> tuple[int, ...]:
+    """The exponential schedule's hops before it reaches `STEADY_HOP` tokens (15, 25, 50, 100 by
+    default): the chunk lengths whose token2wav graphs are captured at start-up."""
+    policy, hops = ExponentialHops(first=first_hop), list[int]()
+    while (hop := policy.hop(len(hops), Progress())) < STEADY_HOP:
+        hops.append(hop)
+    return tuple(hops)
+
+
+def make_policy(kind: ScheduleKind, first_hop: int = ExponentialHops.first) -> HopPolicy:
+    """The default policy of each kind; `first_hop`: the exponential schedule's first chunk (the other
+    kinds choose their own)."""
     if kind is ScheduleKind.EXPONENTIAL:
-        return ExponentialHops()
+        return ExponentialHops(first=first_hop)
     if kind is ScheduleKind.EQUAL:
         return EqualHops()
     if kind is ScheduleKind.ADAPTIVE:

@@ -44,7 +44,14 @@ from engines.llm.base import LLMError, LLMPrompt, LLMRequest, PromptMode, Sampli
 from engines.token2wav.base import SpeakerState, Token2WavStream
 from realtime.audio import MAX_SPEED, MIN_SPEED, TempoStretcher
 from realtime.metrics import Metrics
-from realtime.schedule import ChunkScheduler, Playback, Progress, ScheduleKind, make_policy
+from realtime.schedule import (
+    ChunkScheduler,
+    ExponentialHops,
+    Playback,
+    Progress,
+    ScheduleKind,
+    make_policy,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -253,6 +260,7 @@ class Session:
         clock: Callable[[], float] = time.monotonic,
         pace_llm: bool = True,
         schedule: ScheduleKind = ScheduleKind.EXPONENTIAL,
+        first_chunk_tokens: int = ExponentialHops.first,
         retry_after_s: int = 1,
         prepare_on_loop: bool = False,
         playback: Playback | None = None,
@@ -271,7 +279,7 @@ class Session:
         self._clock = clock
         self._pace_llm = pace_llm
         self._retry_after_s = retry_after_s  # what a `busy` from the LLM engine suggests
-        self._policy = make_policy(schedule)  # stateless: one for every segment
+        self._policy = make_policy(schedule, first_chunk_tokens)  # stateless: one for every segment
         self._on_close: Callable[[], None] | None = on_close
         self._out: asyncio.Queue[object] = asyncio.Queue(maxsize=chunk_queue)
         self._task: asyncio.Task[None] | None = None

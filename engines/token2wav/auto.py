@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -59,6 +60,7 @@ def select_token2wav(
     precompiled: Path | None = None,
     preload_compile_workers: bool = True,
     vocoder_dtype: torch.dtype | None = None,
+    graph_hops: Sequence[int] | None = None,
 ) -> Token2Wav:
     """The token2wav backend for `models_dir`: `tensorrt` or `torch` as asked, `auto` prefers TensorRT.
 
@@ -72,6 +74,8 @@ def select_token2wav(
     preload_compile_workers: as for `TorchToken2Wav.from_models_dir`.
     vocoder_dtype: HiFT's decoder's, in either backend (`HiFTGenerator.use_decoder_dtype`; None: float32,
         as the reference).
+    graph_hops: the chunk lengths (speech tokens) whose CUDA graphs the PyTorch backend captures at
+        start-up (None: its `GRAPH_HOPS`, the exponential schedule's 15, 25, 50, 100).
     Asking for `tensorrt` where it cannot run raises RuntimeError with the reason.
     """
     import torch  # both backends run on it; this module is imported without it
@@ -85,9 +89,10 @@ def select_token2wav(
 
         logger.info("token2wav backend: TensorRT (%s plans, %d contexts)", precision, pool_size)
         return load_trt_token2wav(models_dir, precision, pool_size, device, dit_cache_rule, decoder_dtype)
-    from engines.token2wav.torch_backend import TorchToken2Wav
+    from engines.token2wav.torch_backend import GRAPH_HOPS, TorchToken2Wav
 
     logger.info("token2wav backend: PyTorch %s flow (%s)", flow, reason or "requested")
     return TorchToken2Wav.from_models_dir(models_dir, flow, device, torch_dtype, cuda_graphs, dit_cache_rule,
                                           solve_memory_bytes, final_chunk_graphs, precompiled,
-                                          preload_compile_workers, decoder_dtype)
+                                          preload_compile_workers, decoder_dtype,
+                                          GRAPH_HOPS if graph_hops is None else graph_hops)

@@ -34,6 +34,7 @@ from engines.token2wav.base import (
     Token2WavStream,
     WarmupSteps,
 )
+from engines.token2wav.batching import Buckets
 from engines.token2wav.block_compile import BlockCompileWorkers, idle_workers_for_cold_start
 from engines.token2wav.dit_cache import CacheRule
 from engines.token2wav.flow_base import FlowModel, FlowSpeaker, FlowStream
@@ -72,6 +73,18 @@ def schedule_hops(graph_hops: Sequence[int]) -> tuple[int, ...]:
     """The hops the warm-up runs streams through: the schedule's graphed ones, then one steady hop (a
     final chunk of the lookahead follows)."""
     return (*graph_hops, STEADY_HOP)
+
+
+def flow_graph_buckets(buckets: Buckets, graph_hops: Sequence[int]) -> Buckets:
+    """`buckets` for the flow's graphs when chunks are `graph_hops` tokens: their frames (and the steady
+    hop's) as chunk buckets, so no chunk of the schedule is padded, and a first chunk's frames rounded up
+    to 16 as a later call's own-cache bucket (32 after the default 30-frame first chunk). With the default
+    hops these are the defaults."""
+    frames = {TOKEN_MEL_RATIO * hop for hop in schedule_hops(graph_hops)} | {buckets.frames[-1]}
+    first_own = -(-TOKEN_MEL_RATIO * graph_hops[0] // 16) * 16
+    own = {first_own} | {frames for frames in buckets.own_frames if frames > first_own}
+    return dataclasses.replace(buckets, batch=FLOW_GRAPH_BATCHES, frames=tuple(sorted(frames)),
+                               own_frames=tuple(sorted(own)))
 
 
 def compile_worker_count(graph_hops: Sequence[int]) -> int:
@@ -118,13 +131,15 @@ class TorchToken2Wav(Token2Wav):
     shape, or ahead by `warmup`. final_chunk_graphs off: final chunks run eagerly at their own lengths.
     precompiled: where the compiled DiT block is kept for later processes (engines/precompiled.py; None:
     compiled anew in each, through torch.compile). block_workers: idle compile workers spawned for a cold
-    start (`from_models_dir`), handed their shapes by `prepare_warmup` or `warmup`.
+    start (`from_models_dir`), handed their shapes by `prepare_warmup` or `warmup`. flow_buckets: the
+    DiT flow graphs' shape buckets (None: the flow's own, at `FLOW_GRAPH_BATCHES` rows).
     """
 
     def __init__(self, flow: FlowModel, hift: HiFTGenerator, name: str = "torch",
                  vocoder_seed: int | None = None, cuda_graphs: bool = True,
                  graph_hops: Sequence[int] = GRAPH_HOPS, final_chunk_graphs: bool = True,
-                 precompiled: Path | None = None, block_workers: BlockCompileWorkers | None = None) -> None:
+                 precompiled: Path | None = None, block_workers: BlockCompileWorkers | None = None,
+                 flow_buckets: Buckets | None = None) -> None:
         self.flow = flow.eval()
         self.hift = hift.eval()
         self.name = name
@@ -135,8 +150,8 @@ class TorchToken2Wav(Token2Wav):
         self._block_workers: BlockCompileWorkers | None = None  # from `prepare_warmup`, until `warmup`
         if cuda_graphs and self.device.type == "cuda":
             if isinstance(flow, DiTFlow) and flow.batches_streams:
-                flow.enable_cuda_graphs(dataclasses.replace(flow.buckets, batch=FLOW_GRAPH_BATCHES),
-                                        precompiled)
+                buckets = dataclasses.replace(flow.buckets, batch=FLOW_GRAPH_BATCHES)
+                flow.enable_cuda_graphs(buckets if flow_buckets is None else flow_buckets, precompiled)
             self.vocoder_graphs = GraphedVocoder(self.hift, vocoder_graph_chunks(hift.cfg, self.graph_hops),
                                                  VOCODER_GRAPH_BATCHES,
                                                  FINAL_CHUNK_FRAMES if final_chunk_graphs else ())
@@ -154,6 +169,7 @@ class TorchToken2Wav(Token2Wav):
         precompiled: Path | None = None,
         preload_compile_workers: bool = True,
         vocoder_dtype: torch.dtype = torch.float32,
+        graph_hops: Sequence[int] = GRAPH_HOPS,
     ) -> TorchToken2Wav:
         """Load the `variant` flow of a models directory with its HiFT (Step-Audio2's for the DiT flow,
         CosyVoice2's for the UNet flow); the architecture comes from the directory's manifest.
@@ -166,6 +182,8 @@ class TorchToken2Wav(Token2Wav):
         they wait for their shapes (block_compile.py); off where that memory must stay free until the
         LLM has built (realtime/warm_up.py).
         vocoder_dtype: HiFT's decoder's (`HiFTGenerator.use_decoder_dtype`); float32 as the reference.
+        graph_hops: as for the constructor; the DiT flow graphs' chunk buckets follow them
+            (`flow_graph_buckets`: the defaults for the default hops).
         """
         if dtype is None:
             dtype = torch.float16 if torch.device(device).type == "cuda" else torch.float32
@@ -177,7 +195,7 @@ class TorchToken2Wav(Token2Wav):
             flow_cfg = dataclasses.replace(configs.dit_flow, att_cache_rule=dit_cache_rule)
             if cuda_graphs:  # a cold start's compile workers import while the models load
                 workers = idle_workers_for_cold_start(precompiled, flow_cfg, dtype, torch.device(device),
-                                                      compile_worker_count(GRAPH_HOPS),
+                                                      compile_worker_count(graph_hops),
                                                       preload=preload_compile_workers)
             try:
                 flow = load_dit_flow(paths.dit_flow, flow_cfg, device, dtype)
@@ -197,9 +215,10 @@ class TorchToken2Wav(Token2Wav):
             raise ValueError(f"unknown flow variant {variant!r}; expected 'dit' or 'unet'")
         if vocoder_dtype != hift.decoder_dtype:
             hift.use_decoder_dtype(vocoder_dtype)
+        buckets = flow_graph_buckets(flow.buckets, graph_hops) if isinstance(flow, DiTFlow) else None
         return TorchToken2Wav(flow, hift, name=f"torch-{variant}", cuda_graphs=cuda_graphs,
-                              final_chunk_graphs=final_chunk_graphs, precompiled=precompiled,
-                              block_workers=workers)
+                              graph_hops=graph_hops, final_chunk_graphs=final_chunk_graphs,
+                              precompiled=precompiled, block_workers=workers, flow_buckets=buckets)
 
     @property
     def device(self) -> torch.device:

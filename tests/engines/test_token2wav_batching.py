@@ -31,7 +31,13 @@ from engines.token2wav.flow_dit import DiTFlow, DiTSpeaker, DiTStream
 from engines.token2wav.graphs import EagerEncoder, EncoderInputs, EncoderLayout, EncoderOutputs, SolverLayout
 from engines.token2wav.hift import HiFTGenerator
 from engines.token2wav.solve_memory import SolveMemory
-from engines.token2wav.torch_backend import TorchStream, TorchToken2Wav
+from engines.token2wav.torch_backend import (
+    FLOW_GRAPH_BATCHES,
+    GRAPH_HOPS,
+    TorchStream,
+    TorchToken2Wav,
+    flow_graph_buckets,
+)
 from engines.token2wav.warmup_shapes import later_graph_shapes, planned_solve_shapes
 from engines.voice import VoicePrompt
 
@@ -591,6 +597,19 @@ def test_buckets_round_up_and_refuse_what_is_beyond() -> None:
     assert buckets.shape(SolveShape(1, 30, 0, 300, 30)) is None
     assert buckets.shape(SolveShape(1, 30, 201, 256, 30)) is None
     assert buckets.shape(SolveShape(1, 30, 100, 256, 201)) is None
+
+
+def test_flow_graph_buckets_follow_the_graphed_hops() -> None:
+    """The service's first chunk of N tokens gets a frames bucket of its own (no padding to the default
+    first chunk's 30 frames) and an own-cache bucket for the call after it; the default hops keep the
+    default buckets."""
+    defaults = Buckets()
+    assert flow_graph_buckets(defaults, GRAPH_HOPS) == dataclasses.replace(defaults, batch=FLOW_GRAPH_BATCHES)
+    ten = flow_graph_buckets(defaults, (10, 25, 50, 100))
+    assert ten.frames == (20, 50, 100, 200, 400) and ten.own_frames == defaults.own_frames
+    twenty = flow_graph_buckets(defaults, (20, 25, 50, 100))
+    assert twenty.frames == (40, 50, 100, 200, 400) and twenty.own_frames == (48, 100, 200, 400, 800, 1600)
+    assert ten.shape(SolveShape(4, 20, 0, 200, 20)) == SolveShape(4, 20, 0, 256, 20)
 
 
 def test_plan_batches_groups_by_frames_and_bounds_batch_and_prompts() -> None:

@@ -91,6 +91,13 @@ def test_scheduling_flags_reach_the_service_config(tmp_path):
     for bad in ("0", "-1", "nan", "2000"):
         with pytest.raises(ValueError, match="gil_switch_s"):
             config("--gil-switch-ms", bad)
+    assert default.first_chunk_tokens == 15 and config("--first-chunk-tokens", "10").first_chunk_tokens == 10
+    for bad in ("4", "101", "x"):
+        with pytest.raises(SystemExit):
+            config("--first-chunk-tokens", bad)
+    for bad_tokens in (4, 101):
+        with pytest.raises(ValueError, match="first_chunk_tokens must be in 5..100"):
+            ServiceConfig(models_dir=tmp_path, first_chunk_tokens=bad_tokens)
 
 
 def test_a_bad_bench_option_is_refused_with_a_sentence(capsys: pytest.CaptureFixture[str]) -> None:

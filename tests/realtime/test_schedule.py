@@ -14,6 +14,7 @@ from realtime.schedule import (
     Progress,
     ScheduleKind,
     chunk_due,
+    graphed_hops,
     make_policy,
 )
 
@@ -35,6 +36,18 @@ def test_exponential_hops_are_15_then_25_doubling():
     policy = ExponentialHops()
     assert [policy.hop(i, Progress()) for i in range(6)] == [15, 25, 50, 100, 200, 400]
     assert policy.hop(20, Progress()) == 400
+
+
+def test_the_graphed_hops_follow_the_first_chunk_and_default_to_the_engines_own():
+    """The service tells token2wav which chunk lengths to capture graphs for; by default they are the
+    ones the engine captures on its own (its benchmarks' and tests' shapes)."""
+    from engines.token2wav.torch_backend import GRAPH_HOPS
+
+    assert graphed_hops() == GRAPH_HOPS == (15, 25, 50, 100)
+    assert graphed_hops(10) == (10, 25, 50, 100)
+    first = make_policy(ScheduleKind.EXPONENTIAL, 10)
+    assert [first.hop(i, Progress()) for i in range(4)] == [10, 25, 50, 100]
+    assert make_policy(ScheduleKind.EQUAL, 10).hop(0, Progress()) == EqualHops().size  # its own
 
 
 def test_exponential_chunks_carry_three_lookahead_tokens_and_the_last_flushes():

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from testing import speak_samples
 
-from engines.config import SAMPLES_PER_TOKEN, ModelPaths
+from engines.config import PRE_LOOKAHEAD, SAMPLES_PER_MEL_FRAME, SAMPLES_PER_TOKEN, HiFTConfig, ModelPaths
 from engines.llm.base import SamplingParams
 from engines.token2wav.base import ChunkJob, LaunchedChunks, SpeakerState, Token2WavStream
 from engines.token2wav.torch_backend import TorchToken2Wav
@@ -184,15 +184,20 @@ async def test_a_stream_whose_opener_was_cancelled_is_closed_once_open(tiny_mode
 
 
 @pytest.mark.parametrize(
-    ("schedule", "first_chunk"), [(ScheduleKind.EXPONENTIAL, 18), (ScheduleKind.EQUAL, 28)]
+    ("schedule", "first_chunk_tokens", "first_hop"),
+    [(ScheduleKind.EXPONENTIAL, 15, 15), (ScheduleKind.EQUAL, 15, 25), (ScheduleKind.EXPONENTIAL, 10, 10)],
 )
 async def test_the_configured_schedule_cuts_the_chunks(
     tiny_models: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     schedule: ScheduleKind,
-    first_chunk: int,
+    first_chunk_tokens: int,
+    first_hop: int,
 ) -> None:
+    """The schedule and the exponential schedule's first chunk (`first_chunk_tokens`; the equal
+    schedule's hop is its own) decide what token2wav gets: the first chunk's tokens and lookahead, and
+    its audio, two mel frames a token less the 8 HiFT holds back for the next chunk."""
     chunk_tokens: list[int] = []
     launch_chunks = TorchToken2Wav.launch_chunks
 
@@ -201,16 +206,19 @@ async def test_the_configured_schedule_cuts_the_chunks(
         return launch_chunks(self, jobs)
 
     monkeypatch.setattr(TorchToken2Wav, "launch_chunks", recording)
-    config = ServiceConfig(models_dir=tiny_models, voices_dir=tmp_path, device="cpu", schedule=schedule)
+    config = ServiceConfig(models_dir=tiny_models, voices_dir=tmp_path, device="cpu", schedule=schedule,
+                           first_chunk_tokens=first_chunk_tokens)
     runtime = Runtime(config)
     await runtime.start()
     try:
         request = SpeechRequest("Hello there.", sampling=SamplingParams(seed=0, fixed_length=TOKENS))
         async with runtime.speak(request) as session:
-            assert sum([chunk.pcm.size async for chunk in session]) == TOKENS * SAMPLES_PER_TOKEN
+            sizes = [chunk.pcm.size async for chunk in session]
     finally:
         await runtime.stop(config.drain_timeout_s)
-    assert chunk_tokens[0] == first_chunk
+    assert sum(sizes) == TOKENS * SAMPLES_PER_TOKEN
+    assert chunk_tokens[0] == first_hop + PRE_LOOKAHEAD
+    assert sizes[0] == first_hop * SAMPLES_PER_TOKEN - HiFTConfig().mel_cache_frames * SAMPLES_PER_MEL_FRAME
 
 
 def test_stopping_the_worker_stops_compile_processes_no_warm_up_took(tiny_models: Path) -> None:

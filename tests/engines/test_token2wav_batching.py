@@ -713,6 +713,38 @@ def test_backend_with_cuda_graphs_equals_eager() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_shorter_first_chunk_runs_from_graphs_of_its_own_length_and_equals_eager() -> None:
+    """`--first-chunk-tokens`: with graph hops (5, 10) and the buckets that follow them, 5-token first
+    chunks are solved at their own 10 frames (not padded to 30) and vocoded from their graph, and the
+    audio is the eager path's."""
+    generator = torch.Generator().manual_seed(11)
+
+    def tokens(n: int) -> torch.Tensor:
+        return torch.randint(0, CONFIGS.dit_flow.vocab_size, (n,), generator=generator)
+
+    streams = [Plan(0, tokens(23), (5, 10)), Plan(1, tokens(23), (5, 10)), Plan(0, tokens(12), (5,))]
+    audio = []
+    for graphs in (False, True):
+        torch.manual_seed(0)
+        flow, hift = DiTFlow(CONFIGS.dit_flow).eval(), HiFTGenerator(CONFIGS.hift).eval()
+        randomize(flow, seed=3)
+        hops = (5, 10)
+        backend = TorchToken2Wav(flow.cuda(), hift.cuda(), vocoder_seed=5, cuda_graphs=graphs,
+                                 graph_hops=hops, flow_buckets=flow_graph_buckets(flow.buckets, hops))
+        voices: list[SpeakerState] = [backend.prepare_speaker(make_voice(1, 12)),
+                                      backend.prepare_speaker(make_voice(2, 7))]
+        audio.append(run_plans(backend, voices, streams))
+        if graphs:
+            solver = flow.graphs
+            assert solver is not None and backend.vocoder_graphs is not None
+            assert any(shape.frames == 10 and shape.own_frames == 0 for shape in solver.shapes)
+            assert any(shape.frames == 10 and shape.cached == 0 for shape in backend.vocoder_graphs.shapes)
+    for eager, graphed in zip(*audio, strict=True):
+        torch.testing.assert_close(graphed, eager, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_warm_up_captures_the_final_chunk_graphs(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

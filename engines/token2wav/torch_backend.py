@@ -82,7 +82,7 @@ def flow_graph_buckets(buckets: Buckets, graph_hops: Sequence[int]) -> Buckets:
     hops these are the defaults."""
     frames = {TOKEN_MEL_RATIO * hop for hop in schedule_hops(graph_hops)} | {buckets.frames[-1]}
     first_own = -(-TOKEN_MEL_RATIO * graph_hops[0] // 16) * 16
-    own = {first_own} | {frames for frames in buckets.own_frames if frames > first_own}
+    own = {first_own} | {bucket for bucket in buckets.own_frames if bucket > first_own}
     return dataclasses.replace(buckets, batch=FLOW_GRAPH_BATCHES, frames=tuple(sorted(frames)),
                                own_frames=tuple(sorted(own)))
 

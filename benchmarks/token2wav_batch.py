@@ -6,7 +6,8 @@
 Builds (or reuses) synthetic checkpoints of the requested size, warms up (`TorchToken2Wav.warmup`: on
 CUDA, captures the graphs of the schedule's shapes), then for each batch size N opens N streams of one
 voice and times the calls of the exponential schedule with all N streams in step: every stream's first
-chunk (15 + 3 tokens) in one call, then every stream's second chunk (25 + 3), and so on. Prints, per
+chunk (15 + 3 tokens; `--hops 10 25 50`: 10 + 3, with the graphs `serve --first-chunk-tokens 10`
+captures) in one call, then every stream's second chunk (25 + 3), and so on. Prints, per
 call, the wall time (median over repeats), the part of it the host took to queue the call's device work
 (`launch_chunks`; on a CPU the whole call), and the real-time factor: seconds of audio the call yields per
 second of wall time, which is how many streams at that chunk size one GPU could keep playing.
@@ -38,7 +39,7 @@ from engines.token2wav.base import ChunkJob, SpeakerState  # noqa: E402
 from engines.token2wav.flow_dit import DiTFlow  # noqa: E402
 from engines.token2wav.torch_backend import TorchToken2Wav  # noqa: E402
 from engines.voice import VoicePrompt  # noqa: E402
-from realtime.schedule import ChunkScheduler, EqualHops  # noqa: E402
+from realtime.schedule import ChunkScheduler, EqualHops, graphed_hops  # noqa: E402
 
 
 def time_schedule(t2w: TorchToken2Wav, speaker: SpeakerState, batch: int, hops: list[int],
@@ -170,8 +171,10 @@ def main() -> None:
     models = args.models or Path(tempfile.gettempdir()) / f"cosyvoice-synthetic-{args.size}"
     if args.models is None:
         build_random(models, args.size)
+    # The service's graphs for a first chunk of --hops' first (`serve --first-chunk-tokens`).
     t2w = TorchToken2Wav.from_models_dir(models, "dit", device, cuda_graphs=not args.eager,
-                                         vocoder_dtype=getattr(torch, args.vocoder_dtype))
+                                         vocoder_dtype=getattr(torch, args.vocoder_dtype),
+                                         graph_hops=graphed_hops(args.hops[0]))
     if args.eager_vocoder:
         t2w.vocoder_graphs = None
     speaker = t2w.prepare_speaker(VoicePrompt.load(ModelPaths(models).voices / "default.safetensors"))

@@ -10,6 +10,8 @@ What it means for released weights' audio must be heard with those weights.
     python3 benchmarks/vocoder_precision.py --size full --device cpu                       # error only
     bash benchmarks/on_device.sh python3 benchmarks/vocoder_precision.py --size full --device cuda \
         --rows 1 16 64 --frames 30 58 [--cudnn-benchmark]
+    bash benchmarks/on_device.sh python3 benchmarks/vocoder_precision.py --size full --device cuda \
+        --rows 16 64 --frames 408 --eager                                 # the steady chunks, eagerly
 
 Prints a table; timings go to no test.
 """
@@ -61,6 +63,20 @@ def graph_ms(hift: HiFTGenerator, mel: torch.Tensor, noise: torch.Tensor, replay
     return start.elapsed_time(end) / replays
 
 
+def eager_ms(hift: HiFTGenerator, mel: torch.Tensor, noise: torch.Tensor, calls: int = 10) -> float:
+    """ms per eager vocoder call (as the service runs shapes without a graph: the steady 200-token chunks,
+    408 frames with the cache), after one untimed call."""
+    hift.vocode_with_noise(mel, None, noise)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        hift.vocode_with_noise(mel, None, noise)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -70,9 +86,12 @@ def main() -> None:
     parser.add_argument("--frames", type=int, nargs="+", default=[40])
     parser.add_argument("--conv-post-scale", type=float, default=0.1)
     parser.add_argument("--cudnn-benchmark", action="store_true",
-                        help="let cuDNN time its algorithms per shape (at each graph's capture); the service "
-                             "uses its heuristics, which chose a 57 ms bf16 kernel for one 64-row shape "
-                             "(docs/benchmarks.md, thirty-fifth session)")
+                        help="let cuDNN time its plans for every shape, eager calls too; without it, as in "
+                             "the service, only a half decoder's graphs measure theirs (float32 takes the "
+                             "heuristics' plans; docs/benchmarks.md, thirty-sixth session)")
+    parser.add_argument("--eager", action="store_true",
+                        help="time eager calls instead of graph replays (cuDNN's heuristics' plans, as the "
+                             "service's calls without a graph run)")
     args = parser.parse_args()
     use_tf32_matmuls()  # the service's float32 (TF32 convolutions on CUDA)
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
@@ -87,7 +106,7 @@ def main() -> None:
     timed = device.type == "cuda"
     print(f"HiFT {args.size}, {device if not timed else torch.cuda.get_device_name(device)}, "
           f"torch {torch.__version__}; conv_post × {args.conv_post_scale}"
-          + ("; cuDNN benchmark" if args.cudnn_benchmark else ""))
+          + ("; cuDNN benchmark" if args.cudnn_benchmark else "") + ("; eager calls" if args.eager else ""))
     print(f"{'rows':>4} {'frames':>6} {'decoder':>9} {'rel. error':>10} {'SNR dB':>7} {'max |error|':>11} "
           f"{'speech RMS':>10}" + (f" {'ms / call':>10}" if timed else ""))
     with torch.inference_mode():
@@ -100,13 +119,18 @@ def main() -> None:
                 want = models[torch.float32].vocode_with_noise(mel, None, noise).speech.float()
                 rms = float(want.pow(2).mean().sqrt())
                 for dtype, model in models.items():
+                    # The graph first, as in the service: cuDNN caches the first plan it runs per
+                    # convolution shape, and a half decoder's graph warm-up measures its plans.
+                    ms = graph_ms(model, mel, noise) if timed and not args.eager else math.nan
                     got = model.vocode_with_noise(mel, None, noise).speech.float()
+                    if timed and args.eager:
+                        ms = eager_ms(model, mel, noise)
                     error = float((got - want).pow(2).mean().sqrt()) / rms
                     snr = -20 * math.log10(error) if error > 0 else math.inf
                     line = (f"{rows:>4} {frames:>6} {str(dtype).removeprefix('torch.'):>9} {error:>10.4f} "
                             f"{snr:>7.1f} {float((got - want).abs().max()):>11.4f} {rms:>10.4f}")
                     if timed:
-                        line += f" {graph_ms(model, mel, noise):>10.3f}"
+                        line += f" {ms:>10.3f}"
                     print(line, flush=True)
 
 

@@ -28,7 +28,6 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +57,7 @@ def llm_figures(traces: list[Trace]) -> dict[str, float]:
 
 class Token2WavLoop:
     """token2wav calls of `rows` streams' chunks (`hops`, in step) on a thread of its own, over and over
-    until `stop`; every call's start, end (perf_counter seconds) and hop."""
+    while inside `with`; every call's start, end (perf_counter seconds) and hop."""
 
     def __init__(self, t2w: TorchToken2Wav, speaker: SpeakerState, rows: int, hops: list[int],
                  tokens: torch.Tensor) -> None:
@@ -81,13 +80,14 @@ class Token2WavLoop:
                     for hop, (ms, _) in zip(hops, times, strict=True):
                         self.calls.append((began, began + ms / 1000, hop))
                         began += ms / 1000
-        except BaseException as exc:  # noqa: BLE001 - reported by the caller after stop()
+        except BaseException as exc:  # noqa: BLE001 - raised by __exit__ on the caller's thread
             self.failure = exc
 
-    def start(self) -> None:
+    def __enter__(self) -> Token2WavLoop:
         self._thread.start()
+        return self
 
-    def stop(self) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
         if self.failure is not None:
@@ -100,15 +100,6 @@ class Token2WavLoop:
             if since <= (began + ended) / 2 <= until:
                 inside[hop].append((ended - began) * 1000)
         return {hop: statistics.median(times) if times else float("nan") for hop, times in inside.items()}
-
-
-@contextlib.contextmanager
-def looping(loop: Token2WavLoop) -> Iterator[Token2WavLoop]:
-    loop.start()
-    try:
-        yield loop
-    finally:
-        loop.stop()
 
 
 def measure(event_loop: asyncio.AbstractEventLoop, engine: TorchLLMEngine, t2w: TorchToken2Wav,
@@ -124,12 +115,12 @@ def measure(event_loop: asyncio.AbstractEventLoop, engine: TorchLLMEngine, t2w: 
 
     alone = [llm_figures(burst()) for _ in range(args.repeats)]
     t2w_alone = Token2WavLoop(t2w, speaker, rows, hops, tokens)
-    with looping(t2w_alone):
+    with t2w_alone:
         while len(t2w_alone.calls) < len(hops) * args.repeats and t2w_alone.failure is None:
             time.sleep(0.01)
     together, t2w_together = [], Token2WavLoop(t2w, speaker, rows, hops, tokens)
     windows = []
-    with looping(t2w_together):
+    with t2w_together:
         while len(t2w_together.calls) < len(hops) and t2w_together.failure is None:
             time.sleep(0.01)  # one whole schedule first: calls of every hop under way
         for _ in range(args.repeats):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -49,32 +50,30 @@ def random_hift(cfg: HiFTConfig, conv_post_scale: float) -> HiFTGenerator:
     return hift
 
 
-def graph_ms(hift: HiFTGenerator, mel: torch.Tensor, noise: torch.Tensor, replays: int = 20) -> float:
-    """ms per vocoder call replayed from its CUDA graph (captured on first use)."""
-    graphs = GraphedVocoder(hift, [(mel.shape[2], 0)], batches=(mel.shape[0],))
-    graphs.vocode(mel, None, noise)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graphs.vocode(mel, None, noise)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays
-
-
-def eager_ms(hift: HiFTGenerator, mel: torch.Tensor, noise: torch.Tensor, calls: int = 10) -> float:
-    """ms per eager vocoder call (as the service runs shapes without a graph: the steady 200-token chunks,
-    408 frames with the cache), after one untimed call."""
-    hift.vocode_with_noise(mel, None, noise)
+def device_ms(call: Callable[[], object], calls: int) -> float:
+    """ms of device time per `call`, over `calls` calls after one untimed one (a first use captures or
+    picks its plans)."""
+    call()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(calls):
-        hift.vocode_with_noise(mel, None, noise)
+        call()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / calls
+
+
+def graph_ms(hift: HiFTGenerator, mel: torch.Tensor, noise: torch.Tensor) -> float:
+    """ms per vocoder call replayed from its CUDA graph (captured on first use)."""
+    graphs = GraphedVocoder(hift, [(mel.shape[2], 0)], batches=(mel.shape[0],))
+    return device_ms(lambda: graphs.vocode(mel, None, noise), 20)
+
+
+def eager_ms(hift: HiFTGenerator, mel: torch.Tensor, noise: torch.Tensor) -> float:
+    """ms per eager vocoder call (as the service runs shapes without a graph: the steady 200-token chunks,
+    408 frames with the cache)."""
+    return device_ms(lambda: hift.vocode_with_noise(mel, None, noise), 10)
 
 
 def main() -> None:

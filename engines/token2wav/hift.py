@@ -572,12 +572,16 @@ def fold_weight_norm(module: nn.Module) -> None:
             parametrize.remove_parametrizations(submodule, "weight", leave_parametrized=True)
 
 
-def load_hift(path: Path, cfg: HiFTConfig, device: torch.device | str) -> HiFTGenerator:
-    """A HiFT generator in eval mode with the weights of `path`, loaded strictly, weight norm folded.
+def load_hift(path: Path, cfg: HiFTConfig, device: torch.device | str,
+              decoder_dtype: torch.dtype = torch.float32) -> HiFTGenerator:
+    """A HiFT generator in eval mode with the weights of `path`, loaded strictly, weight norm folded, its
+    decoder in `decoder_dtype` (`HiFTGenerator.use_decoder_dtype`; float32 as the reference).
 
     The folded module's state dict names plain `weight`s; build a fresh `HiFTGenerator` to save one.
     """
     model = HiFTGenerator(cfg)
     load_strict(model, canonical_hift_state(load_checkpoint(path)), str(path))
     fold_weight_norm(model)
-    return model.to(device).eval()
+    model.to(device).eval()
+    model.use_decoder_dtype(decoder_dtype)
+    return model

@@ -200,7 +200,7 @@ class TorchToken2Wav(Token2Wav):
             try:
                 flow = load_dit_flow(paths.dit_flow, flow_cfg, device, dtype)
                 flow.limit_solve_memory(solve_memory_bytes)
-                hift = load_hift(paths.hift, configs.hift, device)
+                hift = load_hift(paths.hift, configs.hift, device, vocoder_dtype)
             except BaseException:
                 if workers is not None:
                     workers.stop()
@@ -210,11 +210,9 @@ class TorchToken2Wav(Token2Wav):
             from engines.token2wav.flow_unet import load_unet_flow
 
             flow = load_unet_flow(paths.unet_flow, configs.unet_flow, device, dtype)
-            hift = load_hift(paths.cosyvoice2_hift, configs.hift, device)
+            hift = load_hift(paths.cosyvoice2_hift, configs.hift, device, vocoder_dtype)
         else:
             raise ValueError(f"unknown flow variant {variant!r}; expected 'dit' or 'unet'")
-        if vocoder_dtype != hift.decoder_dtype:
-            hift.use_decoder_dtype(vocoder_dtype)
         buckets = flow_graph_buckets(flow.buckets, graph_hops) if isinstance(flow, DiTFlow) else None
         return TorchToken2Wav(flow, hift, name=f"torch-{variant}", cuda_graphs=cuda_graphs,
                               graph_hops=graph_hops, final_chunk_graphs=final_chunk_graphs,

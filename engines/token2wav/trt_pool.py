@@ -403,9 +403,7 @@ def load_trt_token2wav(
     dit = flow.decoder.estimator
     assert isinstance(dit, DiT), "DiTFlow's estimator is a DiT"
     flow.decoder.estimator = TrtDiTEstimator(chunk, offline, fallback=dit)
-    hift = load_hift(paths.hift, configs.hift, device)
-    if vocoder_dtype != hift.decoder_dtype:
-        hift.use_decoder_dtype(vocoder_dtype)
+    hift = load_hift(paths.hift, configs.hift, device, vocoder_dtype)
     logger.info("TensorRT DiT estimator: %s (%d contexts), offline plan: %s", chunk.plan, pool_size,
                 offline.plan if offline else "none")
     return TrtToken2Wav(flow, hift, workers=pool_size)

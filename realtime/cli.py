@@ -31,7 +31,7 @@ from realtime.config import (
     WebRTCConfig,
 )
 from realtime.placement import PlacementKind, parse_devices
-from realtime.schedule import ExponentialHops, ScheduleKind
+from realtime.schedule import ExponentialHops, FirstChunkByLoad, ScheduleKind
 from realtime.voice_aliases import DEFAULT_VOICE_ALIASES, parse_alias
 
 logger = logging.getLogger("realtime")
@@ -128,6 +128,8 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         token2wav_devices=args.token2wav_devices,
         schedule=ScheduleKind(args.schedule),
         first_chunk_tokens=args.first_chunk_tokens,
+        light_load_first_chunk_tokens=args.light_load_first_chunk_tokens,
+        light_load_streams=0 if args.baseline else args.light_load_streams,
         max_streams=args.max_streams,
         drain_timeout_s=args.drain_timeout,
         gil_switch_s=getattr(args, "gil_switch_ms", ServiceConfig.gil_switch_s * 1000) / 1000,
@@ -451,6 +453,18 @@ def build_parser() -> argparse.ArgumentParser:
             help="speech tokens in a stream's first chunk under the exponential schedule "
                  f"({MIN_FIRST_CHUNK_TOKENS}..{MAX_FIRST_CHUNK_TOKENS}; fewer: first audio sooner and "
                  "shorter, the second chunk due sooner; default: the reference's)",
+        )
+        sub.add_argument(
+            "--light-load-first-chunk-tokens", type=_first_chunk_tokens,
+            default=ServiceConfig.light_load_first_chunk_tokens, metavar="N",
+            help="the first chunk's speech tokens for a stream that starts while fewer than "
+                 "--light-load-streams are open on its token2wav worker (first audio sooner while the GPU "
+                 "has room for the second chunk that comes due sooner)",
+        )
+        sub.add_argument(
+            "--light-load-streams", type=_non_negative_int, default=None, metavar="K",
+            help="open streams below which a new stream gets the light-load first chunk (0: off; "
+                 f"default: {FirstChunkByLoad.light_streams} on a GPU, off on the CPU)",
         )
         sub.add_argument("--max-streams", type=int, default=16, help="concurrent utterances before 'busy'")
         sub.add_argument(

@@ -145,6 +145,12 @@ class Metrics:
             ["outcome"],
             registry=self.registry,
         )
+        self.first_chunk_hops = Counter(
+            "tts_first_chunk_hops",
+            "Streams started, by their first chunk's speech tokens (the light-load first chunk or the usual)",
+            ["tokens"],
+            registry=self.registry,
+        )
         self.audio_seconds = Counter("tts_audio_seconds", "Audio produced", registry=self.registry)
         self.errors = Counter(
             "tts_errors", "Errors reported to clients, by code", ["code"], registry=self.registry

@@ -57,7 +57,7 @@ from realtime.metrics import Metrics
 from realtime.placement import WorkerLoad, least_loaded, split_capacity
 from realtime.prompts import PromptCache, choose_mode
 from realtime.render import render_segment
-from realtime.schedule import EqualHops, ExponentialHops, Playback
+from realtime.schedule import EqualHops, ExponentialHops, Playback, ScheduleKind
 from realtime.session import PreparedVoice, Segment, ServiceError, Session, SpeechRequest, language_code
 from realtime.tasks import together
 from realtime.token2wav_worker import Token2WavWorker
@@ -427,6 +427,7 @@ class Runtime:
             self._sessions.discard(session)
             self._track_sessions()
 
+        first_hop = self.config.first_chunk_rule(placed.worker.device.type).first_hop(self._placed[index])
         try:
             placed.check_mode(mode)
             session = Session(
@@ -441,7 +442,7 @@ class Runtime:
                 on_close=release,
                 pace_llm=self.config.llm_pacing,
                 schedule=self.config.schedule,
-                first_chunk_tokens=self.config.first_chunk_tokens,
+                first_chunk_tokens=first_hop,
                 retry_after_s=self.config.retry_after_s,
                 prepare_on_loop=self._running().text.prepares_quickly(request.text, SEGMENT_TOKENS),
                 playback=playback,
@@ -452,6 +453,8 @@ class Runtime:
         self._sessions.add(session)
         self._placed[index] += 1
         self._track_sessions()
+        if self.config.schedule is ScheduleKind.EXPONENTIAL:
+            self.metrics.first_chunk_hops.labels(str(first_hop)).inc()
         # DEBUG: a burst admits streams back to back on the loop; the session's closing line (INFO)
         # names its voice and length.
         logger.debug(

@@ -108,6 +108,38 @@ class AdaptiveHops:
         return min(self.limit, granules * self.granule)
 
 
+@dataclass(frozen=True)
+class FirstChunkByLoad:
+    """The exponential schedule's first hop for a new stream: `light_tokens` while fewer than
+    `light_streams` streams are open on its token2wav worker, else `tokens` (light_streams 0: always).
+
+    A shorter first chunk brings first audio sooner (fewer LLM steps before it, a shorter first token2wav
+    call) but less of it, so the stream's second chunk is due sooner: on an idle GPU that costs nothing,
+    on a busy one those second chunks come late. On an H200 (docs/benchmarks.md, thirty-seventh session)
+    10-token first chunks took the p50 first audio of bursts of 1 / 16 / 64 streams from 32 / 72 / 170 ms
+    to 29 / 57 / 138, but kept bursts whole only up to 55 streams, 15-token ones up to 126.
+    """
+
+    tokens: int = ExponentialHops.first
+    light_tokens: int = 10
+    light_streams: int = 16
+
+    def __post_init__(self) -> None:
+        if min(self.tokens, self.light_tokens) < 1 or self.light_streams < 0:
+            raise ValueError(f"need positive first hops and light_streams >= 0, got tokens={self.tokens} "
+                             f"light_tokens={self.light_tokens} light_streams={self.light_streams}")
+
+    def first_hop(self, open_streams: int) -> int:
+        """The first hop of a stream that starts beside `open_streams` others on its worker."""
+        return self.light_tokens if open_streams < self.light_streams else self.tokens
+
+    @property
+    def first_hops(self) -> tuple[int, ...]:
+        """The first hops streams may get, `tokens` first."""
+        light = self.light_streams > 0 and self.light_tokens != self.tokens
+        return (self.tokens, self.light_tokens) if light else (self.tokens,)
+
+
 # token2wav's graphs hold chunks of the exponential schedule's hops below this; the hop of this many tokens
 # comes next and is captured on its own (engines/token2wav/torch_backend.py's STEADY_HOP).
 STEADY_HOP = 200

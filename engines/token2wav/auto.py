@@ -61,6 +61,7 @@ def select_token2wav(
     preload_compile_workers: bool = True,
     vocoder_dtype: torch.dtype | None = None,
     graph_hops: Sequence[int] | None = None,
+    extra_first_hops: Sequence[int] = (),
 ) -> Token2Wav:
     """The token2wav backend for `models_dir`: `tensorrt` or `torch` as asked, `auto` prefers TensorRT.
 
@@ -76,6 +77,7 @@ def select_token2wav(
         as the reference).
     graph_hops: the chunk lengths (speech tokens) whose CUDA graphs the PyTorch backend captures at
         start-up (None: its `GRAPH_HOPS`, the exponential schedule's 15, 25, 50, 100).
+    extra_first_hops: other first-chunk lengths streams may start with (their first chunks' graphs too).
     Asking for `tensorrt` where it cannot run raises RuntimeError with the reason.
     """
     import torch  # both backends run on it; this module is imported without it
@@ -95,4 +97,4 @@ def select_token2wav(
     return TorchToken2Wav.from_models_dir(models_dir, flow, device, torch_dtype, cuda_graphs, dit_cache_rule,
                                           solve_memory_bytes, final_chunk_graphs, precompiled,
                                           preload_compile_workers, decoder_dtype,
-                                          GRAPH_HOPS if graph_hops is None else graph_hops)
+                                          GRAPH_HOPS if graph_hops is None else graph_hops, extra_first_hops)

@@ -62,11 +62,14 @@ FLOW_GRAPH_BATCHES = (2, 4, 8, 16, 32, 64)
 VOCODER_GRAPH_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
-def vocoder_graph_chunks(cfg: HiFTConfig, hops: Sequence[int]) -> list[tuple[int, int]]:
+def vocoder_graph_chunks(cfg: HiFTConfig, hops: Sequence[int],
+                         extra_first_hops: Sequence[int] = ()) -> list[tuple[int, int]]:
     """HiFT's (mel frames, cached source samples) for chunks of `hops` tokens: first chunks without a
-    cache, later ones after the cached frames."""
+    cache, later ones after the cached frames; and first chunks of `extra_first_hops` tokens."""
     frames = [TOKEN_MEL_RATIO * hop for hop in hops]
-    return [(f, 0) for f in frames] + [(f + cfg.mel_cache_frames, cfg.source_cache_samples) for f in frames]
+    firsts = [TOKEN_MEL_RATIO * hop for hop in extra_first_hops if hop not in hops]
+    return ([(f, 0) for f in frames] + [(f + cfg.mel_cache_frames, cfg.source_cache_samples) for f in frames]
+            + [(f, 0) for f in dict.fromkeys(firsts)])
 
 
 def schedule_hops(graph_hops: Sequence[int]) -> tuple[int, ...]:
@@ -75,23 +78,33 @@ def schedule_hops(graph_hops: Sequence[int]) -> tuple[int, ...]:
     return (*graph_hops, STEADY_HOP)
 
 
-def flow_graph_buckets(buckets: Buckets, graph_hops: Sequence[int]) -> Buckets:
-    """`buckets` for the flow's graphs when chunks are `graph_hops` tokens: their frames (and the steady
-    hop's) as chunk buckets, so no chunk of the schedule is padded, and a first chunk's frames rounded up
-    to 16 as a later call's own-cache bucket (32 after the default 30-frame first chunk). With the default
-    hops these are the defaults."""
-    frames = {TOKEN_MEL_RATIO * hop for hop in schedule_hops(graph_hops)} | {buckets.frames[-1]}
-    first_own = -(-TOKEN_MEL_RATIO * graph_hops[0] // 16) * 16
-    own = {first_own} | {bucket for bucket in buckets.own_frames if bucket > first_own}
+def flow_graph_buckets(buckets: Buckets, graph_hops: Sequence[int],
+                       extra_first_hops: Sequence[int] = ()) -> Buckets:
+    """`buckets` for the flow's graphs when chunks are `graph_hops` tokens, or a first chunk is one of
+    `extra_first_hops`: their frames (and the steady hop's) as chunk buckets, so no chunk of the schedule
+    is padded, and a first chunk's frames rounded up to 16 as a later call's own-cache bucket (32 after
+    the default 30-frame first chunk, and after a 20-frame one). With the default hops these are the
+    defaults."""
+    firsts = (graph_hops[0], *extra_first_hops)
+    frames = ({TOKEN_MEL_RATIO * hop for hop in (*schedule_hops(graph_hops), *extra_first_hops)}
+              | {buckets.frames[-1]})
+    first_owns = {-(-TOKEN_MEL_RATIO * hop // 16) * 16 for hop in firsts}
+    own = first_owns | {bucket for bucket in buckets.own_frames if bucket > min(first_owns)}
     return dataclasses.replace(buckets, batch=FLOW_GRAPH_BATCHES, frames=tuple(sorted(frames)),
                                own_frames=tuple(sorted(own)))
 
 
-def compile_worker_count(graph_hops: Sequence[int]) -> int:
+def other_first_hops(graph_hops: Sequence[int], extra_first_hops: Sequence[int]) -> tuple[int, ...]:
+    """`extra_first_hops` without `graph_hops`' own first hop, each once."""
+    return tuple(hop for hop in dict.fromkeys(extra_first_hops) if hop != graph_hops[0])
+
+
+def compile_worker_count(graph_hops: Sequence[int], extra_first_hops: Sequence[int] = ()) -> int:
     """A cold start's DiT block compile workers: one per chunk the warm-up's streams run (`schedule_hops`
-    and the final one) and attention layout (two: warmup_shapes.compile_job_shapes) where the cores allow,
-    else one per chunk (the split's lists are then merged back)."""
-    chunks = len(schedule_hops(graph_hops)) + 1
+    and the final one, and the first chunks of `extra_first_hops`) and attention layout (two:
+    warmup_shapes.compile_job_shapes) where the cores allow, else one per chunk (the split's lists are
+    then merged back)."""
+    chunks = len(schedule_hops(graph_hops)) + 1 + len(extra_first_hops)
     return 2 * chunks if 2 * chunks <= len(os.sched_getaffinity(0)) else chunks
 
 
@@ -126,7 +139,8 @@ class TorchToken2Wav(Token2Wav):
     """`flow` and `hift` on the same device; `vocoder_seed` fixes HiFT's noise (None: fresh per stream).
 
     cuda_graphs: on CUDA, solve batched DiT chunks with CUDA graphs, and vocode chunks of `graph_hops`
-    tokens (first chunks, and later ones with HiFT's cached frames) and final chunks of any length
+    tokens (first chunks, and later ones with HiFT's cached frames), first chunks of `extra_first_hops`
+    tokens (a schedule whose first hop is one of them) and final chunks of any length
     (padded to length buckets, masked) from CUDA graphs; graphs are captured on the first use of a
     shape, or ahead by `warmup`. final_chunk_graphs off: final chunks run eagerly at their own lengths.
     precompiled: where the compiled DiT block is kept for later processes (engines/precompiled.py; None:
@@ -139,12 +153,13 @@ class TorchToken2Wav(Token2Wav):
                  vocoder_seed: int | None = None, cuda_graphs: bool = True,
                  graph_hops: Sequence[int] = GRAPH_HOPS, final_chunk_graphs: bool = True,
                  precompiled: Path | None = None, block_workers: BlockCompileWorkers | None = None,
-                 flow_buckets: Buckets | None = None) -> None:
+                 flow_buckets: Buckets | None = None, extra_first_hops: Sequence[int] = ()) -> None:
         self.flow = flow.eval()
         self.hift = hift.eval()
         self.name = name
         self.vocoder_seed = vocoder_seed
         self.graph_hops = tuple(graph_hops)
+        self.extra_first_hops = other_first_hops(graph_hops, extra_first_hops)
         self.vocoder_graphs: GraphedVocoder | None = None
         self._idle_workers = block_workers  # spawned, no shapes yet
         self._block_workers: BlockCompileWorkers | None = None  # from `prepare_warmup`, until `warmup`
@@ -152,7 +167,8 @@ class TorchToken2Wav(Token2Wav):
             if isinstance(flow, DiTFlow) and flow.batches_streams:
                 buckets = dataclasses.replace(flow.buckets, batch=FLOW_GRAPH_BATCHES)
                 flow.enable_cuda_graphs(buckets if flow_buckets is None else flow_buckets, precompiled)
-            self.vocoder_graphs = GraphedVocoder(self.hift, vocoder_graph_chunks(hift.cfg, self.graph_hops),
+            chunks = vocoder_graph_chunks(hift.cfg, self.graph_hops, self.extra_first_hops)
+            self.vocoder_graphs = GraphedVocoder(self.hift, chunks,
                                                  VOCODER_GRAPH_BATCHES,
                                                  FINAL_CHUNK_FRAMES if final_chunk_graphs else ())
 
@@ -170,6 +186,7 @@ class TorchToken2Wav(Token2Wav):
         preload_compile_workers: bool = True,
         vocoder_dtype: torch.dtype = torch.float32,
         graph_hops: Sequence[int] = GRAPH_HOPS,
+        extra_first_hops: Sequence[int] = (),
     ) -> TorchToken2Wav:
         """Load the `variant` flow of a models directory with its HiFT (Step-Audio2's for the DiT flow,
         CosyVoice2's for the UNet flow); the architecture comes from the directory's manifest.
@@ -182,11 +199,12 @@ class TorchToken2Wav(Token2Wav):
         they wait for their shapes (block_compile.py); off where that memory must stay free until the
         LLM has built (realtime/warm_up.py).
         vocoder_dtype: HiFT's decoder's (`HiFTGenerator.use_decoder_dtype`); float32 as the reference.
-        graph_hops: as for the constructor; the DiT flow graphs' chunk buckets follow them
-            (`flow_graph_buckets`: the defaults for the default hops).
+        graph_hops, extra_first_hops: as for the constructor; the DiT flow graphs' chunk buckets follow
+            them (`flow_graph_buckets`: the defaults for the default hops).
         """
         if dtype is None:
             dtype = torch.float16 if torch.device(device).type == "cuda" else torch.float32
+        extra_first_hops = other_first_hops(graph_hops, extra_first_hops)
         paths = ModelPaths(Path(models_dir))
         configs = configs_for_models_dir(paths.root)
         flow: FlowModel
@@ -195,7 +213,7 @@ class TorchToken2Wav(Token2Wav):
             flow_cfg = dataclasses.replace(configs.dit_flow, att_cache_rule=dit_cache_rule)
             if cuda_graphs:  # a cold start's compile workers import while the models load
                 workers = idle_workers_for_cold_start(precompiled, flow_cfg, dtype, torch.device(device),
-                                                      compile_worker_count(graph_hops),
+                                                      compile_worker_count(graph_hops, extra_first_hops),
                                                       preload=preload_compile_workers)
             try:
                 flow = load_dit_flow(paths.dit_flow, flow_cfg, device, dtype)
@@ -213,10 +231,12 @@ class TorchToken2Wav(Token2Wav):
             hift = load_hift(paths.cosyvoice2_hift, configs.hift, device, vocoder_dtype)
         else:
             raise ValueError(f"unknown flow variant {variant!r}; expected 'dit' or 'unet'")
-        buckets = flow_graph_buckets(flow.buckets, graph_hops) if isinstance(flow, DiTFlow) else None
+        buckets = (flow_graph_buckets(flow.buckets, graph_hops, extra_first_hops)
+                   if isinstance(flow, DiTFlow) else None)
         return TorchToken2Wav(flow, hift, name=f"torch-{variant}", cuda_graphs=cuda_graphs,
                               graph_hops=graph_hops, final_chunk_graphs=final_chunk_graphs,
-                              precompiled=precompiled, block_workers=workers, flow_buckets=buckets)
+                              precompiled=precompiled, block_workers=workers, flow_buckets=buckets,
+                              extra_first_hops=extra_first_hops)
 
     @property
     def device(self) -> torch.device:
@@ -281,7 +301,8 @@ class TorchToken2Wav(Token2Wav):
 
     def staged_warmup(self, speaker: SpeakerState, batches: Iterable[int] = WARMUP_BATCHES) -> WarmupSteps:
         """For each batch size, that many streams of `speaker` run the chunks of `graph_hops` and one
-        steady-state hop in step, then a final chunk; then the solve, encoder and final-chunk vocoder
+        steady-state hop in step, then a final chunk (and first chunks of `extra_first_hops` tokens, in the
+        first stage); then the solve, encoder and final-chunk vocoder
         graphs those passes do not meet but serving does are captured (torch_warmup.py). That compiles
         and captures the shapes the schedule produces (for voices with prompts up to this one's bucket)
         and runs every kernel once; with CUDA graphs, the first stage (until the first `yield`) does what
@@ -304,7 +325,7 @@ class TorchToken2Wav(Token2Wav):
             phases.end("compile workers (the wait for them)")
         voice = _dit_speaker(speaker)
         if isinstance(self.flow, DiTFlow) and voice is not None:
-            reserve_graphs(self.flow, batches, hops, voice)
+            reserve_graphs(self.flow, batches, hops, voice, self.extra_first_hops)
         yield from staged_warmup(self, speaker, voice, batches, hops, phases)
 
     def release_warmup(self) -> None:
@@ -334,7 +355,7 @@ class TorchToken2Wav(Token2Wav):
             return None
         hops, prompt_frames = schedule_hops(self.graph_hops), voice.prompt_frames
         try:
-            return start_compiling_blocks(flow, batches, hops, prompt_frames, idle)
+            return start_compiling_blocks(flow, batches, hops, prompt_frames, idle, self.extra_first_hops)
         except Exception as exc:  # no processes on this host, say: compile in the warm-up as before
             if idle is not None:
                 idle.stop()

@@ -9,7 +9,8 @@ them at once. The first stage runs, largest shapes first:
   (`warmup_shapes.later_graph_shapes`): the graphs' memory pools reach their peak before traffic (final-chunk
   vocoder graphs are bounded by the largest chunk graph), so that memory admission, measured once the
   first stage is done, sees it;
-- a first chunk at every other batch size: a new stream's first audio never runs eagerly.
+- a first chunk at every other batch size, and first chunks of the backend's `extra_first_hops` at every
+  batch size: a new stream's first audio never runs eagerly.
 Then graphs are captured only inside a step (`pause`). For each other batch size (smallest first: traffic
 ramps up) the graphs its chunk pass meets and its later solve and encoder graphs are captured, one per
 step, then its streams run through the schedule, one chunk call per step (replaying them); then the
@@ -72,6 +73,11 @@ def staged_warmup(t2w: TorchToken2Wav, speaker: SpeakerState, voice: DiTSpeaker 
     for batch in others:
         _run_all(_chunk_pass(t2w, speaker, batch, hops[:1], tokens, last=False))
     phases.end("first chunks")
+    if t2w.extra_first_hops:  # a schedule starting with a shorter (or longer) chunk: its first chunks too
+        for hop in t2w.extra_first_hops:
+            for batch in (largest, *others):
+                _run_all(_chunk_pass(t2w, speaker, batch, (hop,), tokens, last=False))
+        phases.end(f"first chunks of {', '.join(map(str, t2w.extra_first_hops))} tokens")
     if isinstance(t2w.flow, DiTFlow):
         t2w.flow.pause_graphs()  # its graph sets, and the DiT block's compiling sealed
     if t2w.vocoder_graphs is not None:
@@ -199,7 +205,7 @@ def _final_vocoder_captures(t2w: TorchToken2Wav, vocoder: GraphedVocoder) -> War
     """Capture the final-chunk vocoder graphs, one per `yield`, largest first: final chunks of any
     length, after a first chunk's frames (a segment shorter than one chunk, no cache) or after the
     cached frames of a later one."""
-    first_final = TOKEN_MEL_RATIO * (t2w.graph_hops[0] + PRE_LOOKAHEAD - 1)
+    first_final = TOKEN_MEL_RATIO * (max(t2w.graph_hops[0], *t2w.extra_first_hops) + PRE_LOOKAHEAD - 1)
     uncached = vocoder.final_bucket(first_final, 0) or first_final
     shapes = (vocoder.final_shapes(0, max_frames=uncached)
               + vocoder.final_shapes(vocoder.hift.cfg.source_cache_samples))

@@ -44,6 +44,13 @@ def planned_solve_shapes(flow: DiTFlow, batches: Iterable[int], hops: Sequence[i
     return per_chunk
 
 
+def first_chunk_solve_shapes(flow: DiTFlow, batches: Iterable[int], first_hops: Sequence[int],
+                             prompt_frames: int) -> list[list[SolveShape]]:
+    """The solves of streams' first chunks of each of `first_hops` tokens at each of `batches` streams (as
+    `planned_solve_shapes` plans a schedule's first chunk), one list per hop."""
+    return [planned_solve_shapes(flow, batches, (hop,), prompt_frames)[0] for hop in first_hops]
+
+
 def planned_encoder_history(flow: DiTFlow, hops: Sequence[int], prompt_tokens: int) -> int | None:
     """The largest history bucket the warm-up's chunk pass encodes at (streams of a voice with
     `prompt_tokens` through chunks of `hops` tokens, then a last chunk of the lookahead alone), from the
@@ -121,9 +128,11 @@ def _solve_capture_shapes(flow: DiTFlow, batches: Iterable[int], met: Sequence[S
     return [shape for shape in shapes if shape.batch == 1 or fits is None or fits(shape)]
 
 
-def reserve_graphs(flow: DiTFlow, batches: Iterable[int], hops: Sequence[int], voice: DiTSpeaker) -> None:
+def reserve_graphs(flow: DiTFlow, batches: Iterable[int], hops: Sequence[int], voice: DiTSpeaker,
+                   extra_first_hops: Sequence[int] = ()) -> None:
     """Size the graphs' shared buffers now for every graph a warm-up with `voice` will capture (the chunk
-    pass's, `planned_solve_shapes` and `planned_encoder_history`, then `later_graph_shapes`), before it
+    pass's, `planned_solve_shapes` and `planned_encoder_history`, the first chunks of `extra_first_hops`,
+    then `later_graph_shapes`), before it
     captures any: graphs captured on smaller buffers are otherwise captured again when a larger shape grows
     them (at 64 rows the kept cache grows from 30 to 100 to 200 frames through the schedule; 35 of the
     encoder's 125 captures at an H100 restart, docs/benchmarks.md sixteenth session). Shapes past the
@@ -133,15 +142,19 @@ def reserve_graphs(flow: DiTFlow, batches: Iterable[int], hops: Sequence[int], v
     if isinstance(encoder, GraphedEncoder) and reached is not None:
         encoder.reserve(encoder_capture_shapes(flow, batches, reached))
     if isinstance(flow.graphs, GraphedSolver):
-        graphed = graphed_shapes(flow, planned_solve_shapes(flow, batches, hops, voice.prompt_frames))
+        planned = (planned_solve_shapes(flow, batches, hops, voice.prompt_frames)
+                   + first_chunk_solve_shapes(flow, batches, extra_first_hops, voice.prompt_frames))
+        graphed = graphed_shapes(flow, planned)
         if graphed:
             flow.graphs.reserve([*graphed, *_solve_capture_shapes(flow, batches, graphed)])
 
 
 def start_compiling_blocks(flow: DiTFlow, batches: Iterable[int], hops: Sequence[int], prompt_frames: int,
-                           workers: BlockCompileWorkers | None = None) -> BlockCompileWorkers | None:
+                           workers: BlockCompileWorkers | None = None, extra_first_hops: Sequence[int] = (),
+                           ) -> BlockCompileWorkers | None:
     """When the flow's block is kept ahead of time and its folder holds no variant yet (a cold start),
-    start compiling the shape classes of `planned_solve_shapes(flow, batches, hops, prompt_frames)` in
+    start compiling the shape classes of `planned_solve_shapes(flow, batches, hops, prompt_frames)` (and of
+    the first chunks of `extra_first_hops`: `first_chunk_solve_shapes`) in
     worker processes (block_compile.py): one per chunk of the schedule and attention layout (a chunk's
     batches of up to `ONE_CALL_MAX_ROWS` rows are a class of their own: two classes a worker would compile
     one after the other), or one per chunk where there are not enough workers (`workers` if given: idle
@@ -156,7 +169,9 @@ def start_compiling_blocks(flow: DiTFlow, batches: Iterable[int], hops: Sequence
         matmul = torch.backends.cuda.matmul.fp32_precision
         conv = torch.backends.cudnn.conv.fp32_precision  # type: ignore[attr-defined]
         limit = workers.count if workers is not None else len(os.sched_getaffinity(0))
-        planned = planned_solve_shapes(flow, batches, hops, prompt_frames)
+        batches = list(batches)
+        planned = (planned_solve_shapes(flow, batches, hops, prompt_frames)
+                   + first_chunk_solve_shapes(flow, batches, extra_first_hops, prompt_frames))
         jobs = [BlockCompileJob(flow.cfg, flow.dtype, str(flow.device), block.folder, tuple(shapes),
                                 flow.decoder.noise.shape[2], torch.get_num_threads(), matmul, conv,
                                 requires_grad)

@@ -36,9 +36,13 @@ from engines.token2wav.torch_backend import (
     GRAPH_HOPS,
     TorchStream,
     TorchToken2Wav,
+    compile_worker_count,
     flow_graph_buckets,
+    other_first_hops,
+    schedule_hops,
+    vocoder_graph_chunks,
 )
-from engines.token2wav.warmup_shapes import later_graph_shapes, planned_solve_shapes
+from engines.token2wav.warmup_shapes import first_chunk_solve_shapes, later_graph_shapes, planned_solve_shapes
 from engines.voice import VoicePrompt
 
 CONFIGS = ModelConfigs.tiny()
@@ -612,6 +616,28 @@ def test_flow_graph_buckets_follow_the_graphed_hops() -> None:
     assert ten.shape(SolveShape(4, 20, 0, 200, 20)) == SolveShape(4, 20, 0, 256, 20)
 
 
+def test_a_second_first_hop_gets_its_buckets_vocoder_chunks_solves_and_compile_worker() -> None:
+    """The light-load first chunk (`extra_first_hops`): a frames bucket of its own and the own-cache
+    bucket after it (32 after 20 frames, as after 30), its first-chunk HiFT shape, its first chunks'
+    solves at its frames, and a compile worker; nothing more for the hop the schedule starts with."""
+    defaults = Buckets()
+    both = flow_graph_buckets(defaults, GRAPH_HOPS, (10,))
+    assert both.frames == (20, 30, 50, 100, 200, 400) and both.own_frames == defaults.own_frames
+    assert flow_graph_buckets(defaults, GRAPH_HOPS, (15,)) == flow_graph_buckets(defaults, GRAPH_HOPS)
+    assert flow_graph_buckets(defaults, (10, 25, 50, 100), (15,)) == both
+    assert other_first_hops(GRAPH_HOPS, (10, 15, 10)) == (10,)
+    assert vocoder_graph_chunks(CONFIGS.hift, GRAPH_HOPS, (10, 15)) == [
+        *vocoder_graph_chunks(CONFIGS.hift, GRAPH_HOPS), (20, 0)]
+    chunks = len(schedule_hops(GRAPH_HOPS)) + 1
+    assert compile_worker_count(GRAPH_HOPS) in (chunks, 2 * chunks)
+    assert compile_worker_count(GRAPH_HOPS, (10,)) in (chunks + 1, 2 * (chunks + 1))
+    flow = DiTFlow(CONFIGS.dit_flow).eval()
+    flow.buckets = flow_graph_buckets(flow.buckets, (5, 10), (3,))
+    voice = flow.prepare_speaker(make_voice(1, 12))
+    (firsts,) = first_chunk_solve_shapes(flow, [4, 1], (3,), voice.prompt_frames)
+    assert {(shape.batch, shape.frames, shape.own_frames) for shape in firsts} == {(4, 6, 0), (2, 6, 0)}
+
+
 def test_plan_batches_groups_by_frames_and_bounds_batch_and_prompts() -> None:
     buckets = Buckets(batch=(1, 2, 4), frames=(30, 100), prompt_frames=(300,))
     rows = [
@@ -739,6 +765,42 @@ def test_a_shorter_first_chunk_runs_from_graphs_of_its_own_length_and_equals_eag
             assert solver is not None and backend.vocoder_graphs is not None
             assert any(shape.frames == 10 and shape.own_frames == 0 for shape in solver.shapes)
             assert any(shape.frames == 10 and shape.cached == 0 for shape in backend.vocoder_graphs.shapes)
+    for eager, graphed in zip(*audio, strict=True):
+        torch.testing.assert_close(graphed, eager, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_light_load_first_chunks_replay_graphs_the_warm_up_captured_and_equal_eager() -> None:
+    """`extra_first_hops`: the warm-up's first stage captures the solve and HiFT graphs of 3-token first
+    chunks at every batch beside the schedule's 5-token ones; streams starting with either (in one call)
+    replay them, no capture after the warm-up, and give the eager path's audio."""
+    generator = torch.Generator().manual_seed(13)
+
+    def tokens(n: int) -> torch.Tensor:
+        return torch.randint(0, CONFIGS.dit_flow.vocab_size, (n,), generator=generator)
+
+    streams = [Plan(0, tokens(23), (3, 10)), Plan(0, tokens(23), (5, 10)), Plan(0, tokens(9), (3,))]
+    hops, light = (5, 10), (3,)
+    audio = []
+    for graphs in (False, True):
+        torch.manual_seed(0)
+        flow, hift = DiTFlow(CONFIGS.dit_flow).eval(), HiFTGenerator(CONFIGS.hift).eval()
+        randomize(flow, seed=3)
+        backend = TorchToken2Wav(flow.cuda(), hift.cuda(), vocoder_seed=5, cuda_graphs=graphs,
+                                 graph_hops=hops, flow_buckets=flow_graph_buckets(flow.buckets, hops, light),
+                                 extra_first_hops=light)
+        voice = backend.prepare_speaker(make_voice(1, 12))
+        if graphs:
+            backend.warmup(voice, batches=(4, 2, 1))
+            solver, vocoder = flow.graphs, backend.vocoder_graphs
+            assert solver is not None and vocoder is not None
+            solves, vocodes = set(solver.shapes), set(vocoder.shapes)
+            assert {shape.batch for shape in solves if (shape.frames, shape.own_frames) == (6, 0)} == {2, 4}
+            assert {shape.batch for shape in vocodes if (shape.frames, shape.cached) == (6, 0)} == {1, 2, 4}
+        audio.append(run_plans(backend, [voice], streams))
+        if graphs:
+            assert set(solver.shapes) == solves and set(vocoder.shapes) == vocodes
     for eager, graphed in zip(*audio, strict=True):
         torch.testing.assert_close(graphed, eager, atol=ATOL, rtol=RTOL)
 

@@ -15,6 +15,7 @@ import torch
 from realtime.batch_policy import FirstChunkHold
 from realtime.cli import _config, build_parser, main
 from realtime.config import ServiceConfig
+from realtime.schedule import FirstChunkByLoad
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -98,6 +99,19 @@ def test_scheduling_flags_reach_the_service_config(tmp_path):
     for bad_tokens in (4, 101):
         with pytest.raises(ValueError, match="first_chunk_tokens must be in 5..100"):
             ServiceConfig(models_dir=tmp_path, first_chunk_tokens=bad_tokens)
+        with pytest.raises(ValueError, match="light_load_first_chunk_tokens must be in 5..100"):
+            ServiceConfig(models_dir=tmp_path, light_load_first_chunk_tokens=bad_tokens)
+    with pytest.raises(ValueError, match="light_load_streams must be >= 0, got -1"):
+        ServiceConfig(models_dir=tmp_path, light_load_streams=-1)
+    assert default.first_chunk_rule("cuda") == FirstChunkByLoad(15, 10, 16)
+    assert default.first_chunk_rule("cpu") == FirstChunkByLoad(15, 10, 0)  # no room for sooner chunks
+    light = config("--light-load-first-chunk-tokens", "8", "--light-load-streams", "4")
+    assert light.first_chunk_rule("cuda") == light.first_chunk_rule("cpu") == FirstChunkByLoad(15, 8, 4)
+    assert config("--light-load-streams", "0").first_chunk_rule("cuda").first_hops == (15,)
+    assert config("--baseline").light_load_streams == 0  # the design we replace: the reference's chunks
+    for flag, bad in (("--light-load-first-chunk-tokens", "4"), ("--light-load-streams", "-1")):
+        with pytest.raises(SystemExit):
+            config(flag, bad)
 
 
 def test_a_bad_bench_option_is_refused_with_a_sentence(capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,6 +10,7 @@ from realtime.schedule import (
     ChunkScheduler,
     EqualHops,
     ExponentialHops,
+    FirstChunkByLoad,
     Playback,
     Progress,
     ScheduleKind,
@@ -133,9 +134,24 @@ def test_scheduler_rejects_tokens_going_backwards_and_stops_after_the_last_chunk
     assert scheduler.finished and scheduler.next_chunk(9, ended=True) is None
 
 
+def test_a_stream_gets_the_light_load_first_chunk_while_few_streams_are_open():
+    rule = FirstChunkByLoad(tokens=15, light_tokens=10, light_streams=16)
+    hops = [rule.first_hop(open_streams) for open_streams in (0, 1, 15, 16, 17, 300)]
+    assert hops == [10, 10, 10, 15, 15, 15]
+    assert rule.first_hops == (15, 10)
+    off = FirstChunkByLoad(tokens=15, light_tokens=10, light_streams=0)
+    assert off.first_hop(0) == 15 and off.first_hops == (15,)
+    same = FirstChunkByLoad(tokens=12, light_tokens=12, light_streams=4)
+    assert same.first_hop(0) == 12 and same.first_hops == (12,)
+    assert FirstChunkByLoad() == FirstChunkByLoad(ExponentialHops.first, 10, 16)
+
+
 @pytest.mark.parametrize(
     "bad",
     [
+        lambda: FirstChunkByLoad(tokens=0),
+        lambda: FirstChunkByLoad(light_tokens=0),
+        lambda: FirstChunkByLoad(light_streams=-1),
         lambda: ExponentialHops(first=0),
         lambda: EqualHops(0),
         lambda: AdaptiveHops(safety=0),

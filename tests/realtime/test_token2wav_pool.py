@@ -4,6 +4,7 @@ stream pinned to one thread, on the real (tiny) engines."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import threading
 import time
@@ -23,7 +24,7 @@ from realtime.config import ServiceConfig
 from realtime.metrics import Metrics
 from realtime.runtime import Runtime
 from realtime.schedule import ScheduleKind
-from realtime.session import SpeechRequest
+from realtime.session import Session, SpeechRequest
 from realtime.token2wav_worker import Token2WavWorker
 
 TOKENS = 70  # the exponential schedule cuts this into three chunks
@@ -184,8 +185,14 @@ async def test_a_stream_whose_opener_was_cancelled_is_closed_once_open(tiny_mode
 
 
 @pytest.mark.parametrize(
-    ("schedule", "first_chunk_tokens", "first_hop"),
-    [(ScheduleKind.EXPONENTIAL, 15, 15), (ScheduleKind.EQUAL, 15, 25), (ScheduleKind.EXPONENTIAL, 10, 10)],
+    ("schedule", "first_chunk_tokens", "light_load_streams", "first_hop"),
+    [
+        (ScheduleKind.EXPONENTIAL, 15, 0, 15),
+        (ScheduleKind.EQUAL, 15, 16, 25),
+        (ScheduleKind.EXPONENTIAL, 10, 0, 10),
+        (ScheduleKind.EXPONENTIAL, 15, 16, 10),  # a lone stream: the light-load first chunk
+        (ScheduleKind.EXPONENTIAL, 15, None, 15),  # by default, on the CPU: none
+    ],
 )
 async def test_the_configured_schedule_cuts_the_chunks(
     tiny_models: Path,
@@ -193,11 +200,12 @@ async def test_the_configured_schedule_cuts_the_chunks(
     monkeypatch: pytest.MonkeyPatch,
     schedule: ScheduleKind,
     first_chunk_tokens: int,
+    light_load_streams: int | None,
     first_hop: int,
 ) -> None:
-    """The schedule and the exponential schedule's first chunk (`first_chunk_tokens`; the equal
-    schedule's hop is its own) decide what token2wav gets: the first chunk's tokens and lookahead, and
-    its audio, two mel frames a token less the 8 HiFT holds back for the next chunk."""
+    """The schedule and the exponential schedule's first chunk (`first_chunk_tokens`, or the light-load
+    one; the equal schedule's hop is its own) decide what token2wav gets: the first chunk's tokens and
+    lookahead, and its audio, two mel frames a token less the 8 HiFT holds back for the next chunk."""
     chunk_tokens: list[int] = []
     launch_chunks = TorchToken2Wav.launch_chunks
 
@@ -207,7 +215,7 @@ async def test_the_configured_schedule_cuts_the_chunks(
 
     monkeypatch.setattr(TorchToken2Wav, "launch_chunks", recording)
     config = ServiceConfig(models_dir=tiny_models, voices_dir=tmp_path, device="cpu", schedule=schedule,
-                           first_chunk_tokens=first_chunk_tokens)
+                           first_chunk_tokens=first_chunk_tokens, light_load_streams=light_load_streams)
     runtime = Runtime(config)
     await runtime.start()
     try:
@@ -219,6 +227,48 @@ async def test_the_configured_schedule_cuts_the_chunks(
     assert sum(sizes) == TOKENS * SAMPLES_PER_TOKEN
     assert chunk_tokens[0] == first_hop + PRE_LOOKAHEAD
     assert sizes[0] == first_hop * SAMPLES_PER_TOKEN - HiFTConfig().mel_cache_frames * SAMPLES_PER_MEL_FRAME
+
+
+async def test_streams_that_start_beside_enough_open_ones_get_the_usual_first_chunk(
+    tiny_models: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `light_load_streams` 2, the first two streams (0 and 1 open beside them) get the light-load
+    first chunk, a third opened while they are open gets `first_chunk_tokens`; once they ended, a fourth
+    gets the light one again. The metric counts streams by first chunk."""
+    first_tokens: list[int] = []
+    seen: list[Token2WavStream] = []  # kept alive: no id is reused
+    launch_chunks = TorchToken2Wav.launch_chunks
+
+    def recording(self: TorchToken2Wav, jobs: Sequence[ChunkJob]) -> LaunchedChunks:
+        for job in jobs:
+            if not any(job.stream is stream for stream in seen):
+                seen.append(job.stream)
+                first_tokens.append(job.tokens.numel())
+        return launch_chunks(self, jobs)
+
+    monkeypatch.setattr(TorchToken2Wav, "launch_chunks", recording)
+    config = ServiceConfig(models_dir=tiny_models, voices_dir=tmp_path, device="cpu", max_streams=4,
+                           first_chunk_tokens=15, light_load_first_chunk_tokens=8, light_load_streams=2)
+    runtime = Runtime(config)
+    await runtime.start()
+
+    async def speak(session: Session) -> int:
+        return sum([chunk.pcm.size async for chunk in session])
+
+    try:
+        request = SpeechRequest("Hello there.", sampling=SamplingParams(seed=0, fixed_length=TOKENS))
+        async with contextlib.AsyncExitStack() as open_sessions:
+            sessions = [await open_sessions.enter_async_context(runtime.speak(request)) for _ in range(3)]
+            samples = await asyncio.gather(*(speak(session) for session in sessions))
+        async with runtime.speak(request) as session:
+            samples.append(await speak(session))
+        count = runtime.metrics.registry.get_sample_value
+        assert count("tts_first_chunk_hops_total", {"tokens": "8"}) == 3
+        assert count("tts_first_chunk_hops_total", {"tokens": "15"}) == 1
+    finally:
+        await runtime.stop(config.drain_timeout_s)
+    assert samples == [TOKENS * SAMPLES_PER_TOKEN] * 4
+    assert sorted(first_tokens) == [8 + PRE_LOOKAHEAD] * 3 + [15 + PRE_LOOKAHEAD]
 
 
 def test_stopping_the_worker_stops_compile_processes_no_warm_up_took(tiny_models: Path) -> None:

@@ -131,7 +131,8 @@ def plan_batches(rows: Sequence[RowSpec], buckets: Buckets,
     Chunks of very different lengths are not mixed: padding a 15-token first chunk to a 200-token later
     one would multiply its cost, while separate batches cost one more graph replay. Within a frame
     bucket rows go by own-cache length (stable), so that rows of similar caches share a batch and a
-    cap on long caches splits off only those.
+    cap on long caches splits off only those. Then shorter first chunks fill a batch of longer first
+    chunks' padding rows where they leave its padded shape as it is (`_fill_first_chunk_padding`).
     """
     by_frames: dict[int, list[int]] = {}
     for index, row in enumerate(rows):
@@ -155,7 +156,38 @@ def plan_batches(rows: Sequence[RowSpec], buckets: Buckets,
             voices.add(row.voice)
             prompt += extra
         batches.append(batch)
-    return batches
+    return _fill_first_chunk_padding(rows, batches, buckets)
+
+
+def _fill_first_chunk_padding(rows: Sequence[RowSpec], batches: list[list[int]],
+                              buckets: Buckets) -> list[list[int]]:
+    """Move rows of first chunks (nothing cached yet) into the padding rows of a batch of longer chunks,
+    while its padded shape stays what it was: its solve computes those rows anyway, and the rows' own
+    batch gets smaller or goes (a burst of streams with 10- and 15-token first chunks: one 64-row solve,
+    not a 48-row one padded to 64 and a 16-row one). Only first chunks: their encoder history is their
+    voice's prompt, which a batch holding that voice reaches already (its padded shape counts each voice's
+    prompt), while a later chunk could lengthen the batch's encoder history."""
+    def prompt_of(batch: Sequence[int]) -> int:
+        return sum({rows[i].voice: rows[i].prompt_frames for i in batch}.values())
+
+    def frames_of(batch: Sequence[int]) -> int:
+        return max(rows[i].frames for i in batch)
+
+    ordered = sorted(batches, key=frames_of, reverse=True)
+    for target in ordered:
+        if not target:
+            continue
+        shape = _padded([rows[i] for i in target], prompt_of(target), buckets)
+        for donor in ordered:
+            if not donor or frames_of(donor) >= frames_of(target):
+                continue
+            for index in [i for i in donor if rows[i].own_frames == 0]:
+                candidate = [*target, index]
+                if len(target) < shape.batch and _padded([rows[i] for i in candidate], prompt_of(candidate),
+                                                         buckets) == shape:
+                    target.append(index)
+                    donor.remove(index)
+    return [batch for batch in batches if batch]
 
 
 def _padded(rows: Sequence[RowSpec], prompt_frames: int, buckets: Buckets) -> SolveShape:

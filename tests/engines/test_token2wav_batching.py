@@ -653,6 +653,18 @@ def test_plan_batches_groups_by_frames_and_bounds_batch_and_prompts() -> None:
     assert plan_batches(rows, buckets) == [[0], [2], [3, 4, 5, 6], [1], [7]]
 
 
+def test_shorter_first_chunks_fill_the_padding_rows_of_a_batch_of_longer_chunks() -> None:
+    """Five 30-frame first chunks solve at the 8-row bucket: 20-frame first chunks of their voice take its
+    padding rows; a first chunk of another voice (its prompt would change the padded shape) and a later
+    chunk (a cache: its encoder history is longer) stay apart, as do first chunks once no row is free."""
+    buckets = Buckets(batch=(1, 2, 4, 8), frames=(20, 30, 50), prompt_frames=(256, 512))
+    rows = [*(RowSpec(30, 0, 200) for _ in range(5)), RowSpec(20, 0, 200), RowSpec(20, 0, 200),
+            RowSpec(20, 1, 200), RowSpec(20, 0, 200, own_frames=32, kept_frames=52)]
+    assert plan_batches(rows, buckets) == [[0, 1, 2, 3, 4, 5, 6], [7, 8]]
+    more = [*rows[:5], *(RowSpec(20, 0, 200) for _ in range(4))]
+    assert plan_batches(more, buckets) == [[0, 1, 2, 3, 4, 5, 6, 7], [8]]
+
+
 def test_plan_batches_keeps_padded_solves_within_a_cap() -> None:
     """Rows go by own-cache length within a frame bucket; a batch closes when the next row would make its
     padded shape exceed the cap (here: 4 rows without a cache, 2 with up to 100 frames), and a lone row

@@ -31,7 +31,7 @@ from realtime.config import (
     WebRTCConfig,
 )
 from realtime.placement import PlacementKind, parse_devices
-from realtime.schedule import ExponentialHops, FirstChunkByLoad, ScheduleKind
+from realtime.schedule import ExponentialHops, ScheduleKind
 from realtime.voice_aliases import DEFAULT_VOICE_ALIASES, parse_alias
 
 logger = logging.getLogger("realtime")
@@ -462,9 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "has room for the second chunk that comes due sooner)",
         )
         sub.add_argument(
-            "--light-load-streams", type=_non_negative_int, default=None, metavar="K",
-            help="open streams below which a new stream gets the light-load first chunk (0: off; "
-                 f"default: {FirstChunkByLoad.light_streams} on a GPU, off on the CPU)",
+            "--light-load-streams", type=_non_negative_int, default=0, metavar="K",
+            help="open streams below which a new stream gets the light-load first chunk (default 0: off)",
         )
         sub.add_argument("--max-streams", type=int, default=16, help="concurrent utterances before 'busy'")
         sub.add_argument(

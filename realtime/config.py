@@ -228,11 +228,11 @@ class ServiceConfig:
         render follow it. Whether fewer tokens sound as good needs the released weights.
     light_load_first_chunk_tokens, light_load_streams: a stream that starts while fewer than
         `light_load_streams` streams are open on its token2wav worker gets a first chunk of
-        `light_load_first_chunk_tokens` instead (`schedule.FirstChunkByLoad`): first audio sooner while
-        the GPU has room for the earlier second chunk that brings (on an H200 10-token first chunks alone
-        kept bursts whole up to 55 streams). light_load_streams 0: off; None: 16 for a worker on a GPU
-        and off on the CPU, which has no room for the earlier second chunk. Both first chunks' graphs are
-        captured at start-up.
+        `light_load_first_chunk_tokens` instead (`schedule.FirstChunkByLoad`; both first chunks' graphs
+        are captured at start-up). Off (0) by default: on an H200 with 16, first audio of a lone stream
+        came 2 ms sooner and of 16-stream bursts 9 ms sooner, but bursts of 64 came 50 ms later (their
+        first chunks in two calls) and the largest burst without underrun fell from 126 to 96
+        (docs/benchmarks.md, thirty-seventh session).
     first_chunk_hold: how long a first chunk waits for the first chunks of other new streams to share
         its token2wav call (realtime/batch_policy.py).
     urgent_chunk_calls: a later chunk due within this many recent token2wav calls goes before waiting
@@ -294,7 +294,7 @@ class ServiceConfig:
     schedule: ScheduleKind = ScheduleKind.EXPONENTIAL
     first_chunk_tokens: int = ExponentialHops.first
     light_load_first_chunk_tokens: int = FirstChunkByLoad.light_tokens
-    light_load_streams: int | None = None
+    light_load_streams: int = 0
     max_streams: int = 16
     max_text_chars: int = 4096
     max_voice_upload_s: float = 30.0
@@ -365,7 +365,7 @@ class ServiceConfig:
             if not MIN_FIRST_CHUNK_TOKENS <= getattr(self, name) <= MAX_FIRST_CHUNK_TOKENS:
                 raise ValueError(f"{name} must be in {MIN_FIRST_CHUNK_TOKENS}..{MAX_FIRST_CHUNK_TOKENS}, "
                                  f"got {getattr(self, name)}")
-        if self.light_load_streams is not None and self.light_load_streams < 0:
+        if self.light_load_streams < 0:
             raise ValueError(f"light_load_streams must be >= 0, got {self.light_load_streams}")
         if self.render_hop is not None and self.render_hop < 1:
             raise ValueError(f"render_hop must be >= 1 or None, got {self.render_hop}")
@@ -391,13 +391,11 @@ class ServiceConfig:
         gpus = torch.cuda.device_count() if self.device == "auto" and torch.cuda.is_available() else 0
         return plan_devices(self.device, gpus, self.placement, self.llm_devices, self.token2wav_devices)
 
-    def first_chunk_rule(self, device_type: str) -> FirstChunkByLoad:
-        """The exponential schedule's first hop by load (`first_chunk_tokens`, `light_load_*`) for a
-        token2wav worker on a device of `device_type` (`cuda`, `cpu`)."""
-        streams = self.light_load_streams
-        if streams is None:
-            streams = FirstChunkByLoad.light_streams if device_type == "cuda" else 0
-        return FirstChunkByLoad(self.first_chunk_tokens, self.light_load_first_chunk_tokens, streams)
+    @property
+    def first_chunk_rule(self) -> FirstChunkByLoad:
+        """The exponential schedule's first hop by load (`first_chunk_tokens`, `light_load_*`)."""
+        return FirstChunkByLoad(self.first_chunk_tokens, self.light_load_first_chunk_tokens,
+                                self.light_load_streams)
 
     @property
     def token2wav_solve_bytes(self) -> int | None:

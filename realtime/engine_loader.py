@@ -69,7 +69,7 @@ def _load_token2wav(config: ServiceConfig, device: str, compiled: Path | None,
         preload_compile_workers=preload_compile_workers,
         graph_hops=graphed_hops(config.first_chunk_tokens),
         # The light-load first chunk's graphs (only the exponential schedule has one).
-        extra_first_hops=(config.first_chunk_rule(torch.device(device).type).first_hops[1:]
+        extra_first_hops=(config.first_chunk_rule.first_hops[1:]
                           if config.schedule is ScheduleKind.EXPONENTIAL else ()),
     )
     logger.info("token2wav %s loaded on %s in %.1f s (HiFT decoder in %s)", backend.name, device,

@@ -427,7 +427,7 @@ class Runtime:
             self._sessions.discard(session)
             self._track_sessions()
 
-        first_hop = self.config.first_chunk_rule(placed.worker.device.type).first_hop(self._placed[index])
+        first_hop = self.config.first_chunk_rule.first_hop(self._placed[index])
         try:
             placed.check_mode(mode)
             session = Session(

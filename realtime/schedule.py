@@ -116,13 +116,15 @@ class FirstChunkByLoad:
     A shorter first chunk brings first audio sooner (fewer LLM steps before it, a shorter first token2wav
     call) but less of it, so the stream's second chunk is due sooner: on an idle GPU that costs nothing,
     on a busy one those second chunks come late. On an H200 (docs/benchmarks.md, thirty-seventh session)
-    10-token first chunks took the p50 first audio of bursts of 1 / 16 / 64 streams from 32 / 72 / 170 ms
-    to 29 / 57 / 138, but kept bursts whole only up to 55 streams, 15-token ones up to 126.
+    10-token first chunks for every stream took the p50 first audio of bursts of 1 / 16 / 64 streams from
+    32 / 72 / 170 ms to 29 / 57 / 138, but kept bursts whole only up to 55 streams, 15-token ones up to
+    126; this rule at 16 streams gave 30 / 63 / 220 ms and 96 (a burst's first chunks then came in two
+    calls), so the service leaves it off by default.
     """
 
     tokens: int = ExponentialHops.first
     light_tokens: int = 10
-    light_streams: int = 16
+    light_streams: int = 0
 
     def __post_init__(self) -> None:
         if min(self.tokens, self.light_tokens) < 1 or self.light_streams < 0:

@@ -205,7 +205,7 @@ def _final_vocoder_captures(t2w: TorchToken2Wav, vocoder: GraphedVocoder) -> War
     """Capture the final-chunk vocoder graphs, one per `yield`, largest first: final chunks of any
     length, after a first chunk's frames (a segment shorter than one chunk, no cache) or after the
     cached frames of a later one."""
-    first_final = TOKEN_MEL_RATIO * (max(t2w.graph_hops[0], *t2w.extra_first_hops) + PRE_LOOKAHEAD - 1)
+    first_final = TOKEN_MEL_RATIO * (max((t2w.graph_hops[0], *t2w.extra_first_hops)) + PRE_LOOKAHEAD - 1)
     uncached = vocoder.final_bucket(first_final, 0) or first_final
     shapes = (vocoder.final_shapes(0, max_frames=uncached)
               + vocoder.final_shapes(vocoder.hift.cfg.source_cache_samples))

@@ -784,16 +784,17 @@ def test_a_shorter_first_chunk_runs_from_graphs_of_its_own_length_and_equals_eag
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_light_load_first_chunks_replay_graphs_the_warm_up_captured_and_equal_eager() -> None:
-    """`extra_first_hops`: the warm-up's first stage captures the solve and HiFT graphs of 3-token first
-    chunks at every batch beside the schedule's 5-token ones; streams starting with either (in one call)
-    replay them, no capture after the warm-up, and give the eager path's audio."""
+    """`extra_first_hops`: the warm-up's first stage captures the solve and HiFT graphs of 4-token first
+    chunks at every batch beside the schedule's 5-token ones; streams starting with either (in one call,
+    a 4-token one in the padding row of a 5-token one's solve) replay them, no capture after the warm-up,
+    and give the eager path's audio."""
     generator = torch.Generator().manual_seed(13)
 
     def tokens(n: int) -> torch.Tensor:
         return torch.randint(0, CONFIGS.dit_flow.vocab_size, (n,), generator=generator)
 
-    streams = [Plan(0, tokens(23), (3, 10)), Plan(0, tokens(23), (5, 10)), Plan(0, tokens(9), (3,))]
-    hops, light = (5, 10), (3,)
+    streams = [Plan(0, tokens(23), (4, 10)), Plan(0, tokens(23), (5, 10)), Plan(0, tokens(9), (4,))]
+    hops, light = (5, 10), (4,)
     audio = []
     for graphs in (False, True):
         torch.manual_seed(0)
@@ -808,8 +809,8 @@ def test_light_load_first_chunks_replay_graphs_the_warm_up_captured_and_equal_ea
             solver, vocoder = flow.graphs, backend.vocoder_graphs
             assert solver is not None and vocoder is not None
             solves, vocodes = set(solver.shapes), set(vocoder.shapes)
-            assert {shape.batch for shape in solves if (shape.frames, shape.own_frames) == (6, 0)} == {2, 4}
-            assert {shape.batch for shape in vocodes if (shape.frames, shape.cached) == (6, 0)} == {1, 2, 4}
+            assert {shape.batch for shape in solves if (shape.frames, shape.own_frames) == (8, 0)} == {2, 4}
+            assert {shape.batch for shape in vocodes if (shape.frames, shape.cached) == (8, 0)} == {1, 2, 4}
         audio.append(run_plans(backend, [voice], streams))
         if graphs:
             assert set(solver.shapes) == solves and set(vocoder.shapes) == vocodes

@@ -103,12 +103,11 @@ def test_scheduling_flags_reach_the_service_config(tmp_path):
             ServiceConfig(models_dir=tmp_path, light_load_first_chunk_tokens=bad_tokens)
     with pytest.raises(ValueError, match="light_load_streams must be >= 0, got -1"):
         ServiceConfig(models_dir=tmp_path, light_load_streams=-1)
-    assert default.first_chunk_rule("cuda") == FirstChunkByLoad(15, 10, 16)
-    assert default.first_chunk_rule("cpu") == FirstChunkByLoad(15, 10, 0)  # no room for sooner chunks
-    light = config("--light-load-first-chunk-tokens", "8", "--light-load-streams", "4")
-    assert light.first_chunk_rule("cuda") == light.first_chunk_rule("cpu") == FirstChunkByLoad(15, 8, 4)
-    assert config("--light-load-streams", "0").first_chunk_rule("cuda").first_hops == (15,)
-    assert config("--baseline").light_load_streams == 0  # the design we replace: the reference's chunks
+    assert default.first_chunk_rule == FirstChunkByLoad(15, 10, 0)  # off: first hops (15,)
+    assert default.first_chunk_rule.first_hops == (15,)
+    light = config("--light-load-first-chunk-tokens", "8", "--light-load-streams", "4").first_chunk_rule
+    assert light == FirstChunkByLoad(15, 8, 4) and light.first_hops == (15, 8)
+    assert config("--light-load-streams", "4", "--baseline").light_load_streams == 0
     for flag, bad in (("--light-load-first-chunk-tokens", "4"), ("--light-load-streams", "-1")):
         with pytest.raises(SystemExit):
             config(flag, bad)

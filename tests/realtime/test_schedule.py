@@ -143,7 +143,7 @@ def test_a_stream_gets_the_light_load_first_chunk_while_few_streams_are_open():
     assert off.first_hop(0) == 15 and off.first_hops == (15,)
     same = FirstChunkByLoad(tokens=12, light_tokens=12, light_streams=4)
     assert same.first_hop(0) == 12 and same.first_hops == (12,)
-    assert FirstChunkByLoad() == FirstChunkByLoad(ExponentialHops.first, 10, 16)
+    assert FirstChunkByLoad() == FirstChunkByLoad(ExponentialHops.first, 10, 0)  # off by default
 
 
 @pytest.mark.parametrize(

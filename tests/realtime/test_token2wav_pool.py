@@ -191,7 +191,6 @@ async def test_a_stream_whose_opener_was_cancelled_is_closed_once_open(tiny_mode
         (ScheduleKind.EQUAL, 15, 16, 25),
         (ScheduleKind.EXPONENTIAL, 10, 0, 10),
         (ScheduleKind.EXPONENTIAL, 15, 16, 10),  # a lone stream: the light-load first chunk
-        (ScheduleKind.EXPONENTIAL, 15, None, 15),  # by default, on the CPU: none
     ],
 )
 async def test_the_configured_schedule_cuts_the_chunks(
@@ -200,7 +199,7 @@ async def test_the_configured_schedule_cuts_the_chunks(
     monkeypatch: pytest.MonkeyPatch,
     schedule: ScheduleKind,
     first_chunk_tokens: int,
-    light_load_streams: int | None,
+    light_load_streams: int,
     first_hop: int,
 ) -> None:
     """The schedule and the exponential schedule's first chunk (`first_chunk_tokens`, or the light-load

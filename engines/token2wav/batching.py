@@ -131,8 +131,8 @@ def plan_batches(rows: Sequence[RowSpec], buckets: Buckets,
     Chunks of very different lengths are not mixed: padding a 15-token first chunk to a 200-token later
     one would multiply its cost, while separate batches cost one more graph replay. Within a frame
     bucket rows go by own-cache length (stable), so that rows of similar caches share a batch and a
-    cap on long caches splits off only those. Then shorter first chunks fill a batch of longer first
-    chunks' padding rows where they leave its padded shape as it is (`_fill_first_chunk_padding`).
+    cap on long caches splits off only those. Then shorter first chunks fill the padding rows of a batch
+    of longer chunks where they leave its padded shape as it is (`_fill_first_chunk_padding`).
     """
     by_frames: dict[int, list[int]] = {}
     for index, row in enumerate(rows):
@@ -162,11 +162,12 @@ def plan_batches(rows: Sequence[RowSpec], buckets: Buckets,
 def _fill_first_chunk_padding(rows: Sequence[RowSpec], batches: list[list[int]],
                               buckets: Buckets) -> list[list[int]]:
     """Move rows of first chunks (nothing cached yet) into the padding rows of a batch of longer chunks,
-    while its padded shape stays what it was: its solve computes those rows anyway, and the rows' own
+    while its padded shape stays what it was: its solve graph computes those rows anyway, and the rows' own
     batch gets smaller or goes (a burst of streams with 10- and 15-token first chunks: one 64-row solve,
     not a 48-row one padded to 64 and a 16-row one). Only first chunks: their encoder history is their
     voice's prompt, which a batch holding that voice reaches already (its padded shape counts each voice's
-    prompt), while a later chunk could lengthen the batch's encoder history."""
+    prompt), while a later chunk could lengthen the batch's encoder history. And only into a batch of at
+    most twice their frames: an eager solve (no graph) computes every row at the batch's frames."""
     def prompt_of(batch: Sequence[int]) -> int:
         return sum({rows[i].voice: rows[i].prompt_frames for i in batch}.values())
 
@@ -181,7 +182,9 @@ def _fill_first_chunk_padding(rows: Sequence[RowSpec], batches: list[list[int]],
         for donor in ordered:
             if not donor or frames_of(donor) >= frames_of(target):
                 continue
-            for index in [i for i in donor if rows[i].own_frames == 0]:
+            frames = frames_of(target)
+            movable = [i for i in donor if rows[i].own_frames == 0 and 2 * rows[i].frames >= frames]
+            for index in movable:
                 candidate = [*target, index]
                 if len(target) < shape.batch and _padded([rows[i] for i in candidate], prompt_of(candidate),
                                                          buckets) == shape:

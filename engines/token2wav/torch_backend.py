@@ -302,8 +302,8 @@ class TorchToken2Wav(Token2Wav):
     def staged_warmup(self, speaker: SpeakerState, batches: Iterable[int] = WARMUP_BATCHES) -> WarmupSteps:
         """For each batch size, that many streams of `speaker` run the chunks of `graph_hops` and one
         steady-state hop in step, then a final chunk (and first chunks of `extra_first_hops` tokens, in the
-        first stage); then the solve, encoder and final-chunk vocoder
-        graphs those passes do not meet but serving does are captured (torch_warmup.py). That compiles
+        first stage); then the solve, encoder and final-chunk vocoder graphs those passes do not meet but
+        serving does are captured (torch_warmup.py). That compiles
         and captures the shapes the schedule produces (for voices with prompts up to this one's bucket)
         and runs every kernel once; with CUDA graphs, the first stage (until the first `yield`) does what
         new streams need at once, and each step after it a bounded piece of the rest.

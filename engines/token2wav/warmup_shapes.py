@@ -132,11 +132,10 @@ def reserve_graphs(flow: DiTFlow, batches: Iterable[int], hops: Sequence[int], v
                    extra_first_hops: Sequence[int] = ()) -> None:
     """Size the graphs' shared buffers now for every graph a warm-up with `voice` will capture (the chunk
     pass's, `planned_solve_shapes` and `planned_encoder_history`, the first chunks of `extra_first_hops`,
-    then `later_graph_shapes`), before it
-    captures any: graphs captured on smaller buffers are otherwise captured again when a larger shape grows
-    them (at 64 rows the kept cache grows from 30 to 100 to 200 frames through the schedule; 35 of the
-    encoder's 125 captures at an H100 restart, docs/benchmarks.md sixteenth session). Shapes past the
-    buckets run eagerly and take no graph buffer."""
+    then `later_graph_shapes`), before it captures any: graphs captured on smaller buffers are otherwise
+    captured again when a larger shape grows them (at 64 rows the kept cache grows from 30 to 100 to 200
+    frames through the schedule; 35 of the encoder's 125 captures at an H100 restart, docs/benchmarks.md
+    sixteenth session). Shapes past the buckets run eagerly and take no graph buffer."""
     batches, encoder = list(batches), flow.encoder_graphs
     reached = planned_encoder_history(flow, hops, voice.encoder.num_tokens)
     if isinstance(encoder, GraphedEncoder) and reached is not None:
@@ -152,15 +151,15 @@ def reserve_graphs(flow: DiTFlow, batches: Iterable[int], hops: Sequence[int], v
 def start_compiling_blocks(flow: DiTFlow, batches: Iterable[int], hops: Sequence[int], prompt_frames: int,
                            workers: BlockCompileWorkers | None = None, extra_first_hops: Sequence[int] = (),
                            ) -> BlockCompileWorkers | None:
-    """When the flow's block is kept ahead of time and its folder holds no variant yet (a cold start),
-    start compiling the shape classes of `planned_solve_shapes(flow, batches, hops, prompt_frames)` (and of
-    the first chunks of `extra_first_hops`: `first_chunk_solve_shapes`) in
-    worker processes (block_compile.py): one per chunk of the schedule and attention layout (a chunk's
-    batches of up to `ONE_CALL_MAX_ROWS` rows are a class of their own: two classes a worker would compile
-    one after the other), or one per chunk where there are not enough workers (`workers` if given: idle
-    ones spawned earlier, stopped when there is nothing for them or one has ended; else new ones, at most
-    one per core). `wait()` on the result before the warm-up, which then loads the variants instead of
-    compiling one class after the other. None when there is nothing to start."""
+    """When the flow's block is kept ahead of time and its folder holds no variant yet (a cold start), start
+    compiling the shape classes of `planned_solve_shapes(flow, batches, hops, prompt_frames)` (and of the
+    first chunks of `extra_first_hops`: `first_chunk_solve_shapes`) in worker processes (block_compile.py):
+    one per chunk of the schedule and attention layout (a chunk's batches of up to `ONE_CALL_MAX_ROWS` rows
+    are a class of their own: two classes a worker would compile one after the other), or one per chunk where
+    there are not enough workers (`workers` if given: idle ones spawned earlier, stopped when there is nothing
+    for them or one has ended; else new ones, at most one per core). `wait()` on the result before the
+    warm-up, which then loads the variants instead of compiling one class after the other. None when there is
+    nothing to start."""
     estimator = flow.decoder.estimator
     block = estimator.kept_block if isinstance(estimator, DiT) else None
     jobs: list[BlockCompileJob] = []

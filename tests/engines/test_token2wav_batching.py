@@ -655,12 +655,13 @@ def test_plan_batches_groups_by_frames_and_bounds_batch_and_prompts() -> None:
 
 def test_shorter_first_chunks_fill_the_padding_rows_of_a_batch_of_longer_chunks() -> None:
     """Five 30-frame first chunks solve at the 8-row bucket: 20-frame first chunks of their voice take its
-    padding rows; a first chunk of another voice (its prompt would change the padded shape) and a later
-    chunk (a cache: its encoder history is longer) stay apart, as do first chunks once no row is free."""
+    padding rows; a first chunk of another voice (its prompt would change the padded shape), a later chunk
+    (a cache: its encoder history is longer) and a first chunk of less than half the batch's frames (an
+    eager solve would compute it at 30) stay apart, as do first chunks once no row is free."""
     buckets = Buckets(batch=(1, 2, 4, 8), frames=(20, 30, 50), prompt_frames=(256, 512))
     rows = [*(RowSpec(30, 0, 200) for _ in range(5)), RowSpec(20, 0, 200), RowSpec(20, 0, 200),
-            RowSpec(20, 1, 200), RowSpec(20, 0, 200, own_frames=32, kept_frames=52)]
-    assert plan_batches(rows, buckets) == [[0, 1, 2, 3, 4, 5, 6], [7, 8]]
+            RowSpec(20, 1, 200), RowSpec(20, 0, 200, own_frames=32, kept_frames=52), RowSpec(14, 0, 200)]
+    assert plan_batches(rows, buckets) == [[0, 1, 2, 3, 4, 5, 6], [7, 9, 8]]
     more = [*rows[:5], *(RowSpec(20, 0, 200) for _ in range(4))]
     assert plan_batches(more, buckets) == [[0, 1, 2, 3, 4, 5, 6, 7], [8]]
 

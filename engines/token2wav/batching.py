@@ -179,7 +179,7 @@ def _fill_first_chunk_padding(rows: Sequence[RowSpec], batches: list[list[int]],
         if not target:
             continue
         shape = _padded([rows[i] for i in target], prompt_of(target), buckets)
-        for donor in ordered:
+        for donor in sorted(ordered, key=len):  # the smallest batches first: they go altogether
             if not donor or frames_of(donor) >= frames_of(target):
                 continue
             frames = frames_of(target)

@@ -261,21 +261,23 @@ class PersistentEncoder:
 
 def test_bucketed_shapes_with_stale_buffers_equal_each_stream_alone() -> None:
     """Padded rows, frames, own caches, kept frames, prompt frames and encoder histories, on buffers
-    reused between calls, with caches trimmed."""
+    reused between calls, with caches trimmed; a first chunk of the 20-frame bucket in the padding row of a
+    30-frame one's 40-frame solve (`plan_batches`)."""
     flow = DiTFlow(TRIMMING).eval()
     randomize(flow, seed=0)
     speakers = [flow.prepare_speaker(make_voice(1, 12)), flow.prepare_speaker(make_voice(2, 7))]
     solver, encoder = PersistentSolver(flow), PersistentEncoder(flow)
-    buckets = Buckets(batch=(4, 8), frames=(20, 40, 80), prompt_frames=(64,), own_frames=(16, 32, 64),
+    buckets = Buckets(batch=(2, 8), frames=(20, 40, 80), prompt_frames=(64,), own_frames=(16, 32, 64),
                       history_tokens=(16, 48, 96))
     flow.use_bucketed_solver(solver, buckets, encoder)
     assert_streams_match(flow, speakers, plans())
-    assert {s.batch for s in encoder.runs} >= {4, 8} and len({s.history for s in encoder.runs}) > 1
+    assert SolveShape(2, 40, 0, 64, 16) in solver.runs
+    assert {s.batch for s in encoder.runs} >= {2, 8} and len({s.history for s in encoder.runs}) > 1
     assert len(encoder.inputs) < len(encoder.runs)
     assert {s.prompt_frames for s in solver.runs} == {64}
     assert {s.own_frames for s in solver.runs} >= {0, 32}
     assert len({s.kept_frames for s in solver.runs}) > 1
-    assert {s.batch for s in solver.runs} >= {4, 8}
+    assert {s.batch for s in solver.runs} >= {2, 8}
     assert len(solver.inputs) < len(solver.runs)  # buffers were reused
 
 
@@ -442,8 +444,10 @@ def test_calls_of_several_batches_on_buffers_every_call_overwrites_equal_each_st
     for plan, got, want in zip(streams, batched, alone, strict=True):
         assert got.numel() == SAMPLES_PER_TOKEN * plan.tokens.numel()
         torch.testing.assert_close(got, torch.cat(want), atol=ATOL, rtol=RTOL)
-    # The first round's six first chunks: three batches of one shape in one call.
-    assert solver.runs[:3] == [solver.runs[0]] * 3 and encoder.runs[:3] == [encoder.runs[0]] * 3
+    # The first round's six first chunks: two batches of one shape in one call, and the 15-token one's
+    # 40-frame solve with the last 10-token one in its padding row (`plan_batches`).
+    assert solver.runs[:2] == [solver.runs[0]] * 2 and encoder.runs[:2] == [encoder.runs[0]] * 2
+    assert solver.runs[2] == SolveShape(2, 40, 0, 64, 32)
     assert len(solver.outputs or {}) < len(solver.runs) and len(encoder.outputs or {}) < len(encoder.runs)
 
 

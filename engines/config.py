@@ -31,6 +31,9 @@ SAMPLES_PER_MEL_FRAME = 480
 SAMPLES_PER_TOKEN = SAMPLES_PER_MEL_FRAME * TOKEN_MEL_RATIO  # 960
 SPEAKER_EMBED_DIM = 192
 PRE_LOOKAHEAD = 3
+# The exponential schedule's hop once it reaches it (15, 25, 50, 100, then 200 on): token2wav captures its
+# flow graphs on their own, the shorter hops' beside the first chunk's.
+STEADY_HOP = 200
 
 
 def _check_positive(obj: object) -> None:

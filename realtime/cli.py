@@ -462,7 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "has room for the second chunk that comes due sooner)",
         )
         sub.add_argument(
-            "--light-load-streams", type=_non_negative_int, default=0, metavar="K",
+            "--light-load-streams", type=_non_negative_int, default=ServiceConfig.light_load_streams,
+            metavar="K",
             help="open streams below which a new stream gets the light-load first chunk (default 0: off)",
         )
         sub.add_argument("--max-streams", type=int, default=16, help="concurrent utterances before 'busy'")

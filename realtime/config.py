@@ -294,7 +294,7 @@ class ServiceConfig:
     schedule: ScheduleKind = ScheduleKind.EXPONENTIAL
     first_chunk_tokens: int = ExponentialHops.first
     light_load_first_chunk_tokens: int = FirstChunkByLoad.light_tokens
-    light_load_streams: int = 0
+    light_load_streams: int = FirstChunkByLoad.light_streams
     max_streams: int = 16
     max_text_chars: int = 4096
     max_voice_upload_s: float = 30.0
@@ -393,9 +393,10 @@ class ServiceConfig:
 
     @property
     def first_chunk_rule(self) -> FirstChunkByLoad:
-        """The exponential schedule's first hop by load (`first_chunk_tokens`, `light_load_*`)."""
-        return FirstChunkByLoad(self.first_chunk_tokens, self.light_load_first_chunk_tokens,
-                                self.light_load_streams)
+        """The exponential schedule's first hop by load (`first_chunk_tokens`, `light_load_*`); never the
+        light-load one under another schedule, whose policy chooses its own first hop."""
+        light = self.light_load_streams if self.schedule is ScheduleKind.EXPONENTIAL else 0
+        return FirstChunkByLoad(self.first_chunk_tokens, self.light_load_first_chunk_tokens, light)
 
     @property
     def token2wav_solve_bytes(self) -> int | None:

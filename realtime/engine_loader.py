@@ -27,7 +27,7 @@ from engines.token2wav.base import Token2Wav
 from engines.voice_encoder import VoiceEncoder, VoiceLimits
 from realtime.config import ServiceConfig
 from realtime.placement import DevicePlan
-from realtime.schedule import ScheduleKind, graphed_hops
+from realtime.schedule import graphed_hops
 from realtime.warm_up import preload_compile_workers
 
 logger = logging.getLogger(__name__)
@@ -68,9 +68,7 @@ def _load_token2wav(config: ServiceConfig, device: str, compiled: Path | None,
         precompiled=compiled,
         preload_compile_workers=preload_compile_workers,
         graph_hops=graphed_hops(config.first_chunk_tokens),
-        # The light-load first chunk's graphs (only the exponential schedule has one).
-        extra_first_hops=(config.first_chunk_rule.first_hops[1:]
-                          if config.schedule is ScheduleKind.EXPONENTIAL else ()),
+        extra_first_hops=config.first_chunk_rule.first_hops[1:],  # the light-load first chunk's, if any
     )
     logger.info("token2wav %s loaded on %s in %.1f s (HiFT decoder in %s)", backend.name, device,
                 time.perf_counter() - started, config.vocoder_precision)

@@ -99,6 +99,7 @@ class Runtime:
         loader: Callable[[ServiceConfig, LLMsChosen | None], LoadedEngines] = load_engines,
     ) -> None:
         self.config = config
+        self._first_chunk_rule = config.first_chunk_rule
         limits = config.limits
         self.voices = VoiceRegistry(
             config.voice_store,
@@ -427,7 +428,7 @@ class Runtime:
             self._sessions.discard(session)
             self._track_sessions()
 
-        first_hop = self.config.first_chunk_rule.first_hop(self._placed[index])
+        first_hop = self._first_chunk_rule.first_hop(self._placed[index])
         try:
             placed.check_mode(mode)
             session = Session(

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
-from engines.config import PRE_LOOKAHEAD
+from engines.config import PRE_LOOKAHEAD, STEADY_HOP
 
 
 class ScheduleKind(enum.Enum):
@@ -140,11 +140,6 @@ class FirstChunkByLoad:
         """The first hops streams may get, `tokens` first."""
         light = self.light_streams > 0 and self.light_tokens != self.tokens
         return (self.tokens, self.light_tokens) if light else (self.tokens,)
-
-
-# token2wav's graphs hold chunks of the exponential schedule's hops below this; the hop of this many tokens
-# comes next and is captured on its own (engines/token2wav/torch_backend.py's STEADY_HOP).
-STEADY_HOP = 200
 
 
 def graphed_hops(first_hop: int = ExponentialHops.first) -> tuple[int, ...]:

@@ -178,13 +178,13 @@ def _fill_first_chunk_padding(rows: Sequence[RowSpec], batches: list[list[int]],
     for target in ordered:
         if not target:
             continue
-        shape = _padded([rows[i] for i in target], prompt_of(target), buckets)
+        frames, shape = frames_of(target), _padded([rows[i] for i in target], prompt_of(target), buckets)
         for donor in sorted(ordered, key=len):  # the smallest batches first: they go altogether
-            if not donor or frames_of(donor) >= frames_of(target):
+            if len(target) == shape.batch:
+                break
+            if not donor or frames_of(donor) >= frames:
                 continue
-            frames = frames_of(target)
-            movable = [i for i in donor if rows[i].own_frames == 0 and 2 * rows[i].frames >= frames]
-            for index in movable:
+            for index in [i for i in donor if rows[i].own_frames == 0 and 2 * rows[i].frames >= frames]:
                 candidate = [*target, index]
                 if len(target) < shape.batch and _padded([rows[i] for i in candidate], prompt_of(candidate),
                                                          buckets) == shape:

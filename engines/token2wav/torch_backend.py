@@ -24,7 +24,7 @@ from typing import Literal
 
 import torch
 
-from engines.config import TOKEN_MEL_RATIO, HiFTConfig, ModelPaths, configs_for_models_dir
+from engines.config import STEADY_HOP, TOKEN_MEL_RATIO, HiFTConfig, ModelPaths, configs_for_models_dir
 from engines.exclusive import EXCLUSIVE
 from engines.token2wav.base import (
     ChunkJob,
@@ -51,7 +51,6 @@ logger = logging.getLogger(__name__)
 
 FlowVariant = Literal["dit", "unet"]
 GRAPH_HOPS = (15, 25, 50, 100)  # the exponential schedule's hops before the 200-token ones
-STEADY_HOP = 200  # the schedule's hop from then on (its flow graphs are captured; HiFT runs it eagerly)
 WARMUP_BATCHES = (64, 32, 16, 8, 4, 2, 1)
 # Flow graphs from two rows up: one row is a shape class of its own for the compiled DiT blocks (a dim of
 # size 1 specialises), which cost ~29 s of a cold and ~14 s of a warm start on an H100 to compile and
